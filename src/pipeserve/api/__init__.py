@@ -1,0 +1,25 @@
+"""Wire protocols. Importing this package registers every built-in protocol."""
+
+from __future__ import annotations
+
+import importlib
+
+from pipeserve.api.base import PROTOCOL_REGISTRY, RequestMeta, WireProtocol, register_protocol
+
+PROTOCOL_MODULES: tuple[str, ...] = ("openai_chat", "anthropic_messages", "openai_responses")
+
+
+def load_builtin_protocols() -> dict[str, type[WireProtocol]]:
+    for module in PROTOCOL_MODULES:
+        importlib.import_module(f"pipeserve.api.{module}")
+    return PROTOCOL_REGISTRY
+
+
+__all__ = [
+    "PROTOCOL_MODULES",
+    "PROTOCOL_REGISTRY",
+    "RequestMeta",
+    "WireProtocol",
+    "load_builtin_protocols",
+    "register_protocol",
+]

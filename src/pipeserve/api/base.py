@@ -1,0 +1,61 @@
+"""The wire-protocol contract: decode client JSON, encode the event stream back.
+
+A protocol knows nothing about model families; stages know nothing about protocols.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pipeserve.errors import ApiError
+from pipeserve.events import Event
+from pipeserve.request import GenerationRequest
+from pipeserve.stages.base import RequestContext
+
+
+@dataclass(frozen=True)
+class RequestMeta:
+    """Transport facts a decoder may need (headers lower-cased)."""
+
+    route: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    query: Mapping[str, str] = field(default_factory=dict)
+
+
+class WireProtocol(ABC):
+    name: ClassVar[str]
+    overload_status: ClassVar[int] = 429
+
+    @abstractmethod
+    def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
+        """Validate and normalize a parsed JSON body; raise ApiError naming the field."""
+
+    @abstractmethod
+    def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
+        """Consume the whole stream; return the non-streaming response body."""
+
+    @abstractmethod
+    def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
+        """Yield SSE bytes. A mid-stream ErrorEvent becomes the protocol's error event."""
+
+    @abstractmethod
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        """The protocol's own error JSON for `error`."""
+
+    def error_status(self, error: ApiError) -> int:
+        if error.kind == "overloaded":
+            return self.overload_status
+        return error.default_status
+
+
+PROTOCOL_REGISTRY: dict[str, type[WireProtocol]] = {}
+
+
+def register_protocol(cls: type[WireProtocol]) -> type[WireProtocol]:
+    PROTOCOL_REGISTRY[cls.name] = cls
+    return cls
+
+

@@ -1,0 +1,94 @@
+"""Pydantic models of the two YAML file kinds: server configs and pipelines.
+
+Every model forbids unknown keys so a typo is an error with a position, never a
+silently ignored setting. Stage parameters are validated by each stage kind's own
+params model (see pipeserve.stages), looked up by the stage's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSection(Strict):
+    host: str = Field("127.0.0.1", description="Bind address. Keep 127.0.0.1 unless you mean to expose it.")
+    port: int = Field(8080, ge=1, le=65535)
+    workers: int = Field(1, ge=1, le=64, description="gunicorn worker processes; each holds its own copy of every model.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
+    request_timeout: float = Field(600.0, gt=0, description="Seconds a request may take in queue plus generation.")
+    keepalive_interval: float = Field(5.0, gt=0, description="Seconds of silence before an SSE keep-alive (ping).")
+    graceful_timeout: float = Field(30.0, ge=0)
+
+
+class PrefixCacheOptions(Strict):
+    enabled: bool = True
+    max_bytes: int = Field(1 << 30, ge=0, description="Memory bound of cached KV prefixes (LRU).")
+    min_tokens: int = Field(16, ge=1, description="Shorter prompts are not cached.")
+
+
+class ShardingOptions(Strict):
+    strategy: Literal["tensor", "pipeline"] = "tensor"
+    ranks: int = Field(2, ge=2)
+    backend: Literal["ring", "mpi", "jaccl", "nccl", "any"] = "ring"
+    hostfile: str | None = Field(None, description="mlx.launch hosts file for several machines.")
+
+
+class EngineOptions(Strict):
+    max_batch: int = Field(8, ge=1, le=256, description="Sequences decoded together.")
+    queue_size: int = Field(32, ge=0, description="Requests waiting beyond max_batch; more get 429/529.")
+    default_max_tokens: int = Field(4096, ge=1)
+    max_tokens_limit: int | None = Field(None, ge=1, description="Upper bound clients may ask for.")
+    context_length: int | None = Field(None, ge=1, description="Longer prompts get 400; default from the model config.")
+    prefill_step_size: int = Field(512, ge=16)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
+    sharding: ShardingOptions | None = None
+
+
+class ReplayOptions(Strict):
+    completion: str = Field("", description="Raw completion streamed when the request has no mock_response.")
+    delay: float = Field(0.0, ge=0, description="Seconds between tokens (to exercise streaming clients).")
+
+
+class ModelEntry(Strict):
+    name: str = Field(..., min_length=1, description="Client-facing model name.")
+    source: str = Field(..., min_length=1, description="demo:<family>, a local mlx-lm model folder, or a Hugging Face repo id.")
+    pipeline: str = Field(..., min_length=1, description="Pipeline name: pipelines/<name>.yaml.")
+    engine: Literal["mlx", "replay"] = "mlx"
+    aliases: list[str] = Field(default_factory=list, description="Other names (fnmatch globs) routed to this model.")
+    options: EngineOptions = Field(default_factory=EngineOptions)
+    replay: ReplayOptions = Field(default_factory=ReplayOptions)
+
+
+class EndpointEntry(Strict):
+    route: str = Field(..., description="URL path, e.g. /v1/chat/completions.")
+    api: str = Field(..., description="Wire protocol: openai-chat, anthropic-messages or openai-responses.")
+    models: list[str] | None = Field(None, description="Restrict to these model names (default: all).")
+
+    @field_validator("route")
+    @classmethod
+    def _route_is_path(cls, value: str) -> str:
+        if not value.startswith("/") or "?" in value or " " in value:
+            raise ValueError("route must be a URL path starting with '/', without query or spaces")
+        return value.rstrip("/") or "/"
+
+
+class ServerConfig(Strict):
+    server: ServerSection = Field(default_factory=ServerSection)
+    pipelines_dir: str = Field("../pipelines", description="Folder of pipeline YAML, relative to this file.")
+    models: list[ModelEntry] = Field(..., min_length=1)
+    endpoints: list[EndpointEntry] = Field(..., min_length=1)
+
+
+class PipelineFile(Strict):
+    family: str = Field(..., min_length=1, description="Model family this pipeline serves.")
+    description: str = ""
+    stages: list[dict[str, Any]] = Field(
+        ..., min_length=1, description="Ordered stages; each item is {stage_kind: {params}}."
+    )

@@ -1,0 +1,58 @@
+"""The engine contract: what the `generate` stage submits and what it gets back.
+
+An engine owns one loaded model (or a tokenizer only, for replay) and runs generation
+off the gevent hub. `submit` returns a TokenStream that yields, in order:
+PromptReady, TokenText per generated token, then exactly one Finish and one Usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipeserve.events import Event
+from pipeserve.request import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    mock_completion: str | None = None  # replay engine: the raw completion to stream
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TokenStream(Protocol):
+    def __iter__(self) -> Iterator[Event]: ...
+
+    def cancel(self) -> None:
+        """Stop generating for this job; the engine frees its slot within one step."""
+
+
+class Engine(Protocol):
+    def submit(self, job: GenerationJob) -> TokenStream:
+        """Queue a job. Raises ApiError("overloaded") when the model's queue is full."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ModelRuntime:
+    """One loaded model as stages see it: tokenizer, engine and family facts."""
+
+    name: str
+    family: str
+    model_dir: Path
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    engine: Engine
+    eos_token_ids: frozenset[int]
+    context_length: int | None = None
+    default_max_tokens: int = 4096
+    stats: dict[str, Any] = field(default_factory=dict)

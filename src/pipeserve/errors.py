@@ -1,0 +1,53 @@
+"""Protocol-neutral request errors; each API module renders them in its own shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+ErrorKind: TypeAlias = Literal[
+    "invalid_request",  # 400: malformed JSON, wrong types, missing fields, bad values
+    "authentication",  # 401
+    "permission",  # 403
+    "not_found",  # 404: unknown model or route
+    "too_large",  # 413: body or prompt too large
+    "rate_limit",  # 429: queue full (OpenAI routes)
+    "overloaded",  # 529 on Anthropic routes, 429 on OpenAI routes
+    "timeout",  # 504/408: request timed out in queue or generation
+    "internal",  # 500: a bug or an engine fault
+    "unavailable",  # 503: engine not ready
+]
+
+DEFAULT_STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "authentication": 401,
+    "permission": 403,
+    "not_found": 404,
+    "too_large": 413,
+    "rate_limit": 429,
+    "overloaded": 429,
+    "timeout": 504,
+    "internal": 500,
+    "unavailable": 503,
+}
+
+
+@dataclass
+class ApiError(Exception):
+    """A client-visible failure. `param` names the offending field (dotted path)."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+    retry_after: float | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def default_status(self) -> int:
+        return DEFAULT_STATUS[self.kind]
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError("invalid_request", message, param)

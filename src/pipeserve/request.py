@@ -1,0 +1,83 @@
+"""The protocol-neutral generation request every API decoder produces.
+
+Decoders (one per wire protocol) map client JSON onto these types; stages read them.
+Nothing here knows which protocol the client speaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
+ReasoningEffort: TypeAlias = Literal["minimal", "low", "medium", "high"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A tool call made by the assistant in an earlier turn (arguments is JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # on role == "tool": which call this answers
+    name: str | None = None  # on role == "tool": the tool's name when known
+
+
+@dataclass(slots=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    """auto: model decides; none: no calls; required: at least one; function: that one."""
+
+    mode: Literal["auto", "none", "required", "function"] = "auto"
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class ReasoningOptions:
+    """enabled None means the family default; effort/budget are hints for templates."""
+
+    enabled: bool | None = None
+    effort: ReasoningEffort | None = None
+    budget_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    model: str
+    messages: list[Message]
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    reasoning: ReasoningOptions = field(default_factory=ReasoningOptions)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    mock_response: str | None = None  # replay engine only
+    parallel_tool_calls: bool = True

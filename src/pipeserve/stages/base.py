@@ -1,0 +1,155 @@
+"""The stage contract, the stage registry and the per-request context.
+
+A stage kind is registered under a short snake_case name with its parameter model
+(which drives YAML validation and the JSON schema). At build time the factory gets the
+validated params and a BuildEnv; per request the stage is called on an iterator of
+events and returns an iterator of events (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from pipeserve.events import Event
+from pipeserve.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from pipeserve.engine.base import ModelRuntime
+
+StageRole: TypeAlias = Literal["render", "generate", "transform"]
+
+
+class StageParams(BaseModel):
+    """Base class of every stage's parameter model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class RequestContext:
+    """Per-request facts shared along the chain. Stages keep their own state locally."""
+
+    request: GenerationRequest
+    request_id: str
+    model_name: str
+    dry_run: bool = False  # prepare only (count_tokens): never submit to the engine
+    prompt: str | None = None  # rendered prompt text (render stage)
+    prompt_token_ids: list[int] | None = None  # tokenized prompt (render or generate)
+    prompt_opened_thinking: bool = False  # the prompt ends inside an open think block
+    assistant_prefill: str = ""  # text appended after the generation prompt (forced tool call)
+    cancelled: bool = False
+    cancel_reason: str | None = None
+    scratch: dict[str, Any] = field(default_factory=dict)
+    _cancel_callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """Run callback when the request is cancelled (immediately if it already was)."""
+        if self.cancelled:
+            callback()
+        else:
+            self._cancel_callbacks.append(callback)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generation for this request (client gone, stop sequence hit, timeout)."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        self.cancel_reason = reason
+        callbacks, self._cancel_callbacks = self._cancel_callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+class Stage(Protocol):
+    """A built stage. `prepare` runs before the response starts (errors become 4xx)."""
+
+    def prepare(self, ctx: RequestContext) -> None: ...
+
+    def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]: ...
+
+
+class StreamStage:
+    """Convenience base: no prepare step; subclasses implement __call__."""
+
+    def prepare(self, ctx: RequestContext) -> None:
+        return None
+
+    def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class BuildEnv:
+    """What a stage factory may use at build time. runtime is None when only validating."""
+
+    model_name: str
+    family: str
+    runtime: ModelRuntime | None = None
+
+
+P = TypeVar("P", bound=StageParams)
+StageFactory: TypeAlias = Callable[[Any, BuildEnv], Stage]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    kind: str
+    params_model: type[StageParams]
+    factory: StageFactory
+    role: StageRole
+    description: str
+
+
+STAGE_REGISTRY: dict[str, StageSpec] = {}
+
+
+def register_stage(
+    kind: str,
+    params: type[P],
+    *,
+    role: StageRole = "transform",
+    description: str = "",
+) -> Callable[[Callable[[P, BuildEnv], Stage]], Callable[[P, BuildEnv], Stage]]:
+    """Register a stage factory under `kind`; YAML refers to it by that name only."""
+
+    def decorator(factory: Callable[[P, BuildEnv], Stage]) -> Callable[[P, BuildEnv], Stage]:
+        if kind in STAGE_REGISTRY:
+            raise ValueError(f"stage kind {kind!r} registered twice")
+        text = description or ((factory.__doc__ or "").strip().splitlines() or [""])[0]
+        STAGE_REGISTRY[kind] = StageSpec(kind, params, factory, role, text)
+        return factory
+
+    return decorator
+
+
+class Chain:
+    """The built stages of one (endpoint, model) pair, reused by every request.
+
+    `prepare` runs every stage's prepare step in order, except that the generate stage
+    goes last: transforms may set facts it needs (e.g. an assistant prefill that forces
+    a tool call), and it submits the job to the engine (unless ctx.dry_run).
+    """
+
+    def __init__(self, stages: list[Stage], roles: list[StageRole]) -> None:
+        if len(stages) != len(roles):
+            raise ValueError("one role per stage")
+        self.stages = stages
+        self.roles = roles
+
+    def prepare(self, ctx: RequestContext) -> None:
+        generators = [s for s, r in zip(self.stages, self.roles) if r == "generate"]
+        for stage, role in zip(self.stages, self.roles):
+            if role != "generate":
+                stage.prepare(ctx)
+        for stage in generators:
+            stage.prepare(ctx)
+
+    def run(self, ctx: RequestContext) -> Iterator[Event]:
+        events: Iterator[Event] = iter(())
+        for stage in self.stages:
+            events = stage(events, ctx)
+        return events
