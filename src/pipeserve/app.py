@@ -1,0 +1,88 @@
+"""The Falcon app factory and the gunicorn entry point.
+
+`create_app` wires, for every configured endpoint, the endpoint's wire protocol to the
+built stage chain of every model the endpoint serves. Chains are built once here;
+requests reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import falcon
+
+from pipeserve.api import load_builtin_protocols
+from pipeserve.api.base import WireProtocol
+from pipeserve.config.models import EndpointEntry, ServerConfig
+from pipeserve.server.generation import GenerationResource, HttpOptions
+from pipeserve.server.metrics import Metrics
+from pipeserve.server.misc import (
+    CountTokensResource,
+    HealthResource,
+    MetricsResource,
+    ModelsResource,
+    RootResource,
+)
+from pipeserve.server.registry import ModelTable, ServedModel
+
+log = logging.getLogger("pipeserve.app")
+
+
+def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str | None = None) -> falcon.App:
+    """Build the WSGI app for already-loaded models (see pipeserve.serving for loading)."""
+    app = falcon.App(media_type=falcon.MEDIA_JSON)
+    app.req_options.strip_url_path_trailing_slash = True
+    app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
+    app.add_error_handler(falcon.HTTPError, render_http_error)
+    table = ModelTable(list(models))
+    metrics = Metrics(table.stats)
+    options = HttpOptions(config.server.max_body_bytes, config.server.request_timeout, api_key)
+    protocols = load_builtin_protocols()
+    for endpoint in config.endpoints:
+        add_endpoint(app, endpoint, protocols[endpoint.api](), table, options, metrics)
+    models_resource = ModelsResource(table)
+    app.add_route("/v1/models", models_resource)
+    app.add_route("/v1/models/{model_id}", models_resource, suffix="one")
+    app.add_route("/health", HealthResource(table))
+    app.add_route("/metrics", MetricsResource(metrics))
+    app.add_route("/", RootResource())
+    return app
+
+
+def add_endpoint(
+    app: falcon.App,
+    endpoint: EndpointEntry,
+    protocol: WireProtocol,
+    table: ModelTable,
+    options: HttpOptions,
+    metrics: Metrics,
+) -> None:
+    allowed = set(endpoint.models) if endpoint.models else None
+    app.add_route(endpoint.route, GenerationResource(endpoint.route, protocol, table, allowed, options, metrics))
+    if hasattr(protocol, "count_tokens_body"):
+        route = endpoint.route + "/count_tokens"
+        app.add_route(route, CountTokensResource(route, protocol, table, allowed, options))
+
+
+def render_http_error(req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError, params: Any) -> None:
+    """Routing errors (404, 405) in the OpenAI error shape, never Falcon's HTML/title shape."""
+    resp.status = error.status
+    resp.content_type = falcon.MEDIA_JSON
+    message = error.description or error.title or "error"
+    if error.status_code == 404:
+        message = f"no route {req.method} {req.path} on this server"
+    elif error.status_code == 405:
+        message = f"method {req.method} is not allowed on {req.path}"
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
+    resp.media = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    for name, value in (error.headers or {}).items():
+        resp.set_header(name, value)
+
+
+def compact_json_handler() -> falcon.media.JSONHandler:
+    import json
+    from functools import partial
+
+    return falcon.media.JSONHandler(dumps=partial(json.dumps, ensure_ascii=False, separators=(",", ":")))

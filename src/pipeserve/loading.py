@@ -1,0 +1,38 @@
+"""From a config file to a served app: validate, load models, build chains."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import falcon
+
+from pipeserve.app import create_app
+from pipeserve.server.registry import ServedModel, StageDecl, build_chain
+from pipeserve.stages import load_builtin_stages
+from pipeserve.stages.base import BuildEnv
+
+log = logging.getLogger("pipeserve.loading")
+
+
+def build_app_from_config(path: Path | str, api_key: str | None = None) -> falcon.App:
+    """Everything a worker needs: one runtime per model, one chain per model."""
+    from pipeserve.config import load_server_config
+    from pipeserve.engine.runtime import build_runtime
+
+    loaded = load_server_config(Path(path))
+    load_builtin_stages()
+    served: list[ServedModel] = []
+    for entry in loaded.config.models:
+        pipeline = loaded.pipelines[entry.pipeline]
+        runtime = build_runtime(entry)
+        env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
+        chain = build_chain(stage_decls(pipeline), env)
+        served.append(ServedModel(entry=entry, family=pipeline.family, runtime=runtime, chain=chain))
+        log.info("model %s ready: %s via %s engine, pipeline %s", entry.name, entry.source, entry.engine, entry.pipeline)
+    return create_app(loaded.config, served, api_key=api_key)
+
+
+def stage_decls(pipeline: Any) -> list[StageDecl]:
+    return [StageDecl(kind=s.kind, params=s.params, role=s.role) for s in pipeline.stages]

@@ -1,0 +1,1 @@
+"""HTTP layer: Falcon resources, disconnect detection, metrics."""

@@ -1,0 +1,184 @@
+"""The Falcon resource that serves one endpoint: decode -> stages -> encode."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import falcon
+
+from pipeserve.api.base import RequestMeta, WireProtocol
+from pipeserve.errors import ApiError
+from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, Usage
+from pipeserve.request import GenerationRequest
+from pipeserve.server.body import read_json_body
+from pipeserve.server.disconnect import watch_disconnect
+from pipeserve.server.metrics import Metrics
+from pipeserve.server.registry import ModelTable, ServedModel
+from pipeserve.stages.base import RequestContext
+
+log = logging.getLogger("pipeserve.http")
+MOCK_HEADER = "x-mock-response"
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    max_body_bytes: int
+    request_timeout: float
+    api_key: str | None = None
+
+
+class ProtocolErrors:
+    """Renders ApiError (and unexpected faults) in one protocol's own shape."""
+
+    def __init__(self, protocol: WireProtocol) -> None:
+        self.protocol = protocol
+
+    def render(self, resp: falcon.Response, error: ApiError) -> int:
+        status = self.protocol.error_status(error)
+        resp.status = falcon.code_to_http_status(status)
+        resp.media = self.protocol.error_body(error)
+        if error.retry_after is not None:
+            resp.set_header("Retry-After", str(max(1, round(error.retry_after))))
+        return status
+
+
+class GenerationResource:
+    def __init__(
+        self,
+        route: str,
+        protocol: WireProtocol,
+        models: ModelTable,
+        allowed: set[str] | None,
+        options: HttpOptions,
+        metrics: Metrics,
+    ) -> None:
+        self.route = route
+        self.protocol = protocol
+        self.models = models
+        self.allowed = allowed
+        self.options = options
+        self.metrics = metrics
+        self.errors = ProtocolErrors(protocol)
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        started = time.monotonic()
+        label = "-"
+        try:
+            check_api_key(req, self.options.api_key)
+            request = self.decode(req)
+            served = self.models.resolve(request.model, self.allowed)
+            label = served.name
+            ctx = RequestContext(request=request, request_id=new_request_id(), model_name=request.model)
+            served.chain.prepare(ctx)
+        except ApiError as error:
+            self.metrics.count_request(self.route, label, self.errors.render(resp, error))
+            return
+        except Exception as exc:  # a bug in a stage's prepare: still answer in protocol shape
+            log.exception("request preparation failed")
+            status = self.errors.render(resp, ApiError("internal", f"internal error: {type(exc).__name__}"))
+            self.metrics.count_request(self.route, label, status)
+            return
+        self.respond(req, resp, served, ctx, started)
+
+    def decode(self, req: falcon.Request) -> GenerationRequest:
+        body = read_json_body(req, self.options.max_body_bytes)
+        meta = request_meta(req, self.route)
+        request = self.protocol.decode(body, meta)
+        mock = req.get_header(MOCK_HEADER)
+        if request.mock_response is None and mock is not None:
+            request.mock_response = decode_header_text(mock)
+        return request
+
+    def respond(
+        self, req: falcon.Request, resp: falcon.Response, served: ServedModel, ctx: RequestContext, started: float
+    ) -> None:
+        stop_watching = watch_disconnect(req.env, lambda: ctx.cancel("client_disconnected"))
+        deadline = started + self.options.request_timeout
+        events = guarded(served.chain.run(ctx), ctx, deadline)
+        events = self.metrics.observe_stream(events, served.name, started)
+        if ctx.request.stream:
+            resp.content_type = "text/event-stream; charset=utf-8"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.set_header("X-Accel-Buffering", "no")
+            resp.stream = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching)
+            self.metrics.count_request(self.route, served.name, 200)
+            return
+        try:
+            body = self.protocol.encode_json(events, ctx)
+        except ApiError as error:
+            self.metrics.count_request(self.route, served.name, self.errors.render(resp, error))
+            return
+        finally:
+            stop_watching()
+            ctx.cancel("response_complete")
+        resp.media = body
+        self.metrics.count_request(self.route, served.name, 200)
+
+
+def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> Iterator[Event]:
+    """Turn stage faults and timeouts into in-protocol error events; never raise."""
+    try:
+        for event in events:
+            yield event
+            if time.monotonic() > deadline and not isinstance(event, (Finish, Usage)):
+                ctx.cancel("timeout")
+                yield ErrorEvent("timeout", "request exceeded the server's request_timeout")
+                yield Finish("error")
+                return
+    except Exception as exc:
+        log.exception("stage chain failed mid-stream")
+        ctx.cancel("error")
+        yield ErrorEvent("internal", f"internal error: {type(exc).__name__}: {exc}")
+        yield Finish("error")
+
+
+def closing_stream(chunks: Iterable[bytes], ctx: RequestContext, stop_watching: Callable[[], None]) -> Iterator[bytes]:
+    """The WSGI body: when the server closes it (client gone), generation stops."""
+    try:
+        yield from chunks
+    finally:
+        stop_watching()
+        ctx.cancel("response_closed")
+
+
+def request_meta(req: falcon.Request, route: str) -> RequestMeta:
+    headers = {k.lower(): v for k, v in req.headers.items()}
+    return RequestMeta(route=route, headers=headers, query=dict(req.params))
+
+
+def check_api_key(req: falcon.Request, api_key: str | None) -> None:
+    if not api_key:
+        return
+    bearer = req.get_header("Authorization") or ""
+    given = req.get_header("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
+    if given != api_key:
+        raise ApiError("authentication", "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)")
+
+
+def decode_header_text(value: str) -> str:
+    """The X-Mock-Response value: raw UTF-8 text, or a JSON string literal (which can
+    carry newlines and special characters a header cannot)."""
+    try:
+        value = value.encode("latin-1").decode("utf-8")  # WSGI hands headers over as latin-1
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        pass
+    if len(value) >= 2 and value.startswith('"') and value.endswith('"'):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        if isinstance(decoded, str):
+            return decoded
+    return value
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+__all__ = ["GenerationResource", "HttpOptions", "KeepAlive", "ProtocolErrors"]

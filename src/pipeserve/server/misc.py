@@ -1,0 +1,94 @@
+"""Small resources: health, model list, metrics, root, Anthropic token counting."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import falcon
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pipeserve.api.base import WireProtocol
+from pipeserve.errors import ApiError
+from pipeserve.server.body import read_json_body
+from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key, new_request_id, request_meta
+from pipeserve.server.metrics import Metrics
+from pipeserve.server.registry import ModelTable
+from pipeserve.stages.base import RequestContext
+
+STARTED_AT = int(time.time())
+
+
+class HealthResource:
+    def __init__(self, models: ModelTable) -> None:
+        self.models = models
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"status": "ok", "models": [m.name for m in self.models.models]}
+
+    on_head = on_get
+
+
+class RootResource:
+    """Agent CLIs probe `HEAD /` before their first request; answer it plainly."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"service": "pipeserve", "health": "/health", "models": "/v1/models"}
+
+    def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class ModelsResource:
+    """OpenAI's `GET /v1/models` list shape."""
+
+    def __init__(self, models: ModelTable) -> None:
+        self.models = models
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "list", "data": [self._card(m.name) for m in self.models.models]}
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        if model_id not in {m.name for m in self.models.models}:
+            resp.status = falcon.HTTP_404
+            resp.media = {"error": {"message": f"model {model_id!r} not found", "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+            return
+        resp.media = self._card(model_id)
+
+    @staticmethod
+    def _card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": STARTED_AT, "owned_by": "pipeserve"}
+
+
+class MetricsResource:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = CONTENT_TYPE_LATEST
+        resp.data = self.metrics.render()
+
+
+class CountTokensResource:
+    """`<messages route>/count_tokens`: render the prompt (dry run) and count it."""
+
+    def __init__(self, route: str, protocol: WireProtocol, models: ModelTable, allowed: set[str] | None, options: HttpOptions) -> None:
+        self.route = route
+        self.protocol = protocol
+        self.models = models
+        self.allowed = allowed
+        self.options = options
+        self.errors = ProtocolErrors(protocol)
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        try:
+            check_api_key(req, self.options.api_key)
+            body = read_json_body(req, self.options.max_body_bytes)
+            request = self.protocol.count_tokens_body(body, request_meta(req, self.route))  # type: ignore[attr-defined]
+            served = self.models.resolve(request.model, self.allowed)
+            ctx = RequestContext(request=request, request_id=new_request_id(), model_name=request.model, dry_run=True)
+            served.chain.prepare(ctx)
+            count = len(ctx.prompt_token_ids or [])
+            resp.media = self.protocol.count_tokens_response(count)  # type: ignore[attr-defined]
+        except ApiError as error:
+            self.errors.render(resp, error)

@@ -1,0 +1,68 @@
+"""Served models and their built chains: name (or alias) -> runtime and stages."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeserve.config.models import ModelEntry
+from pipeserve.engine.base import ModelRuntime
+from pipeserve.errors import ApiError
+from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, Chain, Stage, StageParams, StageRole
+
+
+@dataclass(frozen=True)
+class StageDecl:
+    """One validated pipeline stage: its kind, params and role."""
+
+    kind: str
+    params: StageParams
+    role: StageRole
+
+
+@dataclass
+class ServedModel:
+    entry: ModelEntry
+    family: str
+    runtime: ModelRuntime
+    chain: Chain
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+
+def build_chain(stages: Sequence[StageDecl], env: BuildEnv) -> Chain:
+    """Instantiate each stage once from its validated params."""
+    built: list[Stage] = []
+    for decl in stages:
+        built.append(STAGE_REGISTRY[decl.kind].factory(decl.params, env))
+    return Chain(built, [decl.role for decl in stages])
+
+
+class ModelTable:
+    """Resolves request model names (exact names first, then alias globs)."""
+
+    def __init__(self, models: list[ServedModel]) -> None:
+        self.models = models
+        self._by_name = {m.name: m for m in models}
+
+    def resolve(self, name: str | None, allowed: set[str] | None = None) -> ServedModel:
+        candidates = [m for m in self.models if allowed is None or m.name in allowed]
+        if not name:
+            raise ApiError("invalid_request", "model: field required", param="model")
+        model = self._by_name.get(name)
+        if model is None:
+            model = next((m for m in candidates for p in m.entry.aliases if fnmatch.fnmatchcase(name, p)), None)
+        if model is None or (allowed is not None and model.name not in allowed):
+            known = ", ".join(m.name for m in candidates) or "none"
+            raise ApiError("not_found", f"model {name!r} not found; this route serves: {known}", param="model")
+        return model
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        out: dict[str, dict[str, object]] = {}
+        for model in self.models:
+            engine_stats = getattr(model.runtime.engine, "stats", None)
+            out[model.name] = dict(engine_stats()) if callable(engine_stats) else dict(model.runtime.stats)
+        return out

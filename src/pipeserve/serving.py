@@ -1,0 +1,106 @@
+"""`pipeserve serve`: gunicorn with gevent workers, started programmatically.
+
+The master validates the config (refusing to start on any error), sets up OpenBLAS,
+and forks workers; each worker, after gevent's monkey patching, loads its models
+(one engine OS thread per model) and builds the Falcon app.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from pipeserve import blas
+from pipeserve.settings import Settings
+
+log = logging.getLogger("pipeserve.serving")
+
+
+class PipeserveApplication(BaseApplication):  # type: ignore[misc]
+    def __init__(self, config_path: Path, options: dict[str, Any], api_key: str | None) -> None:
+        self.config_path = config_path
+        self.options = options
+        self.api_key = api_key
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        from pipeserve.loading import build_app_from_config
+
+        log.info("BLAS in use: %s", blas.loaded_blas())
+        return build_app_from_config(self.config_path, api_key=self.api_key)
+
+
+def gunicorn_options(config: Any, host: str, port: int, workers: int, log_level: str) -> dict[str, Any]:
+    server = config.server
+    return {
+        "bind": f"{host}:{port}",
+        "workers": workers,
+        "worker_class": "gevent",
+        "worker_connections": 1000,
+        # The engine runs on its own OS thread, so the hub keeps beating during decode;
+        # the timeout still bounds a wedged worker. Model loading happens before it counts.
+        "timeout": 120,
+        "graceful_timeout": server.graceful_timeout,
+        "keepalive": 75,
+        "loglevel": log_level,
+        "accesslog": "-",
+        "errorlog": "-",
+        "limit_request_line": 8190,
+        "limit_request_field_size": 65536,
+        "proc_name": "pipeserve",
+    }
+
+
+def serve(
+    config_path: Path | str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    workers: int | None = None,
+) -> int:
+    """Validate the config, prepare BLAS, and run gunicorn until stopped."""
+    from pipeserve.config import ConfigError, load_server_config
+
+    settings = Settings()
+    path = Path(config_path) if config_path else settings.config
+    try:
+        loaded = load_server_config(path)
+    except ConfigError as error:
+        print(str(error), file=sys.stderr)
+        print(f"pipeserve: refusing to start: {path} is invalid", file=sys.stderr)
+        return 1
+    config = loaded.config
+    home = settings.home or default_home()
+    blas.reexec_with_openblas(settings.blas, home)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("BLAS: %s (PIPESERVE_BLAS=off uses the bundled one)", describe_blas(settings.blas))
+    options = gunicorn_options(
+        config,
+        host or settings.host or config.server.host,
+        port if port is not None else (settings.port if settings.port is not None else config.server.port),
+        workers or settings.workers or config.server.workers,
+        settings.log_level,
+    )
+    PipeserveApplication(path, options, settings.api_key).run()
+    return 0
+
+
+def default_home() -> Path:
+    env = os.environ.get("PIPESERVE_HOME")
+    return Path(env) if env else Path.home() / ".cache" / "pipeserve"
+
+
+def describe_blas(mode: str) -> str:
+    if mode == "off":
+        return "bundled reference BLAS (opted out)"
+    if os.environ.get(blas.MARKER):
+        return f"OpenBLAS preloaded from {blas.find_openblas()}"
+    return "bundled reference BLAS (OpenBLAS not available on this platform)"

@@ -1,0 +1,74 @@
+"""Start a real `pipeserve serve` (gunicorn + gevent) on 127.0.0.1 for tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pipeserve_command() -> list[str]:
+    script = shutil.which("pipeserve", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "pipeserve.cli"]
+
+
+@contextmanager
+def running_server(config: Path, env: dict[str, str] | None = None, startup_timeout: float = 240.0) -> Iterator[str]:
+    """Yield the base URL of a server started from `config`; stop it afterwards."""
+    port = free_port()
+    log_path = Path(os.environ.get("PYTEST_SERVER_LOG_DIR", "/tmp")) / f"pipeserve-test-{port}.log"
+    full_env = {**os.environ, **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*pipeserve_command(), "serve", "--config", str(config), "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base, proc, log_path, startup_timeout)
+            yield base
+        finally:
+            stop(proc)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{log_path.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
