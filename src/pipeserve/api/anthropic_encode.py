@@ -1,0 +1,315 @@
+"""Pipeline events -> Anthropic Messages stream events (dicts), and their fold to a Message.
+
+One state machine (`message_events`) produces the stream events; the SSE encoder frames
+them and the JSON encoder folds them exactly as an SDK accumulates a stream, so a
+streamed and a non-streamed answer are the same message by construction.
+
+- `message_start` waits for PromptReady so it carries the real input token counts;
+  KeepAlive before (or after) it is a `ping`.
+- Usage follows Anthropic's accounting (total input = input_tokens +
+  cache_read_input_tokens + cache_creation_input_tokens): input_tokens = prompt tokens
+  minus the prefix-cache hits, cache_read_input_tokens = the hits, creation = 0.
+- Blocks are strictly sequential: a block is stopped before the next starts.
+- Thinking signature: "pssig1_" + urlsafe-base64 SHA-256 of a domain tag and the
+  thinking text. It is opaque, non-empty and deterministic (the same text gives the same
+  signature in every worker, streamed or not); it proves nothing and is never checked
+  when a client sends the block back.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from pipeserve.errors import ApiError
+from pipeserve.events import (
+    ContentDelta,
+    ErrorEvent,
+    Event,
+    Finish,
+    KeepAlive,
+    PromptReady,
+    ReasoningDelta,
+    TokenText,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from pipeserve.stages.base import RequestContext
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_TAG = b"pipeserve-thinking-v1\x00"
+EMPTY_BLOCKS: dict[str, dict[str, str]] = {
+    "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+    "text": {"type": "text", "text": ""},
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# ErrorEvent.kind / ApiError.kind <-> Anthropic error type
+ERROR_TYPES: dict[str, str] = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "overloaded_error",
+    "timeout": "timeout_error",
+    "internal": "api_error",
+    "unavailable": "api_error",
+}
+ERROR_KINDS = {anthropic: kind for kind, anthropic in reversed(ERROR_TYPES.items())}
+_UNSAFE_ID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def message_id(ctx: RequestContext) -> str:
+    rid = _UNSAFE_ID.sub("", ctx.request_id)
+    return rid if rid.startswith("msg_") else f"msg_{rid or 'pipeserve'}"
+
+
+def tool_use_id(call_id: str) -> str:
+    """`toolu_` ids as Anthropic clients expect; the tool stage's id is kept inside."""
+    clean = _UNSAFE_ID.sub("_", call_id)
+    return clean if clean.startswith("toolu_") else f"toolu_{clean.removeprefix('call_')}"
+
+
+def error_event(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(kind, "api_error"), "message": message}}
+
+
+class _Signature:
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(SIGNATURE_TAG)
+
+    def update(self, text: str) -> None:
+        self._hash.update(text.encode())
+
+    def value(self) -> str:
+        return "pssig1_" + base64.urlsafe_b64encode(self._hash.digest()).decode().rstrip("=")
+
+
+class _MessageStream:
+    """Per-request state: which block is open, what was sent, the counts for usage."""
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.started = False
+        self.done = False
+        self.index = -1  # index of the last started block
+        self.open_kind: str | None = None  # "thinking" | "text" | "tool_use" while open
+        self.open_tool: int | None = None  # ToolCallStart.index of the open tool_use block
+        self.sent_args = ""
+        self.signature = _Signature()
+        self.prompt_tokens = len(ctx.prompt_token_ids or [])
+        self.cached_tokens = 0
+        self.finish: Finish | None = None
+        self.usage: Usage | None = None
+
+    def handle(self, event: Event) -> Iterator[dict[str, Any]]:
+        if isinstance(event, KeepAlive):
+            yield {"type": "ping"}
+        elif isinstance(event, PromptReady):
+            self.prompt_tokens, self.cached_tokens = event.prompt_tokens, event.cached_tokens
+            yield from self.start()
+        elif isinstance(event, (ContentDelta, TokenText)):
+            yield from self.delta("text", event.text)
+        elif isinstance(event, ReasoningDelta):
+            yield from self.delta("thinking", event.text)
+        elif isinstance(event, ToolCallStart):
+            yield from self.tool_start(event)
+        elif isinstance(event, ToolCallArgsDelta):
+            yield from self.tool_args(event.index, event.fragment)
+        elif isinstance(event, ToolCallEnd):
+            yield from self.tool_end(event)
+        elif isinstance(event, Finish):
+            yield from self.on_finish(event)
+        elif isinstance(event, Usage):
+            self.usage = event
+            if self.finish is not None:
+                yield from self.end()
+        elif isinstance(event, ErrorEvent):
+            yield from self.fail(event.kind, event.message)
+
+    def start(self) -> Iterator[dict[str, Any]]:
+        if self.started:
+            return
+        self.started = True
+        yield {
+            "type": "message_start",
+            "message": {
+                "id": message_id(self.ctx),
+                "type": "message",
+                "role": "assistant",
+                "model": self.ctx.model_name,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": self.usage_dict(output_tokens=0),
+            },
+        }
+
+    def usage_dict(self, output_tokens: int) -> dict[str, Any]:
+        prompt, cached = self.prompt_tokens, self.cached_tokens
+        if self.usage is not None:
+            prompt, cached = self.usage.prompt_tokens, self.usage.cached_tokens
+        usage: dict[str, Any] = {
+            "input_tokens": max(prompt - cached, 0),
+            "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
+        if self.usage is not None and self.usage.reasoning_tokens:
+            usage["output_tokens_details"] = {"thinking_tokens": self.usage.reasoning_tokens}
+        return usage
+
+    def open_block(self, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield from self.start()
+        yield from self.close_block()
+        self.index += 1
+        self.open_kind = block["type"]
+        yield {"type": "content_block_start", "index": self.index, "content_block": block}
+
+    def close_block(self) -> Iterator[dict[str, Any]]:
+        if self.open_kind is None:
+            return
+        if self.open_kind == "thinking":
+            delta = {"type": "signature_delta", "signature": self.signature.value()}
+            yield {"type": "content_block_delta", "index": self.index, "delta": delta}
+            self.signature = _Signature()
+        yield {"type": "content_block_stop", "index": self.index}
+        self.open_kind = self.open_tool = None
+
+    def delta(self, kind: str, text: str) -> Iterator[dict[str, Any]]:
+        if not text:
+            return
+        if self.open_kind != kind:
+            yield from self.open_block(dict(EMPTY_BLOCKS[kind]))
+        if kind == "thinking":
+            self.signature.update(text)
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            delta = {"type": "text_delta", "text": text}
+        yield {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def tool_start(self, event: ToolCallStart) -> Iterator[dict[str, Any]]:
+        block = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name, "input": {}}
+        yield from self.open_block(block)
+        self.open_tool, self.sent_args = event.index, ""
+
+    def tool_args(self, index: int, fragment: str) -> Iterator[dict[str, Any]]:
+        if self.open_tool != index or not fragment:
+            return  # calls are sequential: a fragment for a closed call cannot be sent
+        self.sent_args += fragment
+        delta = {"type": "input_json_delta", "partial_json": fragment}
+        yield {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def tool_end(self, event: ToolCallEnd) -> Iterator[dict[str, Any]]:
+        if self.open_tool != event.index:
+            return
+        final = event.arguments
+        if final.startswith(self.sent_args):
+            yield from self.tool_args(event.index, final[len(self.sent_args) :])
+        else:
+            log.warning("tool call %d: streamed arguments differ from the final arguments", event.index)
+        yield from self.close_block()
+
+    def on_finish(self, event: Finish) -> Iterator[dict[str, Any]]:
+        yield from self.close_block()
+        if event.reason == "cancelled":
+            self.done = True  # client gone or request aborted: end without message_stop
+        elif event.reason == "error":
+            yield from self.fail("internal", "generation failed")
+        else:
+            self.finish = event
+
+    def end(self) -> Iterator[dict[str, Any]]:
+        yield from self.start()
+        assert self.finish is not None
+        stop_sequence = self.finish.stop_sequence
+        reason = "stop_sequence" if stop_sequence is not None else STOP_REASONS[self.finish.reason]
+        output_tokens = self.usage.completion_tokens if self.usage is not None else 0
+        yield {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+            "usage": self.usage_dict(output_tokens),
+        }
+        yield {"type": "message_stop"}
+        self.done = True
+
+    def fail(self, kind: str, message: str) -> Iterator[dict[str, Any]]:
+        self.done = True
+        yield error_event(kind, message)
+
+    def close(self) -> Iterator[dict[str, Any]]:
+        """The event stream ended: finish normally if Finish came without Usage."""
+        if self.done:
+            return
+        if self.finish is not None:
+            yield from self.end()
+        else:
+            yield from self.fail("internal", "generation ended without a finish reason")
+
+
+def message_events(events: Iterable[Event], ctx: RequestContext) -> Iterator[dict[str, Any]]:
+    """The Anthropic stream events (as dicts) for one request's pipeline events."""
+    state = _MessageStream(ctx)
+    for event in events:
+        yield from state.handle(event)
+        if state.done:
+            return
+    yield from state.close()
+
+
+def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[str, Any]:
+    """Accumulate stream events into the final message, as the SDKs do."""
+    message: dict[str, Any] | None = None
+    json_bufs: dict[int, str] = {}
+    for event in stream:
+        kind = event["type"]
+        if kind == "error":
+            error = event["error"]
+            raise ApiError(ERROR_KINDS.get(error["type"], "internal"), error["message"])  # type: ignore[arg-type]
+        if kind == "message_start":
+            message = dict(event["message"], content=[])
+        elif message is None:
+            continue  # pings before message_start
+        elif kind == "content_block_start":
+            message["content"].append(dict(event["content_block"]))
+        elif kind == "content_block_delta":
+            apply_delta(message["content"][event["index"]], event["delta"], json_bufs, event["index"])
+        elif kind == "content_block_stop" and event["index"] in json_bufs:
+            message["content"][event["index"]]["input"] = parse_input(json_bufs.pop(event["index"]))
+        elif kind == "message_delta":
+            message.update(event["delta"])
+            message["usage"] = event["usage"]
+        elif kind == "message_stop":
+            return message
+    reason = ctx.cancel_reason or "cancelled"
+    raise ApiError("timeout" if reason == "timeout" else "internal", f"generation was cancelled ({reason})")
+
+
+def apply_delta(block: dict[str, Any], delta: dict[str, Any], json_bufs: dict[int, str], index: int) -> None:
+    kind = delta["type"]
+    if kind == "text_delta":
+        block["text"] += delta["text"]
+    elif kind == "thinking_delta":
+        block["thinking"] += delta["thinking"]
+    elif kind == "signature_delta":
+        block["signature"] = delta["signature"]
+    elif kind == "input_json_delta":
+        json_bufs[index] = json_bufs.get(index, "") + delta["partial_json"]
+
+
+def parse_input(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        log.warning("tool call arguments are not valid JSON: %.200s", text)
+        return {}
+    return value if isinstance(value, dict) else {}
