@@ -1,0 +1,149 @@
+"""The `pipeserve` command: validate | schema | serve | demo-models.
+
+Exit codes: 0 success, 1 invalid configuration (or a failed command), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeserve import __version__
+from pipeserve.config.loader import ConfigError, Problem
+
+DEFAULT_CONFIG = Path("configs/default.yaml")
+YAML_SUFFIXES = (".yaml", ".yml")
+DEFAULT_FOLDERS = ("configs", "pipelines")
+
+
+class UsageError(Exception):
+    """A mistake in the command line (exit 2)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return int(args.handler(args))
+    except UsageError as exc:
+        print(f"pipeserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print_problems(exc.problems)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeserve", description="An LLM server declared in YAML.")
+    parser.add_argument("--version", action="version", version=f"pipeserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    validate = commands.add_parser("validate", help="check server configs and pipeline YAML")
+    validate.add_argument(
+        "paths", nargs="*", metavar="PATH",
+        help="files or folders (default: configs/*.yaml and pipelines/*.yaml here)",
+    )
+    validate.set_defaults(handler=cmd_validate)
+
+    schema = commands.add_parser("schema", help="print the JSON Schema of the YAML files")
+    schema.add_argument("--kind", choices=("config", "pipeline", "all"), default="all")
+    schema.set_defaults(handler=cmd_schema)
+
+    serve = commands.add_parser("serve", help="serve the models of a server config")
+    serve.add_argument("--config", type=Path, help="server config (default: $PIPESERVE_CONFIG or configs/default.yaml)")
+    serve.add_argument("--host", help="bind address (default: the config's server.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: the config's server.port)")
+    serve.add_argument("--workers", type=int, help="gunicorn worker processes")
+    serve.set_defaults(handler=cmd_serve)
+
+    demo = commands.add_parser("demo-models", help="build the tiny offline demo models")
+    demo.add_argument("--out", type=Path, help="output folder (default: the pipeserve cache)")
+    demo.add_argument("--family", action="append", dest="families", metavar="F", help="only this family (repeatable)")
+    demo.set_defaults(handler=cmd_demo_models)
+    return parser
+
+
+def print_problems(problems: Sequence[Problem]) -> None:
+    for problem in problems:
+        print(problem, file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from pipeserve.config.validate import validate_paths
+
+    files = collect_files(args.paths)
+    report = validate_paths(files)
+    if report.problems:
+        print_problems(sorted(report.problems, key=lambda p: (p.file, p.line, p.col)))
+        bad = len({p.file for p in report.problems})
+        print(f"{len(report.problems)} problem(s) in {bad} file(s)", file=sys.stderr)
+        return 1
+    print(f"ok: {len(files)} file{'s' if len(files) != 1 else ''}")
+    return 0
+
+
+def collect_files(paths: Sequence[str]) -> list[Path]:
+    """The YAML files to validate; a folder means its YAML files plus configs/ and pipelines/."""
+    if not paths:
+        files = [f for folder in DEFAULT_FOLDERS for f in _yaml_in(Path(folder))]
+        if not files:
+            raise UsageError("nothing to validate: no configs/*.yaml or pipelines/*.yaml here (pass PATHs)")
+        return files
+    files: list[Path] = []
+    for text in paths:
+        path = Path(text)
+        if path.is_dir():
+            found = _yaml_in(path) + [f for sub in DEFAULT_FOLDERS for f in _yaml_in(path / sub)]
+            if not found:
+                raise UsageError(f"no YAML files in {text}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UsageError(f"no such file or folder: {text}")
+    return list(dict.fromkeys(files))
+
+
+def _yaml_in(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in YAML_SUFFIXES and p.is_file())
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from pipeserve.config.schema import json_schema
+
+    print(json.dumps(json_schema(args.kind), indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pipeserve.config.validate import load_server_config
+
+    config = args.config or Path(os.environ.get("PIPESERVE_CONFIG") or DEFAULT_CONFIG)
+    if not config.is_file():
+        raise UsageError(f"no such config file: {config}")
+    load_server_config(config)  # refuse to start on any problem (ConfigError -> exit 1)
+    from pipeserve.serving import serve
+
+    result = serve(config_path=config, host=args.host, port=args.port, workers=args.workers)
+    return result if isinstance(result, int) else 0
+
+
+def cmd_demo_models(args: argparse.Namespace) -> int:
+    from pipeserve.engine.demo import build_demo_models
+
+    for path in build_demo_models(args.out, args.families):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
