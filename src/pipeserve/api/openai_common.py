@@ -1,0 +1,260 @@
+"""Helpers shared by the two OpenAI wire protocols (Chat Completions and Responses).
+
+Validation: request bodies are checked with pydantic models (`extra="allow"`, strict
+types); the first error becomes an ApiError whose `param` is the OpenAI-style path
+(`messages[0].content[1].type`). Encoding: ids, error bodies, usage and logprobs.
+
+Logprobs handoff: stages after `generate` turn TokenText into ContentDelta, which has
+no logprob. The generate stage appends each TokenText to `ctx.scratch["logprobs"]` when
+the request asked for logprobs; an encoder hands out, with each content chunk, the
+records appended since its previous chunk (LogprobCursor). A TokenText that reaches the
+encoder directly (a pipeline without text stages) carries its own logprob.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
+from pipeserve.events import ErrorEvent, TokenText, Usage
+from pipeserve.request import ReasoningOptions, ToolChoice, ToolSpec
+from pipeserve.stages.base import RequestContext
+
+LOGPROBS_SCRATCH_KEY = "logprobs"
+MAX_TOP_LOGPROBS = 20
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Lenient(BaseModel):
+    """Base of request models: unknown fields are accepted and ignored, types strict."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def param_path(loc: Sequence[str | int], prefix: str = "") -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path = f"{path}.{part}" if path else part
+    return path
+
+
+def validate(model: type[M], data: Any, path: str = "") -> M:
+    """Validate `data` (a parsed JSON value) as `model`; errors name the field path."""
+    if not isinstance(data, dict):
+        where = f"'{path}'" if path else "The request body"
+        raise invalid(f"{where} must be a JSON object.", path or None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _api_error(exc, path) from None
+
+
+def _api_error(exc: ValidationError, prefix: str) -> ApiError:
+    error = exc.errors(include_url=False)[0]
+    param = param_path(error["loc"], prefix)
+    if error["type"] == "missing":
+        return invalid(f"Missing required parameter: '{param}'.", param)
+    kind = "type" if error["type"].endswith("_type") else "value"
+    return invalid(f"Invalid {kind} for '{param}': {error['msg']}.", param)
+
+
+def require(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise invalid(message, param)
+
+
+def images_unsupported(param: str) -> ApiError:
+    return invalid("images are not supported by this model", param)
+
+
+def text_of_parts(
+    parts: Any, path: str, text_types: frozenset[str], image_types: frozenset[str]
+) -> str:
+    """Concatenate the text of a content-part list; image parts are a clear 400."""
+    if isinstance(parts, str):
+        return parts
+    if parts is None:
+        return ""
+    require(isinstance(parts, list), f"'{path}' must be a string or an array.", path)
+    texts: list[str] = []
+    for i, part in enumerate(parts):
+        where = f"{path}[{i}]"
+        require(isinstance(part, dict), f"'{where}' must be an object.", where)
+        kind = part.get("type")
+        if kind in image_types:
+            raise images_unsupported(where)
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        require(kind in text_types, f"Invalid value for '{where}.type': {kind!r}.", f"{where}.type")
+        text = part.get("text")
+        require(isinstance(text, str), f"Missing or invalid '{where}.text'.", f"{where}.text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> None:
+    if choice.mode in ("required", "function") and not tools:
+        raise invalid(f"'{param}' {choice.mode!r} is only allowed when tools are specified.", param)
+    if choice.mode == "function" and all(t.name != choice.name for t in tools):
+        raise invalid(f"Tool choice names function {choice.name!r}, which is not in tools.", param)
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_options(effort: str | None, param: str) -> ReasoningOptions:
+    """`none` turns reasoning off; efforts above `high` clamp to `high`."""
+    if effort is None:
+        return ReasoningOptions()
+    require(effort in EFFORTS, f"Invalid value for '{param}': {effort!r}.", param)
+    if effort == "none":
+        return ReasoningOptions(enabled=False)
+    clamped = "high" if effort in ("xhigh", "max") else effort
+    return ReasoningOptions(effort=clamped)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+_ERROR_SHAPES: dict[str, tuple[str, str | None]] = {
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("authentication_error", "invalid_api_key"),
+    "permission": ("permission_error", "permission_denied"),
+    "not_found": ("not_found_error", "not_found"),
+    "too_large": ("invalid_request_error", "request_too_large"),
+    "rate_limit": ("rate_limit_error", "rate_limit_exceeded"),
+    "overloaded": ("rate_limit_error", "rate_limit_exceeded"),
+    "timeout": ("timeout_error", "timeout"),
+    "internal": ("server_error", "server_error"),
+    "unavailable": ("server_error", "service_unavailable"),
+}
+
+
+def openai_error_body(error: ApiError) -> dict[str, Any]:
+    kind, code = _ERROR_SHAPES.get(error.kind, ("server_error", "server_error"))
+    if error.kind == "not_found" and error.param == "model":
+        kind, code = "invalid_request_error", "model_not_found"
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
+
+
+def api_error_from_event(event: ErrorEvent) -> ApiError:
+    kind = event.kind if event.kind in DEFAULT_STATUS else "internal"
+    return ApiError(kind, event.message)  # type: ignore[arg-type]
+
+
+def cancelled_error(ctx: RequestContext) -> ApiError:
+    reason = ctx.cancel_reason or "cancelled"
+    kind = "timeout" if "timeout" in reason else "internal"
+    return ApiError(kind, f"generation was cancelled ({reason})")  # type: ignore[arg-type]
+
+
+def chat_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def responses_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def split_namespace(name: str) -> tuple[str | None, str]:
+    """`ns.fn` -> ("ns", "fn"): OpenAI names cannot contain dots, so a dot marks a namespace."""
+    namespace, dot, plain = name.rpartition(".")
+    return (namespace, plain) if dot else (None, name)
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+class LogprobCursor:
+    """Per-chunk logprob records: those appended to ctx.scratch since the last take."""
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.wanted = ctx.request.logprobs
+        self.top = min(ctx.request.top_logprobs, MAX_TOP_LOGPROBS)
+        self.position = 0
+
+    def _records(self) -> list[TokenText]:
+        records = self.ctx.scratch.get(LOGPROBS_SCRATCH_KEY)
+        return records if isinstance(records, list) else []
+
+    def take(self, direct: TokenText | None = None) -> list[dict[str, Any]]:
+        """Entries for a content chunk; `direct` is a TokenText the encoder got itself."""
+        records = self._records()
+        pending, self.position = records[self.position :], len(records)
+        if not self.wanted:
+            return []
+        tokens = [direct] if direct is not None else pending
+        return [entry for t in tokens if (entry := self.entry(t)) is not None]
+
+    def skip(self) -> None:
+        """Drop records of non-content output (reasoning, tool-call markup)."""
+        self.position = len(self._records())
+
+    def entry(self, token: Any) -> dict[str, Any] | None:
+        logprob = getattr(token, "logprob", None)
+        if logprob is None:
+            return None
+        text = str(getattr(token, "text", ""))
+        tops = list(getattr(token, "top_logprobs", ()))[: self.top]
+        return {
+            "token": text,
+            "logprob": float(logprob),
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": t.token, "logprob": float(t.logprob), "bytes": list(t.token.encode())}
+                for t in tops
+            ],
+        }
+
+
+__all__ = [
+    "LOGPROBS_SCRATCH_KEY",
+    "Lenient",
+    "LogprobCursor",
+    "api_error_from_event",
+    "cancelled_error",
+    "chat_usage",
+    "check_tool_choice",
+    "images_unsupported",
+    "new_id",
+    "openai_error_body",
+    "reasoning_options",
+    "responses_usage",
+    "split_namespace",
+    "text_of_parts",
+    "validate",
+]
