@@ -11,6 +11,7 @@ from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
 from pipeserve.api.openai_common import (
+    KEEPALIVE_FRAME,
     Lenient,
     LogprobCursor,
     api_error_from_event,
@@ -25,7 +26,7 @@ from pipeserve.api.openai_common import (
     text_of_parts,
     validate,
 )
-from pipeserve.api.sse import sse_comment, sse_event
+from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import (
     ContentDelta,
@@ -343,7 +344,7 @@ class ChatStreamEncoder:
         elif isinstance(event, ErrorEvent):
             raise api_error_from_event(event)
         elif isinstance(event, KeepAlive):
-            return sse_comment("keep-alive")
+            return KEEPALIVE_FRAME
         return None
 
     def tool_frame(self, event: ToolCallStart | ToolCallArgsDelta | ToolCallEnd) -> bytes | None:

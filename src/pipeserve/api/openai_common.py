@@ -20,12 +20,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeserve.api.sse import sse_comment
 from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
 from pipeserve.events import ErrorEvent, TokenText, Usage
 from pipeserve.request import ReasoningOptions, ToolChoice, ToolSpec
 from pipeserve.stages.base import RequestContext
 
 LOGPROBS_SCRATCH_KEY = "logprobs"
+KEEPALIVE_FRAME = sse_comment("keep-alive")
 MAX_TOP_LOGPROBS = 20
 
 M = TypeVar("M", bound=BaseModel)
@@ -242,6 +244,7 @@ class LogprobCursor:
 
 
 __all__ = [
+    "KEEPALIVE_FRAME",
     "LOGPROBS_SCRATCH_KEY",
     "Lenient",
     "LogprobCursor",

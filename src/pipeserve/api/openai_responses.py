@@ -1,0 +1,362 @@
+"""OpenAI Responses (`/v1/responses`): request decoder and encoders.
+
+Nothing is stored: `previous_response_id` is refused, clients resend the history (as
+Codex does). Output items are built strictly one after another; the JSON encoder runs
+the same item builder as the stream and returns its final response object.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
+from pipeserve.api.openai_common import (
+    Lenient,
+    check_tool_choice,
+    new_id,
+    openai_error_body,
+    reasoning_options,
+    require,
+    text_of_parts,
+    validate,
+)
+from pipeserve.api.openai_responses_encode import ResponsesBuilder
+from pipeserve.api.sse import sse_event
+from pipeserve.errors import ApiError, invalid
+from pipeserve.events import Event
+from pipeserve.request import GenerationRequest, Message, SamplingParams, ToolCall, ToolChoice, ToolSpec
+from pipeserve.stages.base import RequestContext
+
+TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+IMAGE_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url"})
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class ReasoningIn(Lenient):
+    effort: str | None = None
+
+
+class ResponsesRequestIn(Lenient):
+    model: str
+    input: Any = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    stream: bool | None = None
+    reasoning: ReasoningIn | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    mock_response: str | None = None
+
+
+class MessageItem(Lenient):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Any
+
+
+class FunctionCallItem(Lenient):
+    call_id: str
+    name: str
+    arguments: Any = ""
+    namespace: str | None = None
+
+
+class CallOutputItem(Lenient):
+    call_id: str
+    output: Any = ""
+
+
+class CustomCallItem(Lenient):
+    call_id: str
+    name: str
+    input: str = ""
+
+
+class ReasoningItem(Lenient):
+    summary: list[Any] | None = None
+    content: list[Any] | None = None
+
+
+@dataclass(slots=True)
+class ResponsesGenerationRequest(GenerationRequest):
+    """GenerationRequest plus the request fields a Response object echoes back."""
+
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- decode: input items
+
+
+class _History:
+    """Folds Responses input items into chat messages (one assistant turn per run)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.reasoning: list[str] = []
+        self.call_names: dict[str, str] = {}
+
+    def assistant(self, text: str = "", calls: tuple[ToolCall, ...] = ()) -> None:
+        last = self.messages[-1] if self.messages else None
+        mergeable = last is not None and last.role == "assistant" and not (text and last.tool_calls)
+        if not mergeable:
+            last = Message("assistant")
+            self.messages.append(last)
+        assert last is not None
+        if text:
+            last.content = f"{last.content}\n\n{text}" if last.content else text
+        last.tool_calls.extend(calls)
+        self.call_names.update((c.id, c.name) for c in calls)
+        if self.reasoning:
+            joined = "\n".join(self.reasoning)
+            last.reasoning = f"{last.reasoning}\n{joined}" if last.reasoning else joined
+            self.reasoning = []
+
+    def add(self, item: Any, path: str) -> None:
+        require(isinstance(item, dict), f"'{path}' must be an object.", path)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            msg = validate(MessageItem, item, path)
+            text = text_of_parts(msg.content, f"{path}.content", TEXT_PARTS, IMAGE_PARTS)
+            if msg.role == "assistant":
+                self.assistant(text)
+            else:
+                self.messages.append(Message("system" if msg.role == "developer" else msg.role, text))
+        elif kind == "function_call":
+            call = validate(FunctionCallItem, item, path)
+            name = f"{call.namespace}.{call.name}" if call.namespace else call.name
+            self.assistant(calls=(ToolCall(call.call_id, name, _arguments(call.arguments)),))
+        elif kind == "custom_tool_call":
+            custom = validate(CustomCallItem, item, path)
+            args = json.dumps({"input": custom.input}, ensure_ascii=False)
+            self.assistant(calls=(ToolCall(custom.call_id, custom.name, args),))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            out = validate(CallOutputItem, item, path)
+            text = _output_text(out.output, f"{path}.output")
+            name = self.call_names.get(out.call_id)
+            self.messages.append(Message("tool", text, tool_call_id=out.call_id, name=name))
+        elif kind == "reasoning":
+            reasoning = validate(ReasoningItem, item, path)
+            texts = _part_texts(reasoning.content) or _part_texts(reasoning.summary)
+            if texts:
+                self.reasoning.append("\n".join(texts))
+        # other item types (item_reference, web_search_call, tool_search_*, compaction...) are skipped
+
+
+def _arguments(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return "{}" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _output_text(output: Any, path: str) -> str:
+    if isinstance(output, (str, list)):
+        return text_of_parts(output, path, TEXT_PARTS, IMAGE_PARTS)
+    return "" if output is None else json.dumps(output, ensure_ascii=False)
+
+
+def _part_texts(parts: list[Any] | None) -> list[str]:
+    return [p["text"] for p in parts or [] if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]]
+
+
+def _messages(req: ResponsesRequestIn) -> list[Message]:
+    history = _History()
+    if req.instructions:
+        history.messages.append(Message("system", req.instructions))
+    if isinstance(req.input, str):
+        history.messages.append(Message("user", req.input))
+    elif isinstance(req.input, list):
+        for i, item in enumerate(req.input):
+            history.add(item, f"input[{i}]")
+    elif req.input is None:
+        raise invalid("Missing required parameter: 'input'.", "input")
+    else:
+        raise invalid("Invalid type for 'input': expected a string or an array of items.", "input")
+    require(bool(history.messages), "'input' must contain at least one message.", "input")
+    return _merge_leading_system(history.messages)
+
+
+def _merge_leading_system(messages: list[Message]) -> list[Message]:
+    """instructions + a leading developer message become one system message."""
+    count = 0
+    while count < len(messages) and messages[count].role == "system":
+        count += 1
+    if count < 2:
+        return messages
+    merged = Message("system", "\n\n".join(m.content for m in messages[:count]))
+    return [merged, *messages[count:]]
+
+
+# ---------------------------------------------------------------- decode: tools
+
+
+def _function_spec(tool: dict[str, Any], path: str, namespace: str | None = None) -> ToolSpec:
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat shape too
+    name, params = fn.get("name"), fn.get("parameters")
+    require(isinstance(name, str) and name != "", f"Missing required parameter: '{path}.name'.", f"{path}.name")
+    require(params is None or isinstance(params, dict), f"Invalid type for '{path}.parameters': expected an object.", f"{path}.parameters")
+    spec = ToolSpec(f"{namespace}.{name}" if namespace else name, str(fn.get("description") or ""))
+    if params:
+        spec.parameters = params
+    return spec
+
+
+def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
+    specs: list[ToolSpec] = []
+    for i, tool in enumerate(raw or []):
+        path = f"tools[{i}]"
+        require(isinstance(tool, dict), f"'{path}' must be an object.", path)
+        kind = tool.get("type", "function")
+        if kind == "function":
+            specs.append(_function_spec(tool, path))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            ns = tool.get("name")
+            require(isinstance(ns, str) and ns != "", f"Missing required parameter: '{path}.name'.", f"{path}.name")
+            for j, inner in enumerate(tool["tools"]):
+                if isinstance(inner, dict) and inner.get("type", "function") == "function":
+                    specs.append(_function_spec(inner, f"{path}.tools[{j}]", ns))
+        # custom, tool_search, web_search, file_search, mcp, ...: skipped, not an error
+    return specs
+
+
+def _tool_choice(raw: Any) -> ToolChoice:
+    if raw is None:
+        return ToolChoice()
+    if isinstance(raw, str):
+        require(raw in ("auto", "none", "required"), f"Invalid value for 'tool_choice': {raw!r}.", "tool_choice")
+        return ToolChoice(raw)  # type: ignore[arg-type]
+    require(isinstance(raw, dict), "Invalid type for 'tool_choice'.", "tool_choice")
+    if raw.get("type") == "function":
+        name = raw.get("name")
+        require(isinstance(name, str), "Missing required parameter: 'tool_choice.name'.", "tool_choice.name")
+        namespace = raw.get("namespace")
+        return ToolChoice("function", f"{namespace}.{name}" if namespace else name)
+    if raw.get("type") == "allowed_tools" and raw.get("mode") == "required":
+        return ToolChoice("required")
+    return ToolChoice()  # hosted / custom tool choices: the model decides
+
+
+def decode_responses(body: Any) -> ResponsesGenerationRequest:
+    req = validate(ResponsesRequestIn, body)
+    if req.previous_response_id is not None:
+        raise invalid("previous_response_id is not supported: this server stores no responses; resend the full input.", "previous_response_id")
+    if req.conversation is not None:
+        raise invalid("conversation is not supported: this server stores no conversations.", "conversation")
+    if req.background:
+        raise invalid("background responses are not supported.", "background")
+    messages = _messages(req)
+    tools = _tools(req.tools)
+    choice = _tool_choice(req.tool_choice)
+    check_tool_choice(choice, tools, "tool_choice")
+    effort = req.reasoning.effort if req.reasoning else None
+    logprobs = LOGPROBS_INCLUDE in (req.include or []) or bool(req.top_logprobs)
+    return ResponsesGenerationRequest(
+        model=req.model,
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        sampling=SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(req.top_k or 0, 0),
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+        ),
+        max_tokens=req.max_output_tokens,
+        stream=bool(req.stream),
+        reasoning=reasoning_options(effort, "reasoning.effort"),
+        logprobs=logprobs,
+        top_logprobs=req.top_logprobs or 0,
+        mock_response=req.mock_response,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        echo=_echo(req),
+    )
+
+
+def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
+    return {
+        "instructions": req.instructions,
+        "tools": req.tools or [],
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "metadata": req.metadata or {},
+        "text": req.text or {"format": {"type": "text"}},
+        "top_logprobs": req.top_logprobs or 0,
+    }
+
+
+# ---------------------------------------------------------------- protocol
+
+
+@register_protocol
+class OpenAIResponses(WireProtocol):
+    name = "openai-responses"
+
+    def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
+        return decode_responses(body)
+
+    def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
+        builder = ResponsesBuilder(ctx)
+        try:
+            for event in events:
+                builder.feed(event)
+        finally:
+            _close(events)
+        last = builder.final()[-1]
+        assert isinstance(last, dict)
+        return last["response"]
+
+    def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
+        builder = ResponsesBuilder(ctx)
+        try:
+            yield from _frames(builder.start())
+            for event in events:
+                try:
+                    frames = builder.feed(event)
+                except ApiError as err:
+                    yield from _frames([builder.failed(err)])
+                    return
+                yield from _frames(frames)
+            try:
+                yield from _frames(builder.final())
+            except ApiError as err:
+                yield from _frames([builder.failed(err)])
+        finally:
+            _close(events)
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return openai_error_body(error)
+
+
+def _frames(events: list[dict[str, Any] | bytes]) -> Iterator[bytes]:
+    for event in events:
+        yield event if isinstance(event, bytes) else sse_event(event, event["type"])
+
+
+def _close(events: Iterator[Event]) -> None:
+    close = getattr(events, "close", None)
+    if close is not None:
+        close()
+
+
+__all__ = ["OpenAIResponses", "ResponsesGenerationRequest", "decode_responses", "new_id"]

@@ -1,0 +1,272 @@
+"""Builds Responses output items and stream events from pipeline events.
+
+Items are strictly sequential: opening an item (reasoning, message, function_call)
+closes the open one with its `.done` events. Every stream event carries a
+`sequence_number` (from 0); item events carry `output_index`, content events
+`content_index`. The final `response.completed` / `response.incomplete` needs Usage,
+which arrives after Finish, so it is produced by `final()` once the events end.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeserve.api.openai_common import (
+    KEEPALIVE_FRAME,
+    LogprobCursor,
+    api_error_from_event,
+    cancelled_error,
+    new_id,
+    now,
+    responses_usage,
+    split_namespace,
+)
+from pipeserve.errors import ApiError
+from pipeserve.events import (
+    ContentDelta,
+    ErrorEvent,
+    Event,
+    Finish,
+    KeepAlive,
+    ReasoningDelta,
+    TokenText,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from pipeserve.stages.base import RequestContext
+
+Frame = dict[str, Any] | bytes
+
+
+@dataclass
+class _Open:
+    """The item being generated: its output index, item dict and accumulated text."""
+
+    index: int
+    item: dict[str, Any]
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    call_index: int | None = None  # ToolCallStart.index for function calls
+
+
+class ResponsesBuilder:
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.id = new_id("resp_")
+        self.created_at = now()
+        self.echo: dict[str, Any] = dict(getattr(ctx.request, "echo", {}) or {})
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: _Open | None = None
+        self.cursor = LogprobCursor(ctx)
+        self.finish: Finish | None = None
+        self.usage = Usage(0, 0)
+
+    # ------------------------------------------------------------ envelope
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return body
+
+    def response(self, status: str, **extra: Any) -> dict[str, Any]:
+        echo = self.echo
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "model": self.ctx.model_name,
+            "output": copy.deepcopy(self.output),
+            "usage": None,
+            "instructions": echo.get("instructions"),
+            "tools": echo.get("tools", []),
+            "tool_choice": echo.get("tool_choice", "auto"),
+            "parallel_tool_calls": echo.get("parallel_tool_calls", True),
+            "temperature": echo.get("temperature", 1.0),
+            "top_p": echo.get("top_p", 1.0),
+            "top_logprobs": echo.get("top_logprobs", 0),
+            "max_output_tokens": echo.get("max_output_tokens"),
+            "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
+            "text": echo.get("text", {"format": {"type": "text"}}),
+            "metadata": echo.get("metadata", {}),
+            "truncation": "disabled",
+            "store": False,
+            "background": False,
+            "previous_response_id": None,
+            "service_tier": "default",
+            "user": None,
+            **extra,
+        }
+
+    def start(self) -> list[Frame]:
+        return [
+            self.event("response.created", response=self.response("in_progress")),
+            self.event("response.in_progress", response=self.response("in_progress")),
+        ]
+
+    def final(self) -> list[Frame]:
+        """The closing stream events; the last one's `response` is the non-streaming body."""
+        if self.finish is None:
+            raise ApiError("internal", "generation ended without a finish")
+        frames = self.close_open()  # normally already closed on Finish
+        usage = responses_usage(self.usage)
+        if self.finish.reason == "length":
+            details = {"reason": "max_output_tokens"}
+            body = self.response("incomplete", usage=usage, incomplete_details=details)
+            return [*frames, self.event("response.incomplete", response=body)]
+        body = self.response("completed", usage=usage, completed_at=now())
+        return [*frames, self.event("response.completed", response=body)]
+
+    def failed(self, err: ApiError) -> dict[str, Any]:
+        if self.open is not None:
+            self.output.append({**self.snapshot(self.open), "status": "incomplete"})
+            self.open = None
+        code = "rate_limit_exceeded" if err.kind in ("rate_limit", "overloaded") else "server_error"
+        body = self.response("failed", error={"code": code, "message": err.message})
+        return self.event("response.failed", response=body)
+
+    # ------------------------------------------------------------ events
+
+    def feed(self, event: Event) -> list[Frame]:
+        if isinstance(event, (ContentDelta, TokenText)):
+            direct = event if isinstance(event, TokenText) else None
+            return self.text("message", event.text, self.cursor.take(direct)) if event.text else []
+        if isinstance(event, ReasoningDelta):
+            self.cursor.skip()
+            return self.text("reasoning", event.text, []) if event.text else []
+        if isinstance(event, ToolCallStart):
+            self.cursor.skip()
+            return self.call_start(event)
+        if isinstance(event, ToolCallArgsDelta):
+            return self.call_delta(event.index, event.fragment)
+        if isinstance(event, ToolCallEnd):
+            return self.call_end(event)
+        if isinstance(event, Finish):
+            return self.on_finish(event)
+        if isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, ErrorEvent):
+            raise api_error_from_event(event)
+        elif isinstance(event, KeepAlive):
+            return [KEEPALIVE_FRAME]
+        return []
+
+    def on_finish(self, event: Finish) -> list[Frame]:
+        if event.reason == "cancelled":
+            raise cancelled_error(self.ctx)
+        if event.reason == "error":
+            raise ApiError("internal", "generation failed")
+        self.finish = event
+        return self.close_open(incomplete=event.reason == "length")
+
+    def text(self, kind: str, delta: str, logprobs: list[dict[str, Any]]) -> list[Frame]:
+        frames: list[Frame] = []
+        if self.open is None or self.open.item["type"] != kind:
+            frames += self.close_open()
+            frames += self.open_text_item(kind)
+        assert self.open is not None
+        self.open.parts.append(delta)
+        self.open.logprobs += logprobs
+        ids = {"item_id": self.open.item["id"], "output_index": self.open.index, "content_index": 0}
+        if kind == "message":
+            frames.append(self.event("response.output_text.delta", **ids, delta=delta, logprobs=logprobs))
+        else:
+            frames.append(self.event("response.reasoning_text.delta", **ids, delta=delta))
+        return frames
+
+    def open_text_item(self, kind: str) -> list[Frame]:
+        if kind == "message":
+            item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self.open = _Open(len(self.output), item)
+        ids = {"item_id": item["id"], "output_index": self.open.index, "content_index": 0}
+        return [
+            self.event("response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)),
+            self.event("response.content_part.added", **ids, part=part),
+        ]
+
+    def call_start(self, event: ToolCallStart) -> list[Frame]:
+        frames = self.close_open()
+        namespace, name = split_namespace(event.name)
+        item: dict[str, Any] = {
+            "id": new_id("fc_"),
+            "type": "function_call",
+            "call_id": event.id or new_id("call_"),
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        if namespace:
+            item["namespace"] = namespace
+        self.open = _Open(len(self.output), item, call_index=event.index)
+        frames.append(self.event("response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)))
+        return frames
+
+    def call_delta(self, call_index: int, fragment: str) -> list[Frame]:
+        if self.open is None or self.open.call_index != call_index or not fragment:
+            return []
+        self.open.parts.append(fragment)
+        ids = {"item_id": self.open.item["id"], "output_index": self.open.index}
+        return [self.event("response.function_call_arguments.delta", **ids, delta=fragment)]
+
+    def call_end(self, event: ToolCallEnd) -> list[Frame]:
+        if self.open is None or self.open.call_index != event.index:
+            return []
+        streamed = "".join(self.open.parts)
+        frames: list[Frame] = []
+        if event.arguments.startswith(streamed):
+            frames += self.call_delta(event.index, event.arguments[len(streamed) :])
+        self.open.item["arguments"] = event.arguments  # the coerced arguments are final
+        return frames + self.close_open()
+
+    # ------------------------------------------------------------ closing items
+
+    def snapshot(self, open_item: _Open, status: str = "completed") -> dict[str, Any]:
+        item, text = dict(open_item.item), "".join(open_item.parts)
+        if item["type"] == "message":
+            item["content"] = [self.output_text(text, open_item.logprobs)]
+            item["status"] = status
+        elif item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+        else:
+            item["arguments"] = item["arguments"] or text
+            item["status"] = status
+        return item
+
+    @staticmethod
+    def output_text(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def close_open(self, incomplete: bool = False) -> list[Frame]:
+        current, self.open = self.open, None
+        if current is None:
+            return []
+        item = self.snapshot(current, "incomplete" if incomplete else "completed")
+        self.output.append(item)
+        frames: list[Frame] = []
+        ids = {"item_id": item["id"], "output_index": current.index}
+        if item["type"] == "message":
+            part = item["content"][0]
+            frames.append(self.event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=part["logprobs"]))
+            frames.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            frames.append(self.event("response.reasoning_text.done", **ids, content_index=0, text=part["text"]))
+            frames.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
+        else:
+            frames.append(self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"], name=item["name"]))
+        frames.append(self.event("response.output_item.done", output_index=current.index, item=copy.deepcopy(item)))
+        return frames
+
+
+__all__ = ["ResponsesBuilder"]
