@@ -229,7 +229,7 @@ def _check_roles(doc: YamlDoc, specs: list[StageSpec | None]) -> list[Problem]:
     problems = []
     generate = [i for i, s in enumerate(specs) if s is not None and s.role == "generate"]
     render = [i for i, s in enumerate(specs) if s is not None and s.role == "render"]
-    if not generate and all(s is not None for s in specs):  # else: a typo was reported already
+    if specs and not generate and all(s is not None for s in specs):  # else: reported already
         message = "the pipeline needs exactly one generation stage (e.g. '- generate: {}')"
         problems.append(doc.problem(("stages",), message, prefer_key=True))
     for i in generate[1:]:
