@@ -1,0 +1,216 @@
+"""Anthropic Messages encoding: JSON message and SSE stream, checked with the anthropic SDK.
+
+Every scenario is encoded both ways; the JSON must validate as `anthropic.types.Message`
+and the SDK's own stream accumulation over our SSE bytes must give the same message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from anthropic._streaming import SSEDecoder
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message as SdkMessage
+
+from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.errors import ApiError
+from pipeserve.events import (
+    ContentDelta,
+    ErrorEvent,
+    Event,
+    Finish,
+    KeepAlive,
+    PromptReady,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from pipeserve.request import GenerationRequest, Message
+from pipeserve.stages.base import RequestContext
+
+PROTOCOL = AnthropicMessages()
+
+
+def make_ctx(request_id: str = "req_abc123") -> RequestContext:
+    request = GenerationRequest(model="demo", messages=[Message("user", "hi")])
+    return RequestContext(request=request, request_id=request_id, model_name="demo-model", prompt_token_ids=[1] * 12)
+
+
+def sse(events: Sequence[Event]) -> list[tuple[str | None, dict[str, Any]]]:
+    raw = b"".join(PROTOCOL.encode_stream(iter(events), make_ctx()))
+    return [(item.event, item.json()) for item in SSEDecoder().iter_bytes(iter([raw]))]
+
+
+def accumulate(frames: list[tuple[str | None, dict[str, Any]]]) -> SdkMessage:
+    snapshot = None
+    bufs: dict[int, bytes] = {}
+    for name, data in frames:
+        if name == "ping":
+            continue
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
+    assert snapshot is not None
+    return SdkMessage.model_validate(snapshot.model_dump())
+
+
+def check_framing(frames: list[tuple[str | None, dict[str, Any]]]) -> None:
+    """event: names match data types; blocks are strictly sequential; signature before stop."""
+    names = [name for name, _ in frames if name != "ping"]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    open_index, next_index, kind, signed = None, 0, None, False
+    for name, data in frames:
+        assert name == data["type"]
+        if name == "content_block_start":
+            assert open_index is None and data["index"] == next_index
+            open_index, kind, signed = data["index"], data["content_block"]["type"], False
+        elif name == "content_block_delta":
+            assert data["index"] == open_index and not signed
+            signed = data["delta"]["type"] == "signature_delta"
+        elif name == "content_block_stop":
+            assert data["index"] == open_index and (kind != "thinking" or signed)
+            open_index, next_index = None, next_index + 1
+    assert open_index is None
+
+
+def encode_both(events: Sequence[Event]) -> dict[str, Any]:
+    body = PROTOCOL.encode_json(iter(events), make_ctx())
+    message = SdkMessage.model_validate(body)
+    frames = sse(events)
+    check_framing(frames)
+    assert accumulate(frames).model_dump() == message.model_dump()
+    json.dumps(body)  # JSON-serializable
+    return body
+
+
+TEXT = [PromptReady(12, 4), ContentDelta("Hel"), ContentDelta(""), ContentDelta("lo"), Finish("stop"), Usage(12, 3, 4)]
+THINK = [
+    KeepAlive(), PromptReady(12), KeepAlive(), ReasoningDelta("Let me "), ReasoningDelta("think."), ContentDelta("Hi!"),
+    Finish("stop"), Usage(12, 5, 0, reasoning_tokens=3),
+]
+TOOLS = [
+    PromptReady(30), ContentDelta("Checking."),
+    ToolCallStart(0, "call_abc", "get_weather"), ToolCallArgsDelta(0, '{"city": '), ToolCallArgsDelta(0, '"Paris"'),
+    ToolCallEnd(0, '{"city": "Paris"}'),
+    ToolCallStart(1, "call_def", "get_weather"), ToolCallEnd(1, '{"city": "Nice", "days": 3}'),
+    Finish("tool_calls"), Usage(30, 20),
+]
+
+
+def test_text_message() -> None:
+    body = encode_both(TEXT)
+    assert body == {
+        "id": "msg_req_abc123", "type": "message", "role": "assistant", "model": "demo-model",
+        "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": None,
+        "usage": {"input_tokens": 8, "output_tokens": 3, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4},
+    }
+
+
+def test_thinking_then_text_has_signature() -> None:
+    body = encode_both(THINK)
+    thinking, text = body["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == "Let me think."
+    assert thinking["signature"].startswith("pssig1_") and len(thinking["signature"]) > 20
+    assert text == {"type": "text", "text": "Hi!"}
+    assert body["usage"]["output_tokens_details"] == {"thinking_tokens": 3}
+    other = PROTOCOL.encode_json(iter([PromptReady(1), ReasoningDelta("Other."), Finish("stop"), Usage(1, 1)]), make_ctx())
+    assert other["content"][0]["signature"] != thinking["signature"]
+
+
+def test_tool_calls() -> None:
+    body = encode_both(TOOLS)
+    assert body["content"] == [
+        {"type": "text", "text": "Checking."},
+        {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "id": "toolu_def", "name": "get_weather", "input": {"city": "Nice", "days": 3}},
+    ]
+    assert body["stop_reason"] == "tool_use"
+
+
+def test_streamed_tool_arguments_are_fragments() -> None:
+    deltas = [d["delta"] for name, d in sse(TOOLS) if name == "content_block_delta"]
+    assert [d.get("partial_json") for d in deltas if d["type"] == "input_json_delta"] == [
+        '{"city": ', '"Paris"', "}", '{"city": "Nice", "days": 3}',
+    ]
+    starts = [d["content_block"] for name, d in sse(TOOLS) if name == "content_block_start"]
+    assert starts[1] == {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {}}
+
+
+def test_text_after_tool_call_and_remaining_arguments() -> None:
+    events = [
+        PromptReady(5), ToolCallStart(0, "toolu_x", "f"), ToolCallArgsDelta(0, '{"a"'), ToolCallEnd(0, '{"a": 1}'),
+        ContentDelta("done"), Finish("tool_calls"), Usage(5, 9),
+    ]
+    body = encode_both(events)
+    assert body["content"] == [{"type": "tool_use", "id": "toolu_x", "name": "f", "input": {"a": 1}}, {"type": "text", "text": "done"}]
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason", "stop_sequence"),
+    [(Finish("length"), "max_tokens", None), (Finish("stop", stop_sequence="END"), "stop_sequence", "END"), (Finish("stop"), "end_turn", None)],
+)
+def test_stop_reasons(finish: Finish, stop_reason: str, stop_sequence: str | None) -> None:
+    body = encode_both([PromptReady(3), ContentDelta("x"), finish, Usage(3, 1)])
+    assert (body["stop_reason"], body["stop_sequence"]) == (stop_reason, stop_sequence)
+
+
+def test_empty_output_has_no_empty_blocks() -> None:
+    body = encode_both([PromptReady(3), ContentDelta(""), Finish("stop"), Usage(3, 1)])
+    assert body["content"] == [] and body["usage"]["output_tokens"] == 1
+
+
+def test_message_start_waits_for_prompt_ready_and_carries_input_tokens() -> None:
+    frames = sse([KeepAlive(), KeepAlive(), PromptReady(40, 32), ContentDelta("a"), Finish("stop"), Usage(40, 1, 32)])
+    assert [name for name, _ in frames[:3]] == ["ping", "ping", "message_start"]
+    assert frames[0][1] == {"type": "ping"}
+    usage = frames[2][1]["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"], usage["output_tokens"]) == (8, 32, 0)
+    assert frames[-2][1]["usage"]["output_tokens"] == 1
+
+
+def test_missing_usage_still_finishes() -> None:
+    frames = sse([PromptReady(3), ContentDelta("a"), Finish("stop")])
+    assert [name for name, _ in frames][-2:] == ["message_delta", "message_stop"]
+
+
+def test_error_mid_stream_is_an_error_event() -> None:
+    frames = sse([PromptReady(3), ContentDelta("partial"), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 1)])
+    assert frames[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine fault"}})
+    assert "message_stop" not in [name for name, _ in frames]
+
+
+def test_error_before_output_raises_in_json_mode() -> None:
+    with pytest.raises(ApiError) as exc:
+        PROTOCOL.encode_json(iter([KeepAlive(), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(0, 0)]), make_ctx())
+    assert (exc.value.kind, exc.value.message) == ("internal", "engine fault")
+    assert PROTOCOL.error_status(exc.value) == 500
+
+
+def test_cancelled_stream_ends_without_message_stop() -> None:
+    frames = sse([PromptReady(3), ContentDelta("a"), Finish("cancelled"), Usage(3, 1)])
+    names = [name for name, _ in frames]
+    assert "message_stop" not in names and "error" not in names
+
+
+def test_stream_without_finish_is_an_error() -> None:
+    frames = sse([PromptReady(3), ContentDelta("a")])
+    assert frames[-1][0] == "error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "anthropic_type"),
+    [
+        ("invalid_request", 400, "invalid_request_error"), ("authentication", 401, "authentication_error"),
+        ("permission", 403, "permission_error"), ("not_found", 404, "not_found_error"),
+        ("too_large", 413, "request_too_large"), ("rate_limit", 429, "rate_limit_error"),
+        ("overloaded", 529, "overloaded_error"), ("timeout", 504, "timeout_error"),
+        ("internal", 500, "api_error"), ("unavailable", 503, "api_error"),
+    ],
+)
+def test_error_bodies(kind: Any, status: int, anthropic_type: str) -> None:
+    error = ApiError(kind, "what happened")
+    assert PROTOCOL.error_status(error) == status
+    assert PROTOCOL.error_body(error) == {"type": "error", "error": {"type": anthropic_type, "message": "what happened"}}
