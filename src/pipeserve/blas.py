@@ -12,6 +12,7 @@ re-executes itself once with the environment set (see `reexec_with_openblas`).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -57,19 +58,46 @@ def openblas_environment(home: Path) -> dict[str, str] | None:
     if openblas is None or libs is None:
         return None
     preload = " ".join(p for p in (str(openblas), os.environ.get("LD_PRELOAD", "")) if p)
-    library_path = ":".join(p for p in (str(libs), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    # mlx_cpu.libs too: the shipped libgfortran asks for libquadmath by its hashed name.
+    shipped = site_packages() / "mlx_cpu.libs"
+    library_path = ":".join(p for p in (str(libs), str(shipped), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     return {"LD_PRELOAD": preload, "LD_LIBRARY_PATH": library_path, MARKER: "1"}
 
 
-def reexec_with_openblas(mode: str, home: Path) -> None:
-    """Restart this very command with OpenBLAS preloaded (once; never loops)."""
-    if mode == "off" or os.environ.get(MARKER) or loaded_blas() == "openblas":
-        return
+PROBE = (
+    "import mlx.core as mx\n"
+    "a = mx.ones((192, 192)); b = mx.full((192, 192), 2.0)\n"
+    "assert float((a @ b)[0, 0]) == 384.0\n"
+    "from pipeserve.blas import loaded_blas; print(loaded_blas())\n"
+)
+
+
+def probe(extra: dict[str, str]) -> bool:
+    """Run a matmul in a child with the preload: the build may not suit this CPU (SIGILL)."""
+    env = {**os.environ, **extra}
+    try:
+        result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0 and result.stdout.strip() == "openblas"
+
+
+def reexec_with_openblas(mode: str, home: Path) -> str | None:
+    """Restart this very command with OpenBLAS preloaded (once; never loops).
+
+    Returns a reason when OpenBLAS is not used; does not return when it re-executes."""
+    if mode == "off":
+        return "opted out (PIPESERVE_BLAS=off)"
+    if os.environ.get(MARKER) or loaded_blas() == "openblas":
+        return None
     extra = openblas_environment(home)
     if extra is None:
-        return
+        return "cmeel-openblas is not installed for this platform"
+    if not probe(extra):
+        return "the installed OpenBLAS failed its start-up check on this CPU"
     env = {**os.environ, **extra}
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    return None  # not reached
 
 
 def loaded_blas() -> str:

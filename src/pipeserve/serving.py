@@ -35,7 +35,10 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
     def load(self) -> Any:
         from pipeserve.loading import build_app_from_config
 
-        log.info("BLAS in use: %s", blas.loaded_blas())
+        in_use = blas.loaded_blas()
+        log.info("worker %d: BLAS in use: %s", os.getpid(), in_use)
+        if os.environ.get(blas.MARKER) and in_use != "openblas":
+            log.warning("OpenBLAS was preloaded but is not mapped in this worker; matmuls are slow")
         return build_app_from_config(self.config_path, api_key=self.api_key)
 
 
@@ -79,9 +82,9 @@ def serve(
         return 1
     config = loaded.config
     home = settings.home or default_home()
-    blas.reexec_with_openblas(settings.blas, home)
+    not_used = blas.reexec_with_openblas(settings.blas, home)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("BLAS: %s (PIPESERVE_BLAS=off uses the bundled one)", describe_blas(settings.blas))
+    log.info("BLAS: %s", describe_blas(not_used))
     options = gunicorn_options(
         config,
         host or settings.host or config.server.host,
@@ -98,9 +101,7 @@ def default_home() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pipeserve"
 
 
-def describe_blas(mode: str) -> str:
-    if mode == "off":
-        return "bundled reference BLAS (opted out)"
-    if os.environ.get(blas.MARKER):
-        return f"OpenBLAS preloaded from {blas.find_openblas()}"
-    return "bundled reference BLAS (OpenBLAS not available on this platform)"
+def describe_blas(not_used: str | None) -> str:
+    if not_used is None:
+        return f"OpenBLAS preloaded from {blas.find_openblas()} (PIPESERVE_BLAS=off to use the bundled one)"
+    return f"MLX's bundled single-threaded reference BLAS: {not_used}"
