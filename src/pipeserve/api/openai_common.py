@@ -111,7 +111,7 @@ def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> 
     if choice.mode in ("required", "function") and not tools:
         raise invalid(f"'{param}' {choice.mode!r} is only allowed when tools are specified.", param)
     if choice.mode == "function" and all(t.name != choice.name for t in tools):
-        raise invalid(f"Tool choice names function {choice.name!r}, which is not in tools.", param)
+        raise invalid(f"Invalid value for '{param}': function {choice.name!r} is not in tools.", param)
 
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")

@@ -1,0 +1,157 @@
+"""Shared OpenAI helpers, plus the in-process SDK harness the protocol tests import.
+
+The harness routes the official `openai` client through httpx2's transport hook to the
+real protocol code: the SDK builds the request body, our decoder reads it, a scripted
+event list stands in for the model, our encoder answers and the SDK parses the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx2
+import pytest
+from openai import OpenAI, Stream
+
+from pipeserve.api.base import RequestMeta, WireProtocol
+from pipeserve.api.openai_common import (
+    LOGPROBS_SCRATCH_KEY,
+    LogprobCursor,
+    openai_error_body,
+    param_path,
+    reasoning_options,
+)
+from pipeserve.api.openai_chat import OpenAIChat
+from pipeserve.api.openai_responses import OpenAIResponses
+from pipeserve.errors import ApiError
+from pipeserve.events import Event, TokenText, TopLogprob
+from pipeserve.request import GenerationRequest, Message
+from pipeserve.stages.base import RequestContext
+
+Script = Callable[[RequestContext], list[Event]]
+
+
+def make_ctx(request: GenerationRequest, model: str = "demo") -> RequestContext:
+    return RequestContext(request=request, request_id="req-1", model_name=model)
+
+
+def parse_sse(raw: bytes) -> list[dict[str, Any]]:
+    """Frames as dicts: {"event": name|None, "data": text|None, "comment": text|None}."""
+    text = raw.decode()
+    assert text.endswith("\n\n"), "every SSE frame ends with a blank line"
+    frames = []
+    for block in text[:-2].split("\n\n"):
+        frame: dict[str, Any] = {"event": None, "data": None, "comment": None}
+        for line in block.split("\n"):
+            key, _, value = line.partition(":")
+            frame["comment" if key == "" else key] = value.strip()
+        frames.append(frame)
+    return frames
+
+
+def sdk_stream(raw: bytes, cast_to: type[Any]) -> Stream[Any]:
+    """The SDK's own SSE decoder and chunk parsing over our bytes."""
+    client = OpenAI(api_key="test", base_url="http://test/v1")
+    request = httpx2.Request("POST", "http://test/v1/x")
+    headers = {"content-type": "text/event-stream"}
+    response = httpx2.Response(200, content=raw, request=request, headers=headers)
+    return Stream(cast_to=cast_to, response=response, client=client)
+
+
+class Harness:
+    """An OpenAI client whose HTTP calls run decode -> script -> encode in process."""
+
+    def __init__(self, protocol: WireProtocol, script: Script) -> None:
+        self.protocol = protocol
+        self.script = script
+        self.requests: list[GenerationRequest] = []
+        transport = httpx2.MockTransport(self.handle)
+        self.client = OpenAI(
+            api_key="test",
+            base_url="http://test/v1",
+            http_client=httpx2.Client(transport=transport),
+            max_retries=0,
+        )
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            body = json.loads(request.content)
+            req = self.protocol.decode(body, RequestMeta(route=request.url.path))
+        except ApiError as err:
+            return httpx2.Response(self.protocol.error_status(err), json=self.protocol.error_body(err))
+        self.requests.append(req)
+        ctx = make_ctx(req)
+        events: Iterator[Event] = iter(self.script(ctx))
+        if req.stream:
+            raw = b"".join(self.protocol.encode_stream(events, ctx))
+            return httpx2.Response(200, content=raw, headers={"content-type": "text/event-stream"})
+        try:
+            return httpx2.Response(200, json=self.protocol.encode_json(events, ctx))
+        except ApiError as err:
+            return httpx2.Response(self.protocol.error_status(err), json=self.protocol.error_body(err))
+
+
+# ---------------------------------------------------------------- tests of the helpers
+
+
+@pytest.mark.parametrize(
+    ("kind", "param", "status", "type_", "code"),
+    [
+        ("invalid_request", "temperature", 400, "invalid_request_error", None),
+        ("authentication", None, 401, "authentication_error", "invalid_api_key"),
+        ("not_found", "model", 404, "invalid_request_error", "model_not_found"),
+        ("not_found", None, 404, "not_found_error", "not_found"),
+        ("too_large", None, 413, "invalid_request_error", "request_too_large"),
+        ("overloaded", None, 429, "rate_limit_error", "rate_limit_exceeded"),
+        ("rate_limit", None, 429, "rate_limit_error", "rate_limit_exceeded"),
+        ("internal", None, 500, "server_error", "server_error"),
+        ("unavailable", None, 503, "server_error", "service_unavailable"),
+    ],
+)
+def test_error_shape_and_status(kind: Any, param: Any, status: int, type_: str, code: Any) -> None:
+    err = ApiError(kind, "boom", param)
+    expected = {"error": {"message": "boom", "type": type_, "param": param, "code": code}}
+    for protocol in (OpenAIChat(), OpenAIResponses()):
+        assert protocol.error_body(err) == expected == openai_error_body(err)
+        assert protocol.error_status(err) == status
+
+
+def test_param_path_uses_openai_notation() -> None:
+    assert param_path(("messages", 0, "content", 2, "text")) == "messages[0].content[2].text"
+    assert param_path(("role",), "input[3]") == "input[3].role"
+
+
+@pytest.mark.parametrize(
+    ("effort", "enabled", "mapped"),
+    [(None, None, None), ("none", False, None), ("minimal", None, "minimal"), ("low", None, "low"),
+     ("medium", None, "medium"), ("high", None, "high"), ("xhigh", None, "high")],
+)
+def test_reasoning_effort_mapping(effort: Any, enabled: Any, mapped: Any) -> None:
+    options = reasoning_options(effort, "reasoning_effort")
+    assert (options.enabled, options.effort) == (enabled, mapped)
+
+
+def test_reasoning_effort_unknown_is_400() -> None:
+    with pytest.raises(ApiError) as info:
+        reasoning_options("extreme", "reasoning.effort")
+    assert (info.value.kind, info.value.param) == ("invalid_request", "reasoning.effort")
+
+
+def test_logprob_cursor_hands_out_records_once() -> None:
+    req = GenerationRequest(model="m", messages=[Message("user", "x")], logprobs=True, top_logprobs=1)
+    ctx = make_ctx(req)
+    tops = (TopLogprob("a", -0.1, 1), TopLogprob("b", -2.0, 2))
+    records = ctx.scratch.setdefault(LOGPROBS_SCRATCH_KEY, [])
+    cursor = LogprobCursor(ctx)
+    records += [TokenText("a", 1, -0.1, tops), TokenText("é", 3, -0.5)]
+    first = cursor.take()
+    assert [e["token"] for e in first] == ["a", "é"]
+    assert first[0]["top_logprobs"] == [{"token": "a", "logprob": -0.1, "bytes": [97]}]
+    assert first[1]["bytes"] == [195, 169]
+    assert cursor.take() == []
+    records.append(TokenText("<think>", 9, -0.2))
+    cursor.skip()
+    records.append(TokenText("z", 4, None))  # no logprob recorded: no entry
+    assert cursor.take() == []
