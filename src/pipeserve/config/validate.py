@@ -6,7 +6,7 @@ Both collect every problem of a run and raise/return them together.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -104,13 +104,16 @@ def detect_kind(doc: YamlDoc) -> FileKind | None:
     return None
 
 
+Checked = tuple[Any, list[Problem]]  # (LoadedPipeline | LoadedConfig | None, problems)
+
+
 class Validator:
     """Validates files once each per run (a pipeline used by several configs is checked once)."""
 
     def __init__(self, registry: Mapping[str, StageSpec] | None = None) -> None:
         self.registry = registry if registry is not None else stage_registry()
-        self._pipelines: dict[Path, tuple[LoadedPipeline | None, list[Problem]]] = {}
-        self._configs: dict[Path, tuple[LoadedConfig | None, list[Problem]]] = {}
+        self._pipelines: dict[Path, Checked] = {}
+        self._configs: dict[Path, Checked] = {}
 
     def file(self, path: Path) -> list[Problem]:
         """Every problem of one file of either kind (and of the pipelines a config uses)."""
@@ -120,45 +123,29 @@ class Validator:
             return exc.problems
         kind = detect_kind(doc)
         if kind == "pipeline":
-            return self._pipeline_doc(doc)[1]
+            return self.pipeline(path, doc)[1]
         if kind == "config":
-            return self._config_doc(doc)[1]
+            return self.config(path, doc)[1]
         message = "cannot tell a server config (models, endpoints) from a pipeline (family, stages)"
         return [doc.problem((), message)]
 
-    def pipeline(self, path: Path) -> tuple[LoadedPipeline | None, list[Problem]]:
+    def pipeline(self, path: Path, doc: YamlDoc | None = None) -> tuple[LoadedPipeline | None, list[Problem]]:
+        return self._cached(self._pipelines, path, doc, lambda d: check_pipeline(d, self.registry))
+
+    def config(self, path: Path, doc: YamlDoc | None = None) -> tuple[LoadedConfig | None, list[Problem]]:
+        return self._cached(self._configs, path, doc, lambda d: check_config(d, self))
+
+    @staticmethod
+    def _cached(
+        cache: dict[Path, Checked], path: Path, doc: YamlDoc | None, check: Callable[[YamlDoc], Checked]
+    ) -> Checked:
         key = path.resolve()
-        if key not in self._pipelines:
+        if key not in cache:
             try:
-                doc = load_yaml(path)
-            except ConfigError as exc:
-                self._pipelines[key] = (None, exc.problems)
-            else:
-                return self._pipeline_doc(doc)
-        return self._pipelines[key]
-
-    def config(self, path: Path) -> tuple[LoadedConfig | None, list[Problem]]:
-        key = path.resolve()
-        if key not in self._configs:
-            try:
-                doc = load_yaml(path)
-            except ConfigError as exc:
-                self._configs[key] = (None, exc.problems)
-            else:
-                return self._config_doc(doc)
-        return self._configs[key]
-
-    def _pipeline_doc(self, doc: YamlDoc) -> tuple[LoadedPipeline | None, list[Problem]]:
-        key = doc.path.resolve()
-        if key not in self._pipelines:
-            self._pipelines[key] = check_pipeline(doc, self.registry)
-        return self._pipelines[key]
-
-    def _config_doc(self, doc: YamlDoc) -> tuple[LoadedConfig | None, list[Problem]]:
-        key = doc.path.resolve()
-        if key not in self._configs:
-            self._configs[key] = check_config(doc, self)
-        return self._configs[key]
+                cache[key] = check(doc or load_yaml(path))
+            except ConfigError as exc:  # unreadable or not YAML
+                cache[key] = (None, exc.problems)
+        return cache[key]
 
 
 # --- pipelines -----------------------------------------------------------------------
@@ -289,10 +276,10 @@ def _unique(
     entries: list[tuple[int, dict[str, Any]]],
     key: str,
     what: str,
-    normalize: Any = lambda v: v,
+    normalize: Callable[[str], str] = str,
 ) -> list[Problem]:
     problems = []
-    first: dict[Any, int] = {}
+    first: dict[str, int] = {}
     for i, entry in entries:
         value = entry.get(key)
         if not isinstance(value, str):
