@@ -24,7 +24,7 @@ from pipeserve.engine.demo_families import FAMILIES, DemoFamily
 from pipeserve.engine.vocab import build_tokenizer, tiktoken_file, write_atomic
 
 DEMO_FAMILIES: tuple[str, ...] = ("qwen3", "gpt-oss", "glm", "kimi")
-DEMO_VERSION = 1  # bump when the builder's output changes; old builds are ignored
+DEMO_VERSION = 2  # bump when the builder's output changes; old builds are ignored
 DEMO_PREFIX = "demo:"
 WEIGHT_SCALE = 4.0  # MLX's default init makes tiny models repeat one token
 

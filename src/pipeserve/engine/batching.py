@@ -1,0 +1,186 @@
+"""The engine thread's view of mlx-lm's BatchGenerator: requests in, events out.
+
+Only the engine thread touches a Batch. Each request is a `Sequence` keyed by the
+engine's own request key; the BatchGenerator knows it by its uid. A request joins
+with its own sampler, logits processors, max tokens, stop (EOS) ids and, when the
+prefix cache has one, the KV cache of its longest cached prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from pipeserve.config.models import EngineOptions
+from pipeserve.engine.channel import Courier
+from pipeserve.engine.prefix_cache import PrefixCache
+from pipeserve.engine.sampling import make_processors, make_sampler
+from pipeserve.engine.sequence import Sequence
+
+log = logging.getLogger("pipeserve.engine")
+
+PREFILL_BATCH = 4  # prompts prefilled together (bounded: a prefill chunk delays decoding)
+
+
+class Batch:
+    def __init__(self, model: Any, options: EngineOptions, stats: dict[str, float]) -> None:
+        self.model = model
+        self.options = options
+        self.stats = stats
+        self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
+        self.stream = mx.default_stream(mx.default_device())  # this (engine) thread's stream
+        self.prefix = PrefixCache(options.prefix_cache)
+        self.gen = self._new_generator()
+        self.seqs: dict[int, Sequence] = {}
+        self.uid_of: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self._finished = 0
+        self._stops: dict[frozenset[int], StopSequences] = {}
+        for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
+                     "requests_cancelled", "requests_failed", "engine_faults"):  # fmt: skip
+            stats.setdefault(name, 0)
+        self._update_stats()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self.options.max_batch,
+            prefill_batch_size=min(PREFILL_BATCH, self.options.max_batch),
+            prefill_step_size=self.options.prefill_step_size,
+            stream=self.stream,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self.seqs
+
+    def add(self, key: int, seq: Sequence, courier: Courier) -> None:
+        job = seq.job
+        prompt = job.prompt_token_ids
+        try:
+            lookup = self.prefix.fetch(prompt)
+            (uid,) = self.gen.insert(
+                [list(lookup.rest)],
+                max_tokens=[job.max_tokens],
+                caches=[lookup.cache],
+                all_tokens=[list(prompt[: lookup.cached_tokens])],
+                samplers=[make_sampler(job.sampling, self.vocab_size)],
+                logits_processors=[make_processors(job.sampling)],
+                stop_sequences=[self._stop_sequences(job.stop_token_ids)],
+            )
+        except Exception as exc:
+            log.exception("request %s rejected by the engine", job.request_id)
+            seq.finish(courier, "error", f"engine rejected the request: {exc}")
+            self._count_finished("requests_failed")
+            return
+        self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
+        seq.ready(courier, lookup.cached_tokens)
+        self.stats["prompt_tokens_total"] += len(prompt)
+        self.stats["cached_tokens_total"] += lookup.cached_tokens
+        self._update_stats()
+
+    def _stop_sequences(self, ids: frozenset[int]) -> StopSequences:
+        stops = self._stops.get(ids)
+        if stops is None:
+            stops = self._stops[ids] = StopSequences([[t] for t in sorted(ids)] or None)
+        return stops
+
+    def step(self, courier: Courier) -> None:
+        try:
+            _, responses = self.gen.next()
+        except Exception as exc:
+            log.exception("engine step failed; failing the %d requests in the batch", len(self.seqs))
+            self.stats["engine_faults"] += 1
+            self._fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
+            return
+        self.stats["decode_steps"] += 1
+        for response in responses:
+            key = self.key_of.get(response.uid)
+            if key is not None:
+                self._deliver(key, response, courier)
+        self._update_stats()
+
+    def _deliver(self, key: int, response: Any, courier: Courier) -> None:
+        seq = self.seqs[key]
+        reason = response.finish_reason
+        try:
+            if reason == "stop":
+                seq.stop_token(courier)
+            else:
+                seq.token(courier, response.token, response.logprobs, final=reason == "length")
+                self.stats["completion_tokens_total"] += 1
+        except Exception as exc:
+            log.exception("request %s: token delivery failed", seq.job.request_id)
+            if reason is None:
+                self.gen.remove([self.uid_of[key]])
+            self._forget(key)
+            seq.finish(courier, "error", f"engine fault: {type(exc).__name__}: {exc}")
+            self._count_finished("requests_failed")
+            return
+        if reason is not None:
+            self._forget(key)
+            if response.all_tokens is not None and response.prompt_cache is not None:
+                self.prefix.store(response.all_tokens[:], response.prompt_cache)
+            seq.finish(courier, reason)
+            self._count_finished()
+
+    def cancel(self, key: int, courier: Courier) -> None:
+        seq = self.seqs.get(key)
+        if seq is None:
+            return
+        uid = self.uid_of[key]
+        # Keep the KV state of a sequence that is decoding: agents often resend it.
+        keep = seq.completion_tokens > 0 and self.prefix.enabled
+        caches = self.gen.remove([uid], return_prompt_caches=keep)
+        if uid in caches:
+            cache, tokens = caches[uid]
+            self.prefix.store(list(tokens), cache)
+        self._forget(key)
+        seq.finish(courier, "cancelled")
+        self._count_finished("requests_cancelled")
+        self._update_stats()
+
+    def _forget(self, key: int) -> None:
+        self.seqs.pop(key, None)
+        uid = self.uid_of.pop(key, None)
+        if uid is not None:
+            self.key_of.pop(uid, None)
+
+    def _count_finished(self, counter: str | None = None) -> None:
+        self._finished += 1
+        if counter:
+            self.stats[counter] += 1
+
+    def reap(self) -> int:
+        """How many requests ended since the last call (their slots are free)."""
+        finished, self._finished = self._finished, 0
+        return finished
+
+    def _fail_all(self, courier: Courier, message: str) -> None:
+        for seq in self.seqs.values():
+            seq.finish(courier, "error", message)
+            self._count_finished("requests_failed")
+        self.seqs.clear()
+        self.uid_of.clear()
+        self.key_of.clear()
+        self.gen.close()
+        self.gen = self._new_generator()  # its state may be inconsistent after a fault
+        self._update_stats()
+
+    def close(self, courier: Courier) -> None:
+        for seq in self.seqs.values():
+            seq.finish(courier, "error", "the model is shutting down")
+        self.seqs.clear()
+        self.gen.close()
+
+    def _update_stats(self) -> None:
+        waiting = sum(1 for s in self.seqs.values() if s.completion_tokens == 0)
+        self.stats["queue_depth"] = waiting
+        self.stats["active_sequences"] = len(self.seqs) - waiting
+        self.stats["prefix_cache_hits"] = self.prefix.hits
+        self.stats["prefix_cache_misses"] = self.prefix.misses
+        self.stats["prefix_cache_bytes"] = self.prefix.nbytes
+        self.stats["prefix_cache_entries"] = len(self.prefix)

@@ -1,0 +1,124 @@
+"""Handing events from an engine OS thread to the request that waits for them.
+
+Under gevent (monkey patched) the waiting request is a greenlet on the hub of its
+thread: the engine thread must never touch gevent objects directly, so it batches a
+decode step's events for all requests and schedules ONE callback on each hub with
+`loop.run_callback_threadsafe`, which then fills per-request `gevent.queue.Queue`s
+(DESIGN.md section 5). Without gevent a plain `queue.SimpleQueue` per request is enough.
+
+Also here: the real-OS-thread, queue and lock primitives, which gevent patches away.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pipeserve.events import Event
+
+
+def gevent_patched() -> bool:
+    """True when gevent monkey patching replaced `threading` in this process."""
+    monkey = sys.modules.get("gevent.monkey")
+    return bool(monkey and monkey.is_module_patched("threading"))
+
+
+def _original(module: str, name: str) -> Any:
+    from gevent import monkey
+
+    return monkey.get_original(module, name)
+
+
+def start_os_thread(target: Callable[[], None], name: str) -> threading.Thread | None:
+    """Start `target` on a real OS thread, also when threading is a greenlet shim.
+
+    Returns the Thread to join when threading is not patched (None under gevent).
+    """
+    if gevent_patched():
+        _original("_thread", "start_new_thread")(target, ())
+        return None
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def os_simple_queue() -> Any:
+    """A SimpleQueue whose blocking `get` blocks the OS thread (an engine inbox)."""
+    if gevent_patched():
+        return _original("queue", "SimpleQueue")()
+    return queue.SimpleQueue()
+
+
+def os_lock() -> Any:
+    """A lock usable from both the engine OS thread and request greenlets."""
+    if gevent_patched():
+        return _original("_thread", "allocate_lock")()
+    return threading.Lock()
+
+
+def os_event() -> Any:
+    """A one-shot flag an OS thread can wait on (e.g. 'model loaded')."""
+    if gevent_patched():
+        return _original("threading", "Event")()
+    return threading.Event()
+
+
+class Channel:
+    """One request's mailbox. Items are lists of events (one list per engine step)."""
+
+    def __init__(self) -> None:
+        self.hub: Any = None
+        if gevent_patched():
+            import gevent
+            import gevent.queue
+
+            self.hub = gevent.get_hub()
+            self._queue: Any = gevent.queue.Queue()
+        else:
+            self._queue = queue.SimpleQueue()
+
+    def put_local(self, events: list[Event]) -> None:
+        """Deliver from the consumer's own thread (no hub hop needed)."""
+        self._queue.put(events)
+
+    def get(self, timeout: float | None) -> list[Event] | None:
+        """Next batch of events, or None after `timeout` seconds of silence."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:  # gevent.queue.Empty is the same class
+            return None
+
+
+def _deliver(batch: list[tuple[Channel, list[Event]]]) -> None:
+    for channel, events in batch:
+        channel._queue.put(events)
+
+
+class Courier:
+    """Collects one engine step's events and delivers them with one hop per hub."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[Channel, list[Event]]] = {}
+
+    def post(self, channel: Channel, *events: Event) -> None:
+        entry = self._pending.get(id(channel))
+        if entry is None:
+            self._pending[id(channel)] = (channel, list(events))
+        else:
+            entry[1].extend(events)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        by_hub: dict[int, tuple[Any, list[tuple[Channel, list[Event]]]]] = {}
+        for channel, events in self._pending.values():
+            if channel.hub is None:
+                channel._queue.put(events)
+                continue
+            by_hub.setdefault(id(channel.hub), (channel.hub, []))[1].append((channel, events))
+        self._pending = {}
+        for hub, batch in by_hub.values():
+            hub.loop.run_callback_threadsafe(_deliver, batch)

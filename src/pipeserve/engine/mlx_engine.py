@@ -1,0 +1,168 @@
+"""MlxEngine: one OS thread per model runs mlx-lm's BatchGenerator (continuous batching).
+
+Requests (and cancellations) reach the engine thread through an inbox that blocks the
+OS thread, never the gevent hub. Each loop turn the thread applies every pending
+message (a new request joins the running batch, a cancelled one leaves it at once),
+runs one BatchGenerator step (a decode step plus, when there is room, a prefill
+chunk) and hands the step's events to the waiting requests in one delivery per hub.
+The model is loaded on the engine thread: MLX arrays and streams belong to the
+thread that made them (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeserve.config.models import EngineOptions
+from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.batching import Batch
+from pipeserve.engine.channel import Channel, Courier, os_event, os_lock, os_simple_queue, start_os_thread
+from pipeserve.engine.detokenize import Detokenizers
+from pipeserve.engine.sequence import Sequence
+from pipeserve.engine.stream import EngineStream
+from pipeserve.errors import ApiError
+
+log = logging.getLogger("pipeserve.engine")
+
+_CLOSE = ("close",)
+RETRY_AFTER_SECONDS = 1.0
+
+
+class MlxEngine:
+    """Engine for a loaded mlx-lm model; `submit` is safe from any thread or greenlet."""
+
+    accepts_mock_response = False
+
+    def __init__(
+        self,
+        name: str,
+        load_model: Callable[[], Any],
+        tokenizer: Any,
+        options: EngineOptions | None = None,
+        keepalive_interval: float | None = None,
+    ) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.options = options or EngineOptions()
+        self.keepalive_interval = keepalive_interval
+        self.max_tokens_limit = self.options.max_tokens_limit
+        self._capacity = self.options.max_batch + self.options.queue_size
+        self._detokenizers = Detokenizers(tokenizer)
+        self._inbox = os_simple_queue()
+        self._lock = os_lock()
+        self._in_flight = 0
+        self._closed = False
+        self._keys = itertools.count(1)
+        self._stats: dict[str, float] = {"requests_total": 0, "overloaded_total": 0}
+        self._load_error: BaseException | None = None
+        self._loaded = os_event()
+        self._stopped = os_event()
+        self._load_model = load_model
+        self._thread = start_os_thread(self._run, name=f"pipeserve-engine-{name}")
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise RuntimeError(f"model {name}: loading failed: {self._load_error}") from self._load_error
+
+    # -- request side (any thread / greenlet) ------------------------------------
+
+    def submit(self, job: GenerationJob) -> EngineStream:
+        self._admit()
+        key = next(self._keys)
+        channel = Channel()
+        sequence = Sequence(job, channel, self._detokenizers.new(), self.tokenizer)
+        stream = EngineStream(channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval)
+        self._inbox.put(("submit", key, sequence))
+        return stream
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise ApiError("unavailable", f"model {self.name} is shutting down")
+            if self._in_flight >= self._capacity:
+                self._stats["overloaded_total"] += 1
+                raise ApiError(
+                    "overloaded",
+                    f"model {self.name} is at capacity ({self._in_flight} requests in flight); retry later",
+                    retry_after=RETRY_AFTER_SECONDS,
+                )
+            self._in_flight += 1
+            self._stats["requests_total"] += 1
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def stats(self) -> dict[str, float]:
+        """Live counters for metrics: queue depth, active sequences, cache hits, tokens."""
+        out = dict(self._stats)
+        out["in_flight"] = self._in_flight
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inbox.put(_CLOSE)
+        self._stopped.wait(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            batch = Batch(self._load_model(), self.options, self._stats)
+        except BaseException as exc:  # reported to the constructor's caller
+            log.exception("model %s failed to load", self.name)
+            self._load_error = exc
+            self._loaded.set()
+            self._stopped.set()
+            return
+        self._load_model = lambda: None  # drop the loader closure
+        self._loaded.set()
+        courier = Courier()
+        try:
+            self._loop(batch, courier)
+        finally:
+            batch.close(courier)
+            courier.flush()
+            del batch  # free MLX state on the thread that made it
+            self._stopped.set()
+
+    def _loop(self, batch: Batch, courier: Courier) -> None:
+        while True:
+            if not self._drain(batch, courier, block=batch.idle):
+                return
+            if not batch.idle:
+                batch.step(courier)
+            for _ in range(batch.reap()):
+                self._release()
+            courier.flush()
+
+    def _drain(self, batch: Batch, courier: Courier, block: bool) -> bool:
+        """Apply every pending message; False when the engine must stop."""
+        while True:
+            try:
+                message = self._inbox.get() if block else self._inbox.get(block=False)
+            except queue.Empty:
+                return True
+            block = False
+            kind = message[0]
+            if kind == "submit":
+                batch.add(message[1], message[2], courier)
+            elif kind == "cancel":
+                batch.cancel(message[1], courier)
+            elif kind == "close":
+                return False
+
+
+def build_mlx_engine(name: str, model_dir: Path, tokenizer: Any, options: EngineOptions, **kwargs: Any) -> MlxEngine:
+    from pipeserve.engine.loader import load_model
+
+    return MlxEngine(name, lambda: load_model(model_dir, options.dtype), tokenizer, options, **kwargs)

@@ -1,0 +1,67 @@
+"""Prefix KV cache: reuse the longest cached prompt prefix across requests.
+
+A thin policy layer over mlx-lm's `LRUPromptCache` (a token trie of KV caches with a
+byte-bounded LRU, the one mlx_lm.server uses): it enforces our options (enabled,
+max_bytes, min_tokens), always leaves at least one prompt token to process (the
+model must produce logits for the first generated token) and counts hits.
+Used only from the engine thread: KV arrays belong to the thread that made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from pipeserve.config.models import PrefixCacheOptions
+
+_MODEL_KEY = "model"  # one cache per engine, so one key
+
+
+@dataclass(slots=True)
+class CacheLookup:
+    cache: list[Any] | None  # KV cache to start from (a private copy), or None
+    cached_tokens: int  # prompt tokens covered by `cache`
+    rest: list[int]  # prompt tokens still to process (never empty)
+
+
+class PrefixCache:
+    def __init__(self, options: PrefixCacheOptions) -> None:
+        self.options = options
+        self.enabled = options.enabled and options.max_bytes > 0
+        self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=options.max_bytes)
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def fetch(self, prompt: list[int]) -> CacheLookup:
+        if not self.enabled or len(prompt) < self.options.min_tokens:
+            return CacheLookup(None, 0, prompt)
+        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, prompt)
+        if cache is not None and not rest:
+            # Exact hit: re-process the last token so there are logits to sample from.
+            if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1:
+                rest = prompt[-1:]
+            else:
+                cache, rest = None, prompt
+        if cache is None:
+            self.misses += 1
+            return CacheLookup(None, 0, prompt)
+        self.hits += 1
+        return CacheLookup(cache, len(prompt) - len(rest), list(rest))
+
+    def store(self, tokens: list[int], cache: list[Any]) -> None:
+        """Remember the KV state of `tokens` (prompt plus generated tokens)."""
+        if not self.enabled or len(tokens) < self.options.min_tokens or not cache:
+            return
+        nbytes = sum(c.nbytes for c in cache)
+        if nbytes > self.options.max_bytes:
+            return
+        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)

@@ -1,0 +1,61 @@
+"""Per-request samplers and logits processors for mlx-lm's BatchGenerator.
+
+BatchGenerator accepts one sampler per sequence but has no per-request seed (mlx-lm's
+samplers draw from the global random state). A seeded request gets its own PRNG key,
+split once per decode step, so the same seed gives the same tokens whether the
+request runs alone or batched with others. Greedy requests share mlx-lm's
+`greedy_sampler` object, which lets BatchGenerator sample them in one batched call.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+
+from pipeserve.request import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+REPETITION_CONTEXT = 64
+
+
+def make_sampler(params: SamplingParams, vocab_size: int | None = None) -> Sampler:
+    if params.temperature <= 0:
+        return greedy_sampler
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    filters = _filters(params, vocab_size)
+    inverse_temperature = 1.0 / params.temperature
+    state = {"key": mx.random.key(seed)}
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        state["key"], step_key = mx.random.split(state["key"])
+        for apply in filters:
+            logprobs = apply(logprobs)
+        return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
+
+    return sampler
+
+
+def _filters(params: SamplingParams, vocab_size: int | None) -> list[Callable[[mx.array], mx.array]]:
+    filters: list[Callable[[mx.array], mx.array]] = []
+    top_p, min_p, top_k = params.top_p, params.min_p, params.top_k
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p))
+    if top_k > 0 and (vocab_size is None or top_k < vocab_size):
+        filters.append(lambda x: apply_top_k(x, top_k))
+    return filters
+
+
+def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    if params.repetition_penalty in (0.0, 1.0):
+        return []
+    return make_logits_processors(
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=REPETITION_CONTEXT,
+    )
