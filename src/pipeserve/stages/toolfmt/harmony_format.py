@@ -1,0 +1,135 @@
+"""GPT-OSS Harmony output, parsed token by token with openai-harmony's StreamableParser.
+
+Each message's header decides where its body goes: a recipient (`to=functions.NAME`)
+makes it a tool call whose body streams as JSON arguments; a reasoning channel
+(`analysis`) goes to reasoning; anything else (`final`, `commentary` preambles) is
+content. Tokens the parser rejects (a model that does not speak Harmony) are delivered
+as content and parsing resumes at the next `<|start|>`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from pipeserve.events import ContentDelta, Event, ReasoningDelta, TokenText
+from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, content
+
+_MAX_HEADER_TOKENS = 64  # a header that long is not a header: deliver it as text
+_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+
+
+@functools.lru_cache(maxsize=1)
+def load_encoding() -> Any:
+    """The GPT-OSS Harmony encoding (needs o200k_base.tiktoken; written offline if absent)."""
+    if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+        from pipeserve.engine.demo import ensure_tiktoken_base
+
+        ensure_tiktoken_base()
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+class HarmonyFormat:
+    def __init__(
+        self, encoding: Any, sink: CallSink, reasoning_channels: frozenset[str], calls_enabled: bool
+    ) -> None:
+        from openai_harmony import HarmonyError, Role, StreamableParser
+
+        self._new_parser = lambda role: StreamableParser(encoding, role, strict=False)
+        self._error = HarmonyError
+        self._role = Role.ASSISTANT
+        self.parser = self._new_parser(Role.ASSISTANT)
+        special = {t: encoding.encode(t, allowed_special="all")[0] for t in ("<|message|>", *_ENDS)}
+        self._message_id = special["<|message|>"]
+        self._end_ids = frozenset(special[t] for t in _ENDS)
+        self.encoding = encoding
+        self.sink = sink
+        self.reasoning_channels = reasoning_channels
+        self.calls_enabled = calls_enabled
+        self.kind: str | None = None  # None while in a header; reasoning | content | call
+        self.header: list[str] = []
+        self.call: StreamedArgs | None = None
+        self.reasoning_tokens: int | None = 0
+
+    def prefill(self, text: str, out: list[Event]) -> None:
+        """Feed the forced assistant prefix (tool_choice) as if the model had written it."""
+        for token_id in self.encoding.encode(text, allowed_special="all"):
+            self.feed_token(TokenText(self.encoding.decode([token_id]), token_id), out)
+
+    def feed_token(self, token: TokenText, out: list[Event]) -> None:
+        try:
+            self.parser.process(token.token_id)
+        except self._error:
+            self._degrade(token.text, out)
+            return
+        if self.kind is None:
+            if token.token_id == self._message_id:
+                self._open(out)
+            else:
+                self.header.append(token.text)
+                if len(self.header) > _MAX_HEADER_TOKENS:
+                    self._degrade("", out)
+            return
+        if token.token_id in self._end_ids:
+            self._close(out)
+            return
+        delta = self.parser.last_content_delta
+        if self.kind == "reasoning":
+            assert self.reasoning_tokens is not None
+            self.reasoning_tokens += 1
+            if delta:
+                out.append(ReasoningDelta(delta))
+        elif self.kind == "call":
+            assert self.call is not None
+            if delta:
+                self.call.feed(delta, out)
+        elif delta:
+            out.append(ContentDelta(delta))
+
+    def finish(self, reason: str, out: list[Event]) -> None:
+        if self.kind == "call" and reason == "stop":  # the stop token was <|call|>
+            self._eos()
+            self._close(out)
+        elif self.kind == "call":
+            assert self.call is not None
+            self.call.cut(out)
+        elif self.kind is not None:
+            self._eos()
+        elif self.header and not any(t.startswith("<|") for t in self.header):
+            content("".join(self.header), out)  # plain text that never became a message
+        self.kind, self.call, self.header = None, None, []
+
+    def _eos(self) -> None:
+        try:
+            self.parser.process_eos()
+        except self._error:
+            pass
+
+    def _open(self, out: list[Event]) -> None:
+        self.header = []
+        recipient = self.parser.current_recipient
+        channel = self.parser.current_channel
+        if recipient and self.calls_enabled:
+            self.kind = "call"
+            name = recipient.removeprefix("functions.")
+            self.call = StreamedArgs(self.sink, name, out)
+        elif channel in self.reasoning_channels:
+            self.kind = "reasoning"
+        else:
+            self.kind = "content"
+
+    def _close(self, out: list[Event]) -> None:
+        if self.call is not None:
+            self.call.end(out)
+        self.kind, self.call = None, None
+
+    def _degrade(self, text: str, out: list[Event]) -> None:
+        """The parser rejected a token: deliver the text and wait for the next <|start|>."""
+        if self.call is not None:
+            self.call.cut(out)
+        content("".join(self.header) + text, out)
+        self.kind, self.call, self.header = None, None, []
+        self.parser = self._new_parser(None)
