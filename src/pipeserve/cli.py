@@ -140,7 +140,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_demo_models(args: argparse.Namespace) -> int:
     from pipeserve.engine.demo import build_demo_models
 
-    for path in build_demo_models(args.out, args.families):
+    try:
+        paths = build_demo_models(args.out, args.families)
+    except ValueError as exc:  # an unknown family
+        raise UsageError(str(exc)) from exc
+    for path in paths:
         print(path)
     return 0
 

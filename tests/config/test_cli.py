@@ -184,3 +184,19 @@ def test_pre_commit_hook_definition() -> None:
         assert pattern.search(path), path
     for path in ("src/config.yaml", "configs/sub/x.yaml", ".github/workflows/ci.yaml"):
         assert not pattern.search(path), path
+
+
+def test_demo_models_unknown_family_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("pipeserve.engine.demo")
+    assert main(["demo-models", "--out", str(tmp_path), "--family", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("pipeserve demo-models: error: unknown demo ")
+
+
+@pytest.mark.mlx
+def test_demo_models_builds_and_prints_the_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("pipeserve.engine.demo")
+    assert main(["demo-models", "--out", str(tmp_path), "--family", "qwen3"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    folder = Path(line)
+    assert folder.parent == tmp_path / "demo" and folder.name.startswith("qwen3")
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()

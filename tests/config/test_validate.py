@@ -176,6 +176,15 @@ def test_demo_source_must_match_the_pipeline_family(tree: Tree) -> None:
     ]
 
 
+def test_unknown_demo_model(tree: Tree) -> None:
+    pytest.importorskip("pipeserve.engine.demo")
+    with_pipeline(tree, GOOD_PIPELINE)
+    config = tree.write("configs/default.yaml", GOOD_CONFIG.replace("demo:qwen3", "demo:qwen"))
+    assert messages(config) == [
+        "configs/default.yaml:4:13: models[0].source: unknown demo model 'demo:qwen'; did you mean 'qwen3'?"
+    ]
+
+
 def test_all_problems_reported_together(tree: Tree) -> None:
     pipeline = GOOD_PIPELINE.replace("test_generate: {}", "test_generat: {}").replace("{format: json}", "{}")
     with_pipeline(tree, pipeline)

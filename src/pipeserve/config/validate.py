@@ -358,6 +358,10 @@ def _check_demo_family(doc: YamlDoc, index: int, model: dict[str, Any], pipeline
     if not isinstance(source, str) or not source.startswith("demo:"):
         return []
     family = source.removeprefix("demo:")
+    known = _demo_families()
+    if known and family not in known:
+        message = f"unknown demo model {source!r}{suggestion(family, known)}"
+        return [doc.problem(("models", index, "source"), message)]
     if _norm(family) in {_norm(pipeline.family), _norm(pipeline.name)}:
         return []
     message = (
@@ -365,6 +369,14 @@ def _check_demo_family(doc: YamlDoc, index: int, model: dict[str, Any], pipeline
         f"(family {pipeline.family!r}); its chat format and markers would not fit"
     )
     return [doc.problem(("models", index, "source"), message)]
+
+
+def _demo_families() -> tuple[str, ...]:
+    try:
+        from pipeserve.engine.demo import DEMO_FAMILIES
+    except ImportError:  # the demo builder is optional for validation
+        return ()
+    return tuple(DEMO_FAMILIES)
 
 
 # --- entry points --------------------------------------------------------------------
