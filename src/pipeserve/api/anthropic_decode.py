@@ -34,7 +34,7 @@ Loc: TypeAlias = tuple[str | int, ...]
 JOIN = "\n"  # between text blocks of one message
 MERGE = "\n\n"  # between merged consecutive messages of one role
 MIN_THINKING_BUDGET = 1024
-EFFORTS: dict[str, ReasoningEffort] = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
+EFFORTS: dict[str, ReasoningEffort] = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 IMAGES_UNSUPPORTED = "images are not supported by this model"
 
 

@@ -1,0 +1,143 @@
+"""A request shaped like the ones Claude Code 2.1 sends (DESIGN.md section 8).
+
+`POST /v1/messages?beta=true`, ~76 KB: `system` as text blocks with cache_control, a
+`role: "system"` message inside `messages`, tools without `type` (JSON Schema draft-07,
+additionalProperties false), thinking adaptive, context_management, output_config,
+metadata, max_tokens 32000, stream true. It must decode (not 400), and the stream we
+send back must be accumulated by the SDK's beta stream as Claude Code does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx2 as httpx  # the anthropic SDK runs on httpx2 (same API as httpx)
+
+from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.base import RequestMeta
+from pipeserve.events import (
+    ContentDelta,
+    Finish,
+    KeepAlive,
+    PromptReady,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from pipeserve.stages.base import RequestContext
+
+PROTOCOL = AnthropicMessages()
+META = RequestMeta(
+    route="/v1/messages",
+    headers={"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"},
+    query={"beta": "true"},
+)
+CACHE = {"type": "ephemeral"}
+TOOL_NAMES = [
+    "Task", "Bash", "Glob", "Grep", "ExitPlanMode", "Read", "Edit", "Write", "NotebookEdit", "WebFetch",
+    "TodoWrite", "WebSearch", "BashOutput", "KillShell", "Skill", "SlashCommand", "AskUserQuestion",
+]
+PROSE = (
+    "Use this tool when you need to act on the user's codebase. Always prefer specialised tools over shell "
+    "commands, quote paths that contain spaces, and never run destructive commands without explicit consent. "
+)
+
+
+def tool(name: str) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The command to execute"},
+            "timeout": {"type": "number", "description": "Optional timeout in milliseconds (max 600000)"},
+            "description": {"type": "string", "description": "Clear, concise description of what this does"},
+        },
+        "required": ["command"],
+        "additionalProperties": False,
+        "$schema": "http://json-schema.org/draft-07/schema#",
+    }
+    return {"name": name, "description": PROSE * 16, "input_schema": schema}
+
+
+def claude_code_body() -> dict[str, Any]:
+    return {
+        "model": "demo",
+        "messages": [
+            {"role": "system", "content": "The user's working directory is /work/project. Today is 2026-11-02."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>\nAs you answer, use this context: CLAUDE.md says run tests with pytest.\n</system-reminder>"},
+                    {"type": "text", "text": "say hi in one line", "cache_control": CACHE},
+                ],
+            },
+        ],
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli"},
+            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.", "cache_control": CACHE},
+            {"type": "text", "text": "You are an interactive CLI tool that helps users with software engineering tasks. " * 120, "cache_control": CACHE},
+        ],
+        "tools": [tool(name) for name in TOOL_NAMES],
+        "metadata": {"user_id": "user_0f3a_account_9c1e_session_5d2b7e"},
+        "max_tokens": 32000,
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+        "stream": True,
+    }
+
+
+def test_recorded_body_decodes() -> None:
+    raw = json.dumps(claude_code_body())
+    assert 70_000 < len(raw) < 90_000
+    req = PROTOCOL.decode(json.loads(raw), META)
+    assert req.stream and req.max_tokens == 32000 and req.model == "demo"
+    assert [m.role for m in req.messages] == ["system", "user"]
+    system = req.messages[0].content
+    assert system.startswith("x-anthropic-billing-header") and system.endswith("Today is 2026-11-02.")
+    assert req.messages[1].content.endswith("</system-reminder>\nsay hi in one line")
+    assert [t.name for t in req.tools] == TOOL_NAMES
+    assert req.tools[1].parameters["required"] == ["command"]
+    assert (req.reasoning.enabled, req.reasoning.effort, req.reasoning.budget_tokens) == (True, "medium", None)
+
+
+def test_count_tokens_accepts_the_same_body() -> None:
+    body = claude_code_body()
+    for field in ("max_tokens", "stream", "metadata"):
+        del body[field]
+    req = PROTOCOL.count_tokens_body(body, META)
+    assert req.max_tokens is None and len(req.tools) == len(TOOL_NAMES)
+
+
+def test_beta_stream_accumulates_our_answer() -> None:
+    script = [
+        KeepAlive(), PromptReady(18_000, 16_384), ReasoningDelta("The user wants a greeting."),
+        ContentDelta("Hi"), ContentDelta("!"), ToolCallStart(0, "call_7", "TodoWrite"),
+        ToolCallArgsDelta(0, '{"command": '), ToolCallEnd(0, '{"command": "echo hi"}'),
+        Finish("tool_calls"), Usage(18_000, 25, 16_384, reasoning_tokens=6),
+    ]
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        gen = PROTOCOL.decode(json.loads(request.content), META)
+        ctx = RequestContext(request=gen, request_id="req_cc", model_name=gen.model)
+        stream = PROTOCOL.encode_stream(iter(script), ctx)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+
+    sdk = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    body = claude_code_body()
+    del body["stream"]
+    betas = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27"]
+    with sdk.beta.messages.stream(**body, betas=betas, extra_query={"beta": "true"}) as stream:
+        final = stream.get_final_message()
+    assert seen[0].url.params.get("beta") == "true" and "interleaved" in seen[0].headers["anthropic-beta"]
+    assert [block.type for block in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[1].text == "Hi!"  # type: ignore[union-attr]
+    assert final.content[2].input == {"command": "echo hi"}  # type: ignore[union-attr]
+    assert final.stop_reason == "tool_use"
+    usage = final.usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (18_000 - 16_384, 16_384, 25)
