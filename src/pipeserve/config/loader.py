@@ -78,9 +78,6 @@ class YamlDoc:
     values: dict[PathKey, Position] = field(default_factory=dict)
     keys: dict[PathKey, Position] = field(default_factory=dict)
 
-    def has(self, path: PathKey) -> bool:
-        return path in self.values
-
     def position(self, path: PathKey, *, prefer_key: bool = False) -> Position:
         """Position of `path`, or of the nearest enclosing node that exists.
 
@@ -91,7 +88,7 @@ class YamlDoc:
             prefix = path[:end]
             if prefix not in self.values:
                 continue
-            if prefix in self.keys and (prefer_key or self._is_null(prefix)):
+            if prefix in self.keys and (prefer_key or _data_at(self.data, prefix) is None):
                 return self.keys[prefix]
             return self.values[prefix]
         return (1, 1)
@@ -99,15 +96,6 @@ class YamlDoc:
     def problem(self, path: PathKey, message: str, *, prefer_key: bool = False) -> Problem:
         line, col = self.position(path, prefer_key=prefer_key)
         return Problem(self.file, line, col, dotted(path), message)
-
-    def _is_null(self, path: PathKey) -> bool:
-        node: Any = self.data
-        for part in path:
-            try:
-                node = node[part]
-            except (KeyError, IndexError, TypeError):
-                return False
-        return node is None
 
 
 def _mark(node: Node) -> Position:
