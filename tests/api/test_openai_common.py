@@ -11,7 +11,10 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx2
+try:  # the openai SDK's HTTP client: httpx2 in current releases, httpx before
+    import httpx2
+except ImportError:  # pragma: no cover
+    import httpx as httpx2  # type: ignore[no-redef]
 import pytest
 from openai import OpenAI, Stream
 
@@ -101,7 +104,7 @@ class Harness:
     [
         ("invalid_request", "temperature", 400, "invalid_request_error", None),
         ("authentication", None, 401, "authentication_error", "invalid_api_key"),
-        ("not_found", "model", 404, "invalid_request_error", "model_not_found"),
+        ("not_found", "model", 404, "not_found_error", "model_not_found"),
         ("not_found", None, 404, "not_found_error", "not_found"),
         ("too_large", None, 413, "invalid_request_error", "request_too_large"),
         ("overloaded", None, 429, "rate_limit_error", "rate_limit_exceeded"),

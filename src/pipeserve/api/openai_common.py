@@ -156,7 +156,7 @@ _ERROR_SHAPES: dict[str, tuple[str, str | None]] = {
 def openai_error_body(error: ApiError) -> dict[str, Any]:
     kind, code = _ERROR_SHAPES.get(error.kind, ("server_error", "server_error"))
     if error.kind == "not_found" and error.param == "model":
-        kind, code = "invalid_request_error", "model_not_found"
+        code = "model_not_found"
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 
