@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeserve import __version__
-from pipeserve.config.loader import ConfigError, Problem
+from pipeserve.config.loader import ConfigError, Problem, sort_problems
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -81,7 +81,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     files = collect_files(args.paths)
     report = validate_paths(files)
     if report.problems:
-        print_problems(sorted(report.problems, key=lambda p: (p.file, p.line, p.col)))
+        print_problems(sort_problems(report.problems))
         bad = len({p.file for p in report.problems})
         print(f"{len(report.problems)} problem(s) in {bad} file(s)", file=sys.stderr)
         return 1

@@ -199,10 +199,10 @@ def test_all_problems_reported_together(tree: Tree) -> None:
         load_server_config(config)
     assert str(info.value).splitlines() == [
         "configs/default.yaml:1:33: server.port: Input should be a valid integer, unable to parse string as an integer",
-        "configs/default.yaml:9:1: extra: unknown key 'extra' (known: endpoints, models, pipelines_dir, server)",
         "configs/default.yaml:8:13: endpoints[1].route: duplicate route '/v1/chat/completions' "
         "(also endpoints[0].route at line 7)",
         "configs/default.yaml:8:40: endpoints[1].api: unknown api 'anthropic'; did you mean 'anthropic-messages'?",
+        "configs/default.yaml:9:1: extra: unknown key 'extra' (known: endpoints, models, pipelines_dir, server)",
         "pipelines/qwen3.yaml:4:5: stages[1].test_generat: unknown stage kind 'test_generat'; "
         "did you mean 'test_generate'?",
         "pipelines/qwen3.yaml:6:22: stages[3].test_tool_calls.format: Field required",

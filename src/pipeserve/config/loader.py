@@ -39,11 +39,16 @@ class Problem:
         return f"{self.file}:{self.line}:{self.col}: {self.path}: {self.message}"
 
 
-class ConfigError(Exception):
-    """Raised with every problem found; str() is one positioned message per line."""
+def sort_problems(problems: Iterable[Problem]) -> list[Problem]:
+    """By file, then position; problems at one position keep their order."""
+    return sorted(problems, key=lambda p: (p.file, p.line, p.col))
 
-    def __init__(self, problems: list[Problem]) -> None:
-        self.problems = list(problems)
+
+class ConfigError(Exception):
+    """Raised with every problem found; str() is one positioned message per line, sorted."""
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems = sort_problems(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
@@ -191,7 +196,7 @@ def parse_yaml(text: str, *, file: str, path: Path | None = None) -> YamlDoc:
     finally:
         loader.dispose()
     if converter.problems:
-        raise ConfigError(sorted(converter.problems))
+        raise ConfigError(converter.problems)
     return doc
 
 
