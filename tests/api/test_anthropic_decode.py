@@ -91,6 +91,8 @@ def test_tool_round_trip_history() -> None:
         assistant([
             {"type": "thinking", "thinking": "I should call it.", "signature": "sig"},
             {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "paris"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
             {"type": "text", "text": "Let me check."},
             {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
             {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Nice"}, "cache_control": {"type": "ephemeral"}},
@@ -195,6 +197,8 @@ BAD: list[tuple[Any, str | None, str]] = [
     (body(model=""), "model", "model: String should have at least 1 character"),
     (body(messages=[]), "messages", "messages: at least one message is required"),
     (body(messages="hi"), "messages", "messages: Input should be a valid list"),
+    (body(messages=["hi"]), "messages.0", "messages.0: Input should be an object"),
+    (body(tools=[WEATHER], tool_choice="auto"), "tool_choice", "tool_choice: Input should be an object"),
     (body(messages=[{"role": "bot", "content": "x"}]), "messages.0.role", "messages.0.role: Input should be 'user', 'assistant' or 'system'"),
     (body(messages=[{"role": "user"}]), "messages.0.content", "messages.0.content: Field required"),
     (body(messages=[user(5)]), "messages.0.content", "messages.0.content: Input should be a valid string or a list of content blocks"),

@@ -6,6 +6,8 @@ Mapping rules (see also anthropic_schema for field validation):
 - A user message's `tool_result` blocks become `tool` messages, followed by a user
   message with the remaining text. Assistant `tool_use` -> ToolCall (input as JSON
   text), `thinking` -> reasoning, `redacted_thinking` is dropped (we cannot read it).
+- Server-tool blocks in assistant turns (server_tool_use, *_tool_result, mcp_tool_use)
+  are dropped like the server tools themselves; other unknown blocks are a 400.
 - Custom tools (no `type`, or `type: "custom"`) are kept; server tools are skipped.
 - `thinking.budget_tokens` must be >= 1024 (as the API enforces) but may exceed
   max_tokens (interleaved thinking, which Claude Code relies on).
@@ -34,7 +36,16 @@ Loc: TypeAlias = tuple[str | int, ...]
 JOIN = "\n"  # between text blocks of one message
 MERGE = "\n\n"  # between merged consecutive messages of one role
 MIN_THINKING_BUDGET = 1024
-EFFORTS: dict[str, ReasoningEffort] = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+EFFORTS: dict[str, ReasoningEffort] = {
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+SKIPPED_ASSISTANT_BLOCKS = frozenset(
+    {"redacted_thinking", "server_tool_use", "mcp_tool_use", "container_upload"}
+)
 IMAGES_UNSUPPORTED = "images are not supported by this model"
 
 
@@ -184,7 +195,7 @@ def assistant_message(blocks: list[dict[str, Any]], loc: Loc, tool_names: dict[s
             message.tool_calls.append(ToolCall(use.id, use.name, json.dumps(use.input, ensure_ascii=False)))
         elif kind == "thinking":
             reasoning.append(s.check(s.ThinkingBlock, block, (*loc, i)).thinking)
-        elif kind != "redacted_thinking":
+        elif kind not in SKIPPED_ASSISTANT_BLOCKS and not kind.endswith("_tool_result"):
             text = plain_text(block, (*loc, i))
             if text is None:
                 raise unsupported(block, (*loc, i), "in assistant messages")
@@ -233,7 +244,8 @@ def decode_tool_choice(choice: s.ToolChoiceParam | None, tools: list[ToolSpec]) 
         return ToolChoice(), True
     parallel = not choice.disable_parallel_tool_use
     if choice.type in ("any", "tool") and not tools:
-        raise invalid(f"tool_choice.type: {choice.type!r} requires at least one custom tool", "tool_choice.type")
+        message = f"tool_choice.type: {choice.type!r} requires at least one custom tool"
+        raise invalid(message, "tool_choice.type")
     if choice.type != "tool":
         modes: dict[str, Callable[[], ToolChoice]] = {
             "auto": ToolChoice,

@@ -1,8 +1,9 @@
-"""Pipeline events -> Anthropic Messages stream events (dicts), and their fold to a Message.
+"""Pipeline events -> Anthropic Messages stream events (as dicts).
 
-One state machine (`message_events`) produces the stream events; the SSE encoder frames
-them and the JSON encoder folds them exactly as an SDK accumulates a stream, so a
-streamed and a non-streamed answer are the same message by construction.
+This one state machine (`message_events`) drives both encoders: the SSE encoder frames
+its events, the JSON encoder folds them as an SDK accumulates a stream
+(anthropic_messages.fold_message), so streamed and non-streamed answers are the same
+message by construction.
 
 - `message_start` waits for PromptReady so it carries the real input token counts;
   KeepAlive before (or after) it is a `ping`.
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from pipeserve.errors import ApiError
+from pipeserve.errors import ErrorKind
 from pipeserve.events import (
     ContentDelta,
     ErrorEvent,
@@ -64,7 +64,17 @@ ERROR_TYPES: dict[str, str] = {
     "internal": "api_error",
     "unavailable": "api_error",
 }
-ERROR_KINDS = {anthropic: kind for kind, anthropic in reversed(ERROR_TYPES.items())}
+ERROR_KINDS: dict[str, ErrorKind] = {
+    "invalid_request_error": "invalid_request",
+    "authentication_error": "authentication",
+    "permission_error": "permission",
+    "not_found_error": "not_found",
+    "request_too_large": "too_large",
+    "rate_limit_error": "rate_limit",
+    "overloaded_error": "overloaded",
+    "timeout_error": "timeout",
+    "api_error": "internal",
+}
 _UNSAFE_ID = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -264,52 +274,3 @@ def message_events(events: Iterable[Event], ctx: RequestContext) -> Iterator[dic
         if state.done:
             return
     yield from state.close()
-
-
-def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[str, Any]:
-    """Accumulate stream events into the final message, as the SDKs do."""
-    message: dict[str, Any] | None = None
-    json_bufs: dict[int, str] = {}
-    for event in stream:
-        kind = event["type"]
-        if kind == "error":
-            error = event["error"]
-            raise ApiError(ERROR_KINDS.get(error["type"], "internal"), error["message"])  # type: ignore[arg-type]
-        if kind == "message_start":
-            message = dict(event["message"], content=[])
-        elif message is None:
-            continue  # pings before message_start
-        elif kind == "content_block_start":
-            message["content"].append(dict(event["content_block"]))
-        elif kind == "content_block_delta":
-            apply_delta(message["content"][event["index"]], event["delta"], json_bufs, event["index"])
-        elif kind == "content_block_stop" and event["index"] in json_bufs:
-            message["content"][event["index"]]["input"] = parse_input(json_bufs.pop(event["index"]))
-        elif kind == "message_delta":
-            message.update(event["delta"])
-            message["usage"] = event["usage"]
-        elif kind == "message_stop":
-            return message
-    reason = ctx.cancel_reason or "cancelled"
-    raise ApiError("timeout" if reason == "timeout" else "internal", f"generation was cancelled ({reason})")
-
-
-def apply_delta(block: dict[str, Any], delta: dict[str, Any], json_bufs: dict[int, str], index: int) -> None:
-    kind = delta["type"]
-    if kind == "text_delta":
-        block["text"] += delta["text"]
-    elif kind == "thinking_delta":
-        block["thinking"] += delta["thinking"]
-    elif kind == "signature_delta":
-        block["signature"] = delta["signature"]
-    elif kind == "input_json_delta":
-        json_bufs[index] = json_bufs.get(index, "") + delta["partial_json"]
-
-
-def parse_input(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        log.warning("tool call arguments are not valid JSON: %.200s", text)
-        return {}
-    return value if isinstance(value, dict) else {}

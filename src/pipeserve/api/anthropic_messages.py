@@ -1,22 +1,27 @@
 """Anthropic Messages API (`/v1/messages`, `/v1/messages/count_tokens`).
 
-Decoding lives in anthropic_decode (+ anthropic_schema), encoding in anthropic_encode;
-this module is the registered WireProtocol that ties them together.
+Decoding lives in anthropic_decode (+ anthropic_schema), the event -> stream-event state
+machine in anthropic_encode; this module is the registered WireProtocol: SSE framing,
+the fold of stream events into the non-streaming message, and error bodies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 from pipeserve.api.anthropic_decode import decode_body
-from pipeserve.api.anthropic_encode import ERROR_TYPES, fold_message, message_events
+from pipeserve.api.anthropic_encode import ERROR_KINDS, ERROR_TYPES, message_events
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
 from pipeserve.api.sse import sse_event
-from pipeserve.errors import ApiError
+from pipeserve.errors import ApiError, ErrorKind
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
+
+log = logging.getLogger(__name__)
 
 
 @register_protocol
@@ -46,4 +51,56 @@ class AnthropicMessages(WireProtocol):
         return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-__all__ = ["AnthropicMessages"]
+def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[str, Any]:
+    """Accumulate stream events into the final message, as the SDKs do."""
+    message: dict[str, Any] | None = None
+    json_bufs: dict[int, str] = {}
+    for event in stream:
+        kind = event["type"]
+        if kind == "error":
+            error = event["error"]
+            raise ApiError(ERROR_KINDS.get(error["type"], "internal"), error["message"])
+        if kind == "message_start":
+            message = dict(event["message"], content=[])
+        elif message is None:
+            continue  # pings before message_start
+        elif kind == "content_block_start":
+            message["content"].append(dict(event["content_block"]))
+        elif kind == "content_block_delta":
+            apply_delta(message["content"][event["index"]], event["delta"], json_bufs, event["index"])
+        elif kind == "content_block_stop" and event["index"] in json_bufs:
+            message["content"][event["index"]]["input"] = parse_input(json_bufs.pop(event["index"]))
+        elif kind == "message_delta":
+            message.update(event["delta"])
+            message["usage"] = event["usage"]
+        elif kind == "message_stop":
+            return message
+    reason = ctx.cancel_reason or "cancelled"
+    kind: ErrorKind = "timeout" if reason == "timeout" else "internal"
+    raise ApiError(kind, f"generation was cancelled ({reason})")
+
+
+def apply_delta(
+    block: dict[str, Any], delta: dict[str, Any], json_bufs: dict[int, str], index: int
+) -> None:
+    kind = delta["type"]
+    if kind == "text_delta":
+        block["text"] += delta["text"]
+    elif kind == "thinking_delta":
+        block["thinking"] += delta["thinking"]
+    elif kind == "signature_delta":
+        block["signature"] = delta["signature"]
+    elif kind == "input_json_delta":
+        json_bufs[index] = json_bufs.get(index, "") + delta["partial_json"]
+
+
+def parse_input(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        log.warning("tool call arguments are not valid JSON: %.200s", text)
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+__all__ = ["AnthropicMessages", "fold_message"]

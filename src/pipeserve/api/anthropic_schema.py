@@ -126,4 +126,6 @@ def check(model: type[M], data: Any, loc: tuple[str | int, ...] = ()) -> M:
 def validation_error(exc: ValidationError, loc: tuple[str | int, ...] = ()) -> ApiError:
     first = exc.errors(include_url=False)[0]
     where = path((*loc, *first["loc"]))
-    return invalid(f"{where}: {first['msg']}" if where else str(first["msg"]), where or None)
+    # pydantic names our model classes here; clients only need to know an object is expected
+    msg = "Input should be an object" if first["type"] == "model_type" else str(first["msg"])
+    return invalid(f"{where}: {msg}" if where else msg, where or None)
