@@ -70,7 +70,11 @@ def test_decode_full_conversation() -> None:
                 "content": None,
                 "reasoning_content": "need a tool",
                 "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                    }
                 ],
             },
             {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
@@ -113,14 +117,23 @@ def test_decode_full_conversation() -> None:
     ]
     assistant, tool = req.messages[3], req.messages[4]
     assert assistant.reasoning == "need a tool"
-    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [("call_1", "get_weather", '{"city":"Oslo"}')]
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [
+        ("call_1", "get_weather", '{"city":"Oslo"}')
+    ]
     assert (tool.tool_call_id, tool.name) == ("call_1", "get_weather")
     assert [t.name for t in req.tools] == ["get_weather"]
     assert req.tools[0].parameters["properties"] == {"city": {"type": "string"}}
     assert (req.tool_choice.mode, req.tool_choice.name) == ("function", "get_weather")
     assert req.stop == ["END"]
     s = req.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed) == (0.2, 0.9, 40, 0.05, 1.1, 7)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed) == (
+        0.2,
+        0.9,
+        40,
+        0.05,
+        1.1,
+        7,
+    )
     assert req.max_tokens == 60  # max_completion_tokens wins
     assert req.stream and getattr(req, "include_usage") is True
     assert (req.logprobs, req.top_logprobs) == (True, 3)
@@ -152,10 +165,25 @@ def test_decode_defaults() -> None:
         ({"tool_choice": "none", "tools": [WEATHER]}, lambda r: r.tool_choice.mode == "none"),
         ({"tool_choice": "required", "tools": [WEATHER]}, lambda r: r.tool_choice.mode == "required"),
         ({"tools": [{"function": WEATHER["function"]}]}, lambda r: r.tools[0].name == "get_weather"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, lambda r: r.tools[0].parameters["type"] == "object"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"x": 1}}}]}]},
-         lambda r: r.messages[0].tool_calls[0].arguments == '{"x": 1}'),
-        ({"messages": [{"role": "function", "name": "f", "content": "out"}]}, lambda r: r.messages[0].role == "tool"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            lambda r: r.tools[0].parameters["type"] == "object",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"x": 1}}}],
+                    }
+                ]
+            },
+            lambda r: r.messages[0].tool_calls[0].arguments == '{"x": 1}',
+        ),
+        (
+            {"messages": [{"role": "function", "name": "f", "content": "out"}]},
+            lambda r: r.messages[0].role == "tool",
+        ),
     ],
 )
 def test_decode_variants(body: dict[str, Any], check: Any) -> None:
@@ -174,11 +202,20 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"model": "demo", "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": "demo", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"model": "demo", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
-    ({"model": "demo", "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0].type"),
+    (
+        {"model": "demo", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content[0].text",
+    ),
+    (
+        {"model": "demo", "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+        "messages[0].content[0].type",
+    ),
     ({"model": "demo", "messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]"),
     ({"model": "demo", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"model": "demo", "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "messages[0].tool_calls[0].function"),
+    (
+        {"model": "demo", "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+        "messages[0].tool_calls[0].function",
+    ),
     ({"model": "demo", "messages": USER, "temperature": 2.5}, "temperature"),
     ({"model": "demo", "messages": USER, "temperature": -1}, "temperature"),
     ({"model": "demo", "messages": USER, "temperature": "hot"}, "temperature"),
@@ -192,7 +229,10 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "messages": USER, "n": 2}, "n"),
     ({"model": "demo", "messages": USER, "seed": "x"}, "seed"),
     ({"model": "demo", "messages": USER, "stream": "yes"}, "stream"),
-    ({"model": "demo", "messages": USER, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    (
+        {"model": "demo", "messages": USER, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+    ),
     ({"model": "demo", "messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"model": "demo", "messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ({"model": "demo", "messages": USER, "stop": 5}, "stop"),
@@ -200,14 +240,33 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "messages": USER, "reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"model": "demo", "messages": USER, "tools": {"a": 1}}, "tools"),
     ({"model": "demo", "messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"model": "demo", "messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
-    ({"model": "demo", "messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
-     "tools[0].function.parameters"),
+    (
+        {"model": "demo", "messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]},
+        "tools[0].function.name",
+    ),
+    (
+        {
+            "model": "demo",
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+        },
+        "tools[0].function.parameters",
+    ),
     ({"model": "demo", "messages": USER, "tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
     ({"model": "demo", "messages": USER, "tool_choice": "required"}, "tool_choice"),
-    ({"model": "demo", "messages": USER, "tool_choice": {"type": "function"}, "tools": [WEATHER]}, "tool_choice.function.name"),
-    ({"model": "demo", "messages": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
+    (
+        {"model": "demo", "messages": USER, "tool_choice": {"type": "function"}, "tools": [WEATHER]},
+        "tool_choice.function.name",
+    ),
+    (
+        {
+            "model": "demo",
+            "messages": USER,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        "tool_choice",
+    ),
     ({"model": "demo", "messages": USER, "mock_response": 3}, "mock_response"),
 ]
 
@@ -225,7 +284,10 @@ def test_decode_rejects_with_param(body: Any, param: str | None) -> None:
 
 
 def test_images_are_a_clear_400() -> None:
-    content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    content = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+    ]
     with pytest.raises(ApiError) as info:
         decode(messages=[{"role": "user", "content": content}])
     assert info.value.param == "messages[0].content[1]"
@@ -234,7 +296,13 @@ def test_images_are_a_clear_400() -> None:
 
 # ---------------------------------------------------------------- encode (JSON)
 
-TEXT_RUN: list[Event] = [PromptReady(12, 4), ContentDelta("Hello"), ContentDelta(" world"), Finish("stop"), Usage(12, 3, 4)]
+TEXT_RUN: list[Event] = [
+    PromptReady(12, 4),
+    ContentDelta("Hello"),
+    ContentDelta(" world"),
+    Finish("stop"),
+    Usage(12, 3, 4),
+]
 REASONING_TOOL_RUN: list[Event] = [
     PromptReady(30),
     ReasoningDelta("Need the "),
@@ -262,11 +330,21 @@ def test_json_text_completion() -> None:
     assert completion.object == "chat.completion" and completion.id.startswith("chatcmpl-")
     assert completion.model == "demo"
     choice = completion.choices[0]
-    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", "Hello world", "stop")
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant",
+        "Hello world",
+        "stop",
+    )
     assert choice.message.tool_calls is None and "reasoning_content" not in body["choices"][0]["message"]
     assert completion.usage is not None
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (12, 3, 15)
-    assert completion.usage.prompt_tokens_details and completion.usage.prompt_tokens_details.cached_tokens == 4
+    assert (
+        completion.usage.prompt_tokens,
+        completion.usage.completion_tokens,
+        completion.usage.total_tokens,
+    ) == (12, 3, 15)
+    assert (
+        completion.usage.prompt_tokens_details and completion.usage.prompt_tokens_details.cached_tokens == 4
+    )
     assert body["choices"][0]["logprobs"] is None
 
 
@@ -284,7 +362,9 @@ def test_json_reasoning_and_tool_calls() -> None:
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
 
 
-@pytest.mark.parametrize(("reason", "expected"), [("stop", "stop"), ("length", "length"), ("tool_calls", "tool_calls")])
+@pytest.mark.parametrize(
+    ("reason", "expected"), [("stop", "stop"), ("length", "length"), ("tool_calls", "tool_calls")]
+)
 def test_json_finish_reasons(reason: Any, expected: str) -> None:
     body = encode_json([ContentDelta("x"), Finish(reason), Usage(1, 1)])
     assert body["choices"][0]["finish_reason"] == expected
@@ -292,12 +372,20 @@ def test_json_finish_reasons(reason: Any, expected: str) -> None:
 
 def test_json_tokens_without_text_stages_are_content_with_logprobs() -> None:
     tops = (TopLogprob("Hi", -0.1, 5), TopLogprob("Yo", -2.5, 6))
-    events: list[Event] = [TokenText("Hi", 5, -0.1, tops), TokenText("!", 0, -0.3, tops), Finish("stop"), Usage(1, 2)]
+    events: list[Event] = [
+        TokenText("Hi", 5, -0.1, tops),
+        TokenText("!", 0, -0.3, tops),
+        Finish("stop"),
+        Usage(1, 2),
+    ]
     body = encode_json(events, logprobs=True, top_logprobs=1)
     choice = ChatCompletion.model_validate(body).choices[0]
     assert choice.message.content == "Hi!"
     assert choice.logprobs and choice.logprobs.content
-    assert [(t.token, t.logprob, t.bytes) for t in choice.logprobs.content] == [("Hi", -0.1, [72, 105]), ("!", -0.3, [33])]
+    assert [(t.token, t.logprob, t.bytes) for t in choice.logprobs.content] == [
+        ("Hi", -0.1, [72, 105]),
+        ("!", -0.3, [33]),
+    ]
     assert [t.token for t in choice.logprobs.content[0].top_logprobs] == ["Hi"]
 
 
@@ -389,11 +477,19 @@ def test_stream_tool_call_fragments() -> None:
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     assert reasoning == "Need the weather."
     tool_deltas = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert tool_deltas[0] == {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    assert tool_deltas[0] == {
+        "index": 0,
+        "id": "call_a",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
     assert tool_deltas[1] == {"index": 0, "function": {"arguments": '{"city": '}}
     assert tool_deltas[2] == {"index": 0, "function": {"arguments": '"Oslo"}'}}
     # a call whose arguments came only with ToolCallEnd still streams them
-    assert tool_deltas[3]["id"] == "call_b" and tool_deltas[4] == {"index": 1, "function": {"arguments": '{"city": "Rome"}'}}
+    assert tool_deltas[3]["id"] == "call_b" and tool_deltas[4] == {
+        "index": 1,
+        "function": {"arguments": '{"city": "Rome"}'},
+    }
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     final = accumulate(chunks)
     calls = final.choices[0].message.tool_calls
@@ -414,7 +510,12 @@ def test_stream_logprobs_per_chunk() -> None:
 
 
 def test_stream_error_mid_stream_raises_in_sdk() -> None:
-    events: list[Event] = [ContentDelta("partial"), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 1)]
+    events: list[Event] = [
+        ContentDelta("partial"),
+        ErrorEvent("internal", "engine fault"),
+        Finish("error"),
+        Usage(3, 1),
+    ]
     req = decode(stream=True)
     raw = b"".join(PROTOCOL.encode_stream(iter(events), make_ctx(req)))
     assert b"[DONE]" not in raw
@@ -465,7 +566,10 @@ def test_sdk_plain_and_stream() -> None:
     completion = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
     assert completion.choices[0].message.content == "Hello world"
     stream = client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
+        model="demo",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world"
@@ -479,7 +583,9 @@ def test_sdk_tool_round_trip() -> None:
     harness = Harness(PROTOCOL, weather_script)
     client = harness.client
     messages: list[Any] = [{"role": "user", "content": "Weather in Oslo?"}]
-    first = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER], tool_choice="auto")
+    first = client.chat.completions.create(
+        model="demo", messages=messages, tools=[WEATHER], tool_choice="auto"
+    )
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
     call = message.tool_calls[0]
@@ -496,12 +602,16 @@ def test_sdk_tool_round_trip() -> None:
 def test_sdk_bad_request_names_param() -> None:
     client = Harness(PROTOCOL, lambda ctx: []).client
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], temperature=3)
+        client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], temperature=3
+        )
     assert info.value.status_code == 400 and info.value.param == "temperature"
     assert info.value.type == "invalid_request_error"
 
 
 def test_sdk_internal_error_is_500() -> None:
-    client = Harness(PROTOCOL, lambda ctx: [ErrorEvent("internal", "boom"), Finish("error"), Usage(1, 0)]).client
+    client = Harness(
+        PROTOCOL, lambda ctx: [ErrorEvent("internal", "boom"), Finish("error"), Usage(1, 0)]
+    ).client
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])

@@ -19,6 +19,7 @@ import pytest
 from openai import OpenAI, Stream
 
 from pipeserve.api.base import RequestMeta, WireProtocol
+from pipeserve.api.openai_chat import OpenAIChat
 from pipeserve.api.openai_common import (
     LOGPROBS_SCRATCH_KEY,
     LogprobCursor,
@@ -26,7 +27,6 @@ from pipeserve.api.openai_common import (
     param_path,
     reasoning_options,
 )
-from pipeserve.api.openai_chat import OpenAIChat
 from pipeserve.api.openai_responses import OpenAIResponses
 from pipeserve.errors import ApiError
 from pipeserve.events import Event, TokenText, TopLogprob
@@ -128,8 +128,15 @@ def test_param_path_uses_openai_notation() -> None:
 
 @pytest.mark.parametrize(
     ("effort", "enabled", "mapped"),
-    [(None, None, None), ("none", False, None), ("minimal", None, "minimal"), ("low", None, "low"),
-     ("medium", None, "medium"), ("high", None, "high"), ("xhigh", None, "high")],
+    [
+        (None, None, None),
+        ("none", False, None),
+        ("minimal", None, "minimal"),
+        ("low", None, "low"),
+        ("medium", None, "medium"),
+        ("high", None, "high"),
+        ("xhigh", None, "high"),
+    ],
 )
 def test_reasoning_effort_mapping(effort: Any, enabled: Any, mapped: Any) -> None:
     options = reasoning_options(effort, "reasoning_effort")

@@ -52,34 +52,95 @@ CODEX_REQUEST: dict[str, Any] = {
     "model": "demo",
     "input": [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": BASE_PROMPT}]},
-        {"type": "message", "role": "user", "id": "msg_env",
-         "content": [{"type": "input_text", "text": "<environment_context>cwd=/w</environment_context>"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "id": "msg_env",
+            "content": [{"type": "input_text", "text": "<environment_context>cwd=/w</environment_context>"}],
+        },
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Plan: run ls"}],
-         "content": [{"type": "reasoning_text", "text": "I should run ls."}], "encrypted_content": None},
-        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "shell",
-         "arguments": '{"command":["ls"]}', "status": "completed"},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [{"type": "summary_text", "text": "Plan: run ls"}],
+            "content": [{"type": "reasoning_text", "text": "I should run ls."}],
+            "encrypted_content": None,
+        },
+        {
+            "type": "function_call",
+            "id": "fc_1",
+            "call_id": "call_1",
+            "name": "shell",
+            "arguments": '{"command":["ls"]}',
+            "status": "completed",
+        },
         {"type": "function_call_output", "call_id": "call_1", "output": "a.txt\nb.txt"},
-        {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "read", "namespace": "mcp__files__",
-         "arguments": '{"path":"a.txt"}'},
-        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "hello"}]},
-        {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_3", "name": "apply_patch", "input": "*** Begin Patch"},
+        {
+            "type": "function_call",
+            "id": "fc_2",
+            "call_id": "call_2",
+            "name": "read",
+            "namespace": "mcp__files__",
+            "arguments": '{"path":"a.txt"}',
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "call_2",
+            "output": [{"type": "input_text", "text": "hello"}],
+        },
+        {
+            "type": "custom_tool_call",
+            "id": "ctc_1",
+            "call_id": "call_3",
+            "name": "apply_patch",
+            "input": "*** Begin Patch",
+        },
         {"type": "custom_tool_call_output", "call_id": "call_3", "output": "Done"},
-        {"type": "message", "role": "assistant", "id": "msg_1",
-         "content": [{"type": "output_text", "text": "Two files.", "annotations": []}]},
-        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}},
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_1",
+            "content": [{"type": "output_text", "text": "Two files.", "annotations": []}],
+        },
+        {
+            "type": "web_search_call",
+            "id": "ws_1",
+            "status": "completed",
+            "action": {"type": "search", "query": "x"},
+        },
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
     ],
     "tools": [
-        {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
-         "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}}}},
-        {"type": "namespace", "name": "mcp__files__", "description": "File tools", "tools": [
-            {"type": "function", "name": "read", "description": "Read a file",
-             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}},
-            {"type": "custom", "name": "scribble"},
-        ]},
-        {"type": "custom", "name": "apply_patch", "description": "Patch files",
-         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {
+            "type": "function",
+            "name": "shell",
+            "description": "Runs a shell command",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+            },
+        },
+        {
+            "type": "namespace",
+            "name": "mcp__files__",
+            "description": "File tools",
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "read",
+                    "description": "Read a file",
+                    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+                },
+                {"type": "custom", "name": "scribble"},
+            ],
+        },
+        {
+            "type": "custom",
+            "name": "apply_patch",
+            "description": "Patch files",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+        },
         {"type": "tool_search", "description": "Find more tools"},
         {"type": "web_search", "external_web_access": False},
         {"type": "file_search", "vector_store_ids": ["vs_1"]},
@@ -116,12 +177,16 @@ def test_decode_codex_request() -> None:
     assert req.messages[3].reasoning == "I should run ls."  # reasoning content preferred over summary
     calls = [m.tool_calls[0] for m in req.messages[3:9:2]]
     assert [(c.id, c.name) for c in calls] == [
-        ("call_1", "shell"), ("call_2", "mcp__files__.read"), ("call_3", "apply_patch")
+        ("call_1", "shell"),
+        ("call_2", "mcp__files__.read"),
+        ("call_3", "apply_patch"),
     ]
     assert calls[2].arguments == '{"input": "*** Begin Patch"}'
     tools_out = req.messages[4:10:2]
     assert [(m.tool_call_id, m.name, m.content) for m in tools_out] == [
-        ("call_1", "shell", "a.txt\nb.txt"), ("call_2", "mcp__files__.read", "hello"), ("call_3", "apply_patch", "Done")
+        ("call_1", "shell", "a.txt\nb.txt"),
+        ("call_2", "mcp__files__.read", "hello"),
+        ("call_3", "apply_patch", "Done"),
     ]
     assert req.messages[9].content == "Two files." and req.messages[10].content == "thanks"
     assert [t.name for t in req.tools] == ["shell", "mcp__files__.read"]
@@ -130,14 +195,22 @@ def test_decode_codex_request() -> None:
 
 
 def test_decode_instructions_and_string_input() -> None:
-    req = decode(instructions="Be brief.", max_output_tokens=64, temperature=0.3, top_p=0.5, reasoning={"effort": "none"})
+    req = decode(
+        instructions="Be brief.",
+        max_output_tokens=64,
+        temperature=0.3,
+        top_p=0.5,
+        reasoning={"effort": "none"},
+    )
     assert [(m.role, m.content) for m in req.messages] == [("system", "Be brief."), ("user", "hi")]
     assert req.max_tokens == 64 and (req.sampling.temperature, req.sampling.top_p) == (0.3, 0.5)
     assert req.reasoning.enabled is False
 
 
 def test_decode_instructions_merge_with_leading_developer() -> None:
-    req = decode(instructions="A", input=[{"role": "developer", "content": "B"}, {"role": "user", "content": "C"}])
+    req = decode(
+        instructions="A", input=[{"role": "developer", "content": "B"}, {"role": "user", "content": "C"}]
+    )
     assert [(m.role, m.content) for m in req.messages] == [("system", "A\n\nB"), ("user", "C")]
 
 
@@ -145,27 +218,77 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
     ("body", "check"),
     [
         ({"input": [{"role": "user", "content": "x"}]}, lambda r: r.messages[0].content == "x"),
-        ({"input": [{"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s"}]},
-                    {"role": "user", "content": "u"}]}, lambda r: [m.role for m in r.messages] == ["system", "user"]),
-        ({"input": [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}]},
-                    {"role": "assistant", "content": "A"}]}, lambda r: r.messages[1].reasoning == "S"),
-        ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"},
-                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
-         lambda r: len(r.messages) == 2 and r.messages[1].content == "A" and r.messages[1].tool_calls[0].id == "c"),
-        ({"input": [{"role": "user", "content": "q"}, {"type": "function_call_output", "call_id": "zz", "output": {"ok": True}}]},
-         lambda r: r.messages[1].content == '{"ok": true}' and r.messages[1].name is None),
-        ({"input": [{"type": "item_reference", "id": "x"}, {"role": "user", "content": "q"}]}, lambda r: len(r.messages) == 1),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},
-         lambda r: (r.tool_choice.mode, r.tool_choice.name) == ("function", "get_weather")),
+        (
+            {
+                "input": [
+                    {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s"}]},
+                    {"role": "user", "content": "u"},
+                ]
+            },
+            lambda r: [m.role for m in r.messages] == ["system", "user"],
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}]},
+                    {"role": "assistant", "content": "A"},
+                ]
+            },
+            lambda r: r.messages[1].reasoning == "S",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "A"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                ]
+            },
+            lambda r: len(r.messages) == 2
+            and r.messages[1].content == "A"
+            and r.messages[1].tool_calls[0].id == "c",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "function_call_output", "call_id": "zz", "output": {"ok": True}},
+                ]
+            },
+            lambda r: r.messages[1].content == '{"ok": true}' and r.messages[1].name is None,
+        ),
+        (
+            {"input": [{"type": "item_reference", "id": "x"}, {"role": "user", "content": "q"}]},
+            lambda r: len(r.messages) == 1,
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},
+            lambda r: (r.tool_choice.mode, r.tool_choice.name) == ("function", "get_weather"),
+        ),
         ({"tools": [WEATHER], "tool_choice": "required"}, lambda r: r.tool_choice.mode == "required"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}},
-         lambda r: r.tool_choice.mode == "required"),
-        ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, lambda r: r.tool_choice.mode == "auto"),
-        ({"tools": [{"type": "function", "function": {"name": "chat_shape"}}]}, lambda r: r.tools[0].name == "chat_shape"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}},
+            lambda r: r.tool_choice.mode == "required",
+        ),
+        (
+            {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            lambda r: r.tool_choice.mode == "auto",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "chat_shape"}}]},
+            lambda r: r.tools[0].name == "chat_shape",
+        ),
         ({"tools": [{"name": "untyped"}]}, lambda r: r.tools[0].name == "untyped"),
-        ({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, lambda r: (r.logprobs, r.top_logprobs) == (True, 2)),
+        (
+            {"include": ["message.output_text.logprobs"], "top_logprobs": 2},
+            lambda r: (r.logprobs, r.top_logprobs) == (True, 2),
+        ),
         ({"reasoning": {"effort": "xhigh", "summary": "detailed"}}, lambda r: r.reasoning.effort == "high"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, lambda r: r.messages[0].content == "hi"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+            lambda r: r.messages[0].content == "hi",
+        ),
         ({"mock_response": "canned"}, lambda r: r.mock_response == "canned"),
         ({"metadata": {"a": "b"}, "user": "u", "store": True, "truncation": "auto"}, lambda r: True),
     ],
@@ -184,10 +307,22 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "input": ["x"]}, "input[0]"),
     ({"model": "demo", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"model": "demo", "input": [{"role": "user"}]}, "input[0].content"),
-    ({"model": "demo", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
-    ({"model": "demo", "input": [{"role": "user", "content": [{"type": "mystery"}]}]}, "input[0].content[0].type"),
-    ({"model": "demo", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
-    ({"model": "demo", "input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+    (
+        {"model": "demo", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        "input[0].content[0].text",
+    ),
+    (
+        {"model": "demo", "input": [{"role": "user", "content": [{"type": "mystery"}]}]},
+        "input[0].content[0].type",
+    ),
+    (
+        {"model": "demo", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[0].call_id",
+    ),
+    (
+        {"model": "demo", "input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+        "input[0].name",
+    ),
     ({"model": "demo", "input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"model": "demo", "input": [{"type": "reasoning", "summary": "text"}]}, "input[0].summary"),
     ({"model": "demo", "input": "hi", "instructions": 3}, "instructions"),
@@ -204,11 +339,25 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "input": "hi", "background": True}, "background"),
     ({"model": "demo", "input": "hi", "tools": "all"}, "tools"),
     ({"model": "demo", "input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
-    ({"model": "demo", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": []}]}, "tools[0].parameters"),
+    (
+        {"model": "demo", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+        "tools[0].parameters",
+    ),
     ({"model": "demo", "input": "hi", "tools": [{"type": "namespace", "tools": []}]}, "tools[0].name"),
     ({"model": "demo", "input": "hi", "tools": [WEATHER], "tool_choice": "maybe"}, "tool_choice"),
-    ({"model": "demo", "input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
-    ({"model": "demo", "input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    (
+        {"model": "demo", "input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function"}},
+        "tool_choice.name",
+    ),
+    (
+        {
+            "model": "demo",
+            "input": "hi",
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "nope"},
+        },
+        "tool_choice",
+    ),
     ({"model": "demo", "input": "hi", "tool_choice": "required"}, "tool_choice"),
 ]
 
@@ -229,7 +378,10 @@ def test_decode_rejects_with_param(body: Any, param: str | None) -> None:
     ("content", "param"),
     [
         ([{"type": "input_image", "image_url": "data:,"}], "input[0].content[0]"),
-        ([{"type": "input_text", "text": "x"}, {"type": "input_file", "file_id": "f"}], "input[0].content[1]"),
+        (
+            [{"type": "input_text", "text": "x"}, {"type": "input_file", "file_id": "f"}],
+            "input[0].content[1]",
+        ),
     ],
 )
 def test_images_are_a_clear_400(content: Any, param: str) -> None:
@@ -240,7 +392,13 @@ def test_images_are_a_clear_400(content: Any, param: str) -> None:
 
 # ---------------------------------------------------------------- encode
 
-TEXT_RUN: list[Event] = [PromptReady(9, 2), ContentDelta("Hello"), ContentDelta(" there"), Finish("stop"), Usage(9, 2, 2)]
+TEXT_RUN: list[Event] = [
+    PromptReady(9, 2),
+    ContentDelta("Hello"),
+    ContentDelta(" there"),
+    Finish("stop"),
+    Usage(9, 2, 2),
+]
 FULL_RUN: list[Event] = [
     PromptReady(50),
     KeepAlive(),
@@ -264,14 +422,20 @@ def encode_json(events: list[Event], **body: Any) -> dict[str, Any]:
 
 
 def test_json_text_response() -> None:
-    body = encode_json(TEXT_RUN, instructions="Be nice", tools=[WEATHER, {"type": "web_search"}], temperature=0.5)
+    body = encode_json(
+        TEXT_RUN, instructions="Be nice", tools=[WEATHER, {"type": "web_search"}], temperature=0.5
+    )
     response = Response.model_validate(body)
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.status == "completed" and response.model == "demo"
     assert response.output_text == "Hello there"
     (message,) = response.output
     assert message.type == "message" and message.id.startswith("msg_") and message.status == "completed"
-    assert response.usage and (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (9, 2, 11)
+    assert response.usage and (
+        response.usage.input_tokens,
+        response.usage.output_tokens,
+        response.usage.total_tokens,
+    ) == (9, 2, 11)
     assert response.usage.input_tokens_details.cached_tokens == 2
     assert (response.instructions, response.temperature, response.tool_choice) == ("Be nice", 0.5, "auto")
     assert [t.type for t in response.tools] == ["function", "web_search"]
@@ -283,7 +447,11 @@ def test_json_reasoning_message_and_calls_in_order() -> None:
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "message", "function_call", "function_call"]
     reasoning, message, call1, call2 = response.output
-    assert reasoning.id.startswith("rs_") and reasoning.content and reasoning.content[0].text == "The user wants weather."
+    assert (
+        reasoning.id.startswith("rs_")
+        and reasoning.content
+        and reasoning.content[0].text == "The user wants weather."
+    )
     assert reasoning.summary == []
     assert message.content[0].text == "Checking."  # type: ignore[union-attr]
     assert call1.id and call1.id.startswith("fc_") and call1.call_id == "call_w1"  # type: ignore[union-attr]
@@ -411,14 +579,25 @@ def test_stream_length_ends_incomplete() -> None:
 
 
 def test_stream_failure_ends_with_response_failed() -> None:
-    raw = stream_raw([ReasoningDelta("hmm"), ContentDelta("part"), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(1, 1)])
+    raw = stream_raw(
+        [
+            ReasoningDelta("hmm"),
+            ContentDelta("part"),
+            ErrorEvent("internal", "engine fault"),
+            Finish("error"),
+            Usage(1, 1),
+        ]
+    )
     events = data_frames(raw)
     for event in events:
         EVENT_ADAPTER.validate_python(event)
     types = [e["type"] for e in events]
     assert types[-1] == "response.failed" and "response.completed" not in types
     failed = events[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "engine fault"}
+    assert failed["status"] == "failed" and failed["error"] == {
+        "code": "server_error",
+        "message": "engine fault",
+    }
     assert [i["type"] for i in failed["output"]] == ["reasoning", "message"]
     assert failed["output"][1]["status"] == "incomplete"
     with pytest.raises(RuntimeError, match="response.completed"):
@@ -436,8 +615,20 @@ def test_stream_cancel_is_failed() -> None:
 def weather_script(ctx: RequestContext) -> list[Event]:
     last = ctx.request.messages[-1]
     if last.role == "tool":
-        return [PromptReady(40), ReasoningDelta("Got it."), ContentDelta(f"It is {last.content}."), Finish("stop"), Usage(40, 9)]
-    return [PromptReady(30), ReasoningDelta("Use the tool."), *FULL_RUN[5:9], Finish("tool_calls"), Usage(30, 12)]
+        return [
+            PromptReady(40),
+            ReasoningDelta("Got it."),
+            ContentDelta(f"It is {last.content}."),
+            Finish("stop"),
+            Usage(40, 9),
+        ]
+    return [
+        PromptReady(30),
+        ReasoningDelta("Use the tool."),
+        *FULL_RUN[5:9],
+        Finish("tool_calls"),
+        Usage(30, 12),
+    ]
 
 
 def test_sdk_create_and_stream() -> None:
@@ -472,17 +663,30 @@ def test_sdk_tool_round_trip() -> None:
 
 def test_sdk_codex_request_streams() -> None:
     harness = Harness(PROTOCOL, lambda ctx: list(FULL_RUN))
-    known = ("tools", "tool_choice", "parallel_tool_calls", "reasoning", "store", "include", "prompt_cache_key", "text")
+    known = (
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "reasoning",
+        "store",
+        "include",
+        "prompt_cache_key",
+        "text",
+    )
     body = {k: CODEX_REQUEST[k] for k in known}
     extra = {"client_metadata": CODEX_REQUEST["client_metadata"], "service_tier": "auto"}
-    with harness.client.responses.stream(model="demo", input=CODEX_REQUEST["input"], extra_body=extra, **body) as stream:
+    with harness.client.responses.stream(
+        model="demo", input=CODEX_REQUEST["input"], extra_body=extra, **body
+    ) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "Checking."
     assert [t.type for t in final.tools][:3] == ["function", "namespace", "custom"]
 
 
 def test_sdk_errors() -> None:
-    client = Harness(PROTOCOL, lambda ctx: [ErrorEvent("internal", "boom"), Finish("error"), Usage(1, 0)]).client
+    client = Harness(
+        PROTOCOL, lambda ctx: [ErrorEvent("internal", "boom"), Finish("error"), Usage(1, 0)]
+    ).client
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="demo", input="hi", previous_response_id="resp_x")
     assert info.value.param == "previous_response_id"

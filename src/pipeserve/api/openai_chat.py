@@ -1,46 +1,32 @@
-"""OpenAI Chat Completions (`/v1/chat/completions`): request decoder and encoders."""
+"""OpenAI Chat Completions (`/v1/chat/completions`): the request decoder and the protocol.
+
+Encoders live in openai_chat_encode. Unknown body fields are accepted and ignored;
+malformed known fields are a 400 naming the field (`messages[2].content[0].text`).
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
+from pipeserve.api.openai_chat_encode import ChatStreamEncoder, accumulate, completion_body
 from pipeserve.api.openai_common import (
-    KEEPALIVE_FRAME,
     Lenient,
-    LogprobCursor,
-    api_error_from_event,
-    cancelled_error,
-    chat_usage,
+    check,
     check_tool_choice,
-    new_id,
-    now,
+    close_events,
     openai_error_body,
     reasoning_options,
-    require,
     text_of_parts,
     validate,
 )
-from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
-from pipeserve.events import (
-    ContentDelta,
-    ErrorEvent,
-    Event,
-    Finish,
-    KeepAlive,
-    ReasoningDelta,
-    TokenText,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-    Usage,
-)
+from pipeserve.events import Event
 from pipeserve.request import (
     GenerationRequest,
     Message,
@@ -125,37 +111,35 @@ def _message(raw: MessageIn, path: str, call_names: dict[str, str]) -> Message:
     role = raw.role
     if role == "assistant":
         calls = [
-            ToolCall(c.id, c.function.name, _arguments(c.function.arguments))
-            for c in raw.tool_calls or []
+            ToolCall(c.id, c.function.name, _arguments(c.function.arguments)) for c in raw.tool_calls or []
         ]
         call_names.update((c.id, c.name) for c in calls)
         content = text_of_parts(raw.content, f"{path}.content", TEXT_PARTS, IMAGE_PARTS)
         return Message("assistant", content, raw.reasoning_content, calls)
-    require(raw.content is not None, f"Missing required parameter: '{path}.content'.", f"{path}.content")
+    check(raw.content is not None, f"{path}.content")
     content = text_of_parts(raw.content, f"{path}.content", TEXT_PARTS, IMAGE_PARTS)
     if role in ("system", "developer", "user"):
         return Message("system" if role == "developer" else role, content)
     if role == "function":  # legacy function result: no call id
         return Message("tool", content, name=raw.name)
-    where = f"{path}.tool_call_id"
-    require(raw.tool_call_id is not None, f"Missing required parameter: '{where}'.", where)
-    assert raw.tool_call_id is not None
-    name = raw.name or call_names.get(raw.tool_call_id)
-    return Message("tool", content, tool_call_id=raw.tool_call_id, name=name)
+    call_id = raw.tool_call_id
+    check(call_id is not None, f"{path}.tool_call_id")
+    name = raw.name or call_names.get(call_id or "")
+    return Message("tool", content, tool_call_id=call_id, name=name)
 
 
 def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
     specs: list[ToolSpec] = []
     for i, tool in enumerate(raw or []):
         path = f"tools[{i}]"
-        require(isinstance(tool, dict), f"'{path}' must be an object.", path)
+        check(isinstance(tool, dict), path, "expected an object")
         if tool.get("type", "function") != "function":
             continue  # custom / hosted tool types: skipped, not an error
         fn = tool.get("function")
-        require(isinstance(fn, dict), f"Missing required parameter: '{path}.function'.", f"{path}.function")
+        check(isinstance(fn, dict), f"{path}.function")
         name, params = fn.get("name"), fn.get("parameters")
-        require(isinstance(name, str) and name != "", f"Invalid value for '{path}.function.name'.", f"{path}.function.name")
-        require(params is None or isinstance(params, dict), f"Invalid type for '{path}.function.parameters': expected an object.", f"{path}.function.parameters")
+        check(isinstance(name, str) and name != "", f"{path}.function.name")
+        check(params is None or isinstance(params, dict), f"{path}.function.parameters", "expected an object")
         spec = ToolSpec(name, str(fn.get("description") or ""))
         if params:
             spec.parameters = params
@@ -167,12 +151,12 @@ def _tool_choice(raw: Any) -> ToolChoice:
     if raw is None:
         return ToolChoice()
     if isinstance(raw, str):
-        require(raw in ("auto", "none", "required"), f"Invalid value for 'tool_choice': {raw!r}.", "tool_choice")
+        check(raw in ("auto", "none", "required"), "tool_choice", f"unknown mode {raw!r}")
         return ToolChoice(raw)  # type: ignore[arg-type]
-    require(isinstance(raw, dict), "Invalid type for 'tool_choice'.", "tool_choice")
+    check(isinstance(raw, dict), "tool_choice", "expected a string or an object")
     fn = raw.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
-    require(isinstance(name, str), "Missing required parameter: 'tool_choice.function.name'.", "tool_choice.function.name")
+    check(isinstance(name, str), "tool_choice.function.name")
     return ToolChoice("function", name)
 
 
@@ -180,7 +164,8 @@ def _stop(raw: Any) -> list[str]:
     if raw is None:
         return []
     values = [raw] if isinstance(raw, str) else raw
-    require(isinstance(values, list) and all(isinstance(s, str) for s in values), "Invalid type for 'stop': expected a string or an array of strings.", "stop")
+    valid = isinstance(values, list) and all(isinstance(s, str) for s in values)
+    check(valid, "stop", "expected a string or an array of strings")
     return [s for s in values if s]
 
 
@@ -221,153 +206,6 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
     )
 
 
-# ---------------------------------------------------------------- encode
-
-
-FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
-
-
-@dataclass
-class _Call:
-    id: str
-    name: str
-    streamed: str = ""
-    arguments: str | None = None
-
-
-@dataclass
-class _Accumulated:
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, _Call] = field(default_factory=dict)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish: str = "stop"
-    usage: Usage = field(default_factory=lambda: Usage(0, 0))
-
-
-def _finish_reason(event: Finish, has_calls: bool, ctx: RequestContext) -> str:
-    if event.reason == "cancelled":
-        raise cancelled_error(ctx)
-    if event.reason == "error":
-        raise ApiError("internal", "generation failed")
-    if event.reason == "stop" and has_calls:
-        return "tool_calls"
-    return FINISH[event.reason]
-
-
-def _close(events: Iterator[Event]) -> None:
-    close = getattr(events, "close", None)
-    if close is not None:
-        close()
-
-
-def _accumulate(events: Iterator[Event], ctx: RequestContext) -> _Accumulated:
-    acc, cursor = _Accumulated(), LogprobCursor(ctx)
-    for event in events:
-        if isinstance(event, (ContentDelta, TokenText)):
-            acc.content.append(event.text)
-            acc.logprobs += cursor.take(event if isinstance(event, TokenText) else None)
-        elif isinstance(event, ReasoningDelta):
-            acc.reasoning.append(event.text)
-            cursor.skip()
-        elif isinstance(event, ToolCallStart):
-            acc.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
-            cursor.skip()
-        elif isinstance(event, ToolCallArgsDelta) and event.index in acc.calls:
-            acc.calls[event.index].streamed += event.fragment
-        elif isinstance(event, ToolCallEnd) and event.index in acc.calls:
-            acc.calls[event.index].arguments = event.arguments
-        elif isinstance(event, Finish):
-            acc.finish = _finish_reason(event, bool(acc.calls), ctx)
-        elif isinstance(event, Usage):
-            acc.usage = event
-        elif isinstance(event, ErrorEvent):
-            raise api_error_from_event(event)
-    return acc
-
-
-class ChatStreamEncoder:
-    """Turns events into `chat.completion.chunk` SSE frames (one instance per request)."""
-
-    def __init__(self, ctx: RequestContext) -> None:
-        self.ctx = ctx
-        self.id = new_id("chatcmpl-")
-        self.created = now()
-        self.include_usage = bool(getattr(ctx.request, "include_usage", False))
-        self.cursor = LogprobCursor(ctx)
-        self.calls: dict[int, _Call] = {}
-        self.usage = Usage(0, 0)
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: list[dict[str, Any]] | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        if logprobs:
-            choice["logprobs"] = {"content": logprobs, "refusal": None}
-        return sse_event(self._base([choice]))
-
-    def _base(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.ctx.model_name, "choices": choices}
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-    def error(self, err: ApiError) -> bytes:
-        return sse_event(openai_error_body(err))
-
-    def run(self, events: Iterator[Event]) -> Iterator[bytes]:
-        yield self.chunk({"role": "assistant", "content": ""})
-        for event in events:
-            try:
-                frame = self.frame(event)
-            except ApiError as err:
-                yield self.error(err)
-                return
-            if frame:
-                yield frame
-        if self.include_usage:
-            yield sse_event({**self._base([]), "usage": chat_usage(self.usage)})
-        yield sse_event("[DONE]")
-
-    def frame(self, event: Event) -> bytes | None:
-        if isinstance(event, (ContentDelta, TokenText)):
-            direct = event if isinstance(event, TokenText) else None
-            logprobs = self.cursor.take(direct)
-            return self.chunk({"content": event.text}, logprobs=logprobs) if event.text else None
-        if isinstance(event, ReasoningDelta):
-            self.cursor.skip()
-            return self.chunk({"reasoning_content": event.text}) if event.text else None
-        if isinstance(event, (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)):
-            return self.tool_frame(event)
-        if isinstance(event, Finish):
-            return self.chunk({}, _finish_reason(event, bool(self.calls), self.ctx))
-        if isinstance(event, Usage):
-            self.usage = event
-        elif isinstance(event, ErrorEvent):
-            raise api_error_from_event(event)
-        elif isinstance(event, KeepAlive):
-            return KEEPALIVE_FRAME
-        return None
-
-    def tool_frame(self, event: ToolCallStart | ToolCallArgsDelta | ToolCallEnd) -> bytes | None:
-        if isinstance(event, ToolCallStart):
-            self.cursor.skip()
-            call = self.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
-            fn = {"name": call.name, "arguments": ""}
-            return self.chunk({"tool_calls": [{"index": event.index, "id": call.id, "type": "function", "function": fn}]})
-        existing = self.calls.get(event.index)
-        if existing is None:
-            return None
-        if isinstance(event, ToolCallArgsDelta):
-            fragment = event.fragment
-        elif event.arguments.startswith(existing.streamed):
-            fragment = event.arguments[len(existing.streamed) :]  # text never streamed
-        else:
-            return None  # coerced arguments differ from the streamed ones: cannot retract
-        existing.streamed += fragment
-        if not fragment:
-            return None
-        return self.chunk({"tool_calls": [{"index": event.index, "function": {"arguments": fragment}}]})
-
-
 @register_protocol
 class OpenAIChat(WireProtocol):
     name = "openai-chat"
@@ -377,42 +215,19 @@ class OpenAIChat(WireProtocol):
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         try:
-            acc = _accumulate(events, ctx)
+            acc = accumulate(events, ctx)
         finally:
-            _close(events)
+            close_events(events)
         return completion_body(acc, ctx)
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
         try:
             yield from ChatStreamEncoder(ctx).run(events)
         finally:
-            _close(events)
+            close_events(events)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return openai_error_body(error)
-
-
-def completion_body(acc: _Accumulated, ctx: RequestContext) -> dict[str, Any]:
-    content = "".join(acc.content)
-    calls = [acc.calls[i] for i in sorted(acc.calls)]
-    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    if calls:
-        message["content"] = content if content.strip() else None
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.streamed if c.arguments is None else c.arguments}}
-            for c in calls
-        ]
-    if acc.reasoning:
-        message["reasoning_content"] = "".join(acc.reasoning)
-    logprobs = {"content": acc.logprobs, "refusal": None} if ctx.request.logprobs else None
-    return {
-        "id": new_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": now(),
-        "model": ctx.model_name,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": acc.finish}],
-        "usage": chat_usage(acc.usage),
-    }
 
 
 __all__ = ["ChatGenerationRequest", "OpenAIChat", "decode_chat"]

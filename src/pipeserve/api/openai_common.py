@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeserve.api.sse import sse_comment
 from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
-from pipeserve.events import ErrorEvent, TokenText, Usage
+from pipeserve.events import ErrorEvent, Event, TokenText, Usage
 from pipeserve.request import ReasoningOptions, ToolChoice, ToolSpec
 from pipeserve.stages.base import RequestContext
 
@@ -63,6 +63,13 @@ def validate(model: type[M], data: Any, path: str = "") -> M:
         raise _api_error(exc, path) from None
 
 
+def close_events(events: Iterator[Event]) -> None:
+    """Close the upstream generator chain so stages and the engine job are released."""
+    close = getattr(events, "close", None)
+    if close is not None:
+        close()
+
+
 def _api_error(exc: ValidationError, prefix: str) -> ApiError:
     error = exc.errors(include_url=False)[0]
     param = param_path(error["loc"], prefix)
@@ -72,37 +79,39 @@ def _api_error(exc: ValidationError, prefix: str) -> ApiError:
     return invalid(f"Invalid {kind} for '{param}': {error['msg']}.", param)
 
 
-def require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise invalid(message, param)
+def check(condition: bool, param: str, problem: str = "missing") -> None:
+    """Raise a 400 naming `param` unless condition holds; problem "missing" or a reason."""
+    if condition:
+        return
+    if problem == "missing":
+        raise invalid(f"Missing required parameter: '{param}'.", param)
+    raise invalid(f"Invalid value for '{param}': {problem}.", param)
 
 
 def images_unsupported(param: str) -> ApiError:
     return invalid("images are not supported by this model", param)
 
 
-def text_of_parts(
-    parts: Any, path: str, text_types: frozenset[str], image_types: frozenset[str]
-) -> str:
+def text_of_parts(parts: Any, path: str, text_types: frozenset[str], image_types: frozenset[str]) -> str:
     """Concatenate the text of a content-part list; image parts are a clear 400."""
     if isinstance(parts, str):
         return parts
     if parts is None:
         return ""
-    require(isinstance(parts, list), f"'{path}' must be a string or an array.", path)
+    check(isinstance(parts, list), path, "expected a string or an array of content parts")
     texts: list[str] = []
     for i, part in enumerate(parts):
         where = f"{path}[{i}]"
-        require(isinstance(part, dict), f"'{where}' must be an object.", where)
+        check(isinstance(part, dict), where, "expected an object")
         kind = part.get("type")
         if kind in image_types:
             raise images_unsupported(where)
         if kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
             continue
-        require(kind in text_types, f"Invalid value for '{where}.type': {kind!r}.", f"{where}.type")
+        check(kind in text_types, f"{where}.type", f"unsupported content part type {kind!r}")
         text = part.get("text")
-        require(isinstance(text, str), f"Missing or invalid '{where}.text'.", f"{where}.text")
+        check(isinstance(text, str), f"{where}.text", "expected a string")
         texts.append(text)
     return "".join(texts)
 
@@ -121,7 +130,7 @@ def reasoning_options(effort: str | None, param: str) -> ReasoningOptions:
     """`none` turns reasoning off; efforts above `high` clamp to `high`."""
     if effort is None:
         return ReasoningOptions()
-    require(effort in EFFORTS, f"Invalid value for '{param}': {effort!r}.", param)
+    check(effort in EFFORTS, param, f"{effort!r} is not one of {', '.join(EFFORTS)}")
     if effort == "none":
         return ReasoningOptions(enabled=False)
     clamped = "high" if effort in ("xhigh", "max") else effort
@@ -237,8 +246,7 @@ class LogprobCursor:
             "logprob": float(logprob),
             "bytes": list(text.encode()),
             "top_logprobs": [
-                {"token": t.token, "logprob": float(t.logprob), "bytes": list(t.token.encode())}
-                for t in tops
+                {"token": t.token, "logprob": float(t.logprob), "bytes": list(t.token.encode())} for t in tops
             ],
         }
 
@@ -251,7 +259,9 @@ __all__ = [
     "api_error_from_event",
     "cancelled_error",
     "chat_usage",
+    "check",
     "check_tool_choice",
+    "close_events",
     "images_unsupported",
     "new_id",
     "openai_error_body",

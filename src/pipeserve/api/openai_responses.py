@@ -17,11 +17,11 @@ from pydantic import Field
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
 from pipeserve.api.openai_common import (
     Lenient,
+    check,
     check_tool_choice,
-    new_id,
+    close_events,
     openai_error_body,
     reasoning_options,
-    require,
     text_of_parts,
     validate,
 )
@@ -129,7 +129,7 @@ class _History:
             self.reasoning = []
 
     def add(self, item: Any, path: str) -> None:
-        require(isinstance(item, dict), f"'{path}' must be an object.", path)
+        check(isinstance(item, dict), path, "expected an object")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             msg = validate(MessageItem, item, path)
@@ -172,7 +172,9 @@ def _output_text(output: Any, path: str) -> str:
 
 
 def _part_texts(parts: list[Any] | None) -> list[str]:
-    return [p["text"] for p in parts or [] if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]]
+    return [
+        p["text"] for p in parts or [] if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]
+    ]
 
 
 def _messages(req: ResponsesRequestIn) -> list[Message]:
@@ -188,7 +190,7 @@ def _messages(req: ResponsesRequestIn) -> list[Message]:
         raise invalid("Missing required parameter: 'input'.", "input")
     else:
         raise invalid("Invalid type for 'input': expected a string or an array of items.", "input")
-    require(bool(history.messages), "'input' must contain at least one message.", "input")
+    check(bool(history.messages), "input", "expected at least one message")
     return _merge_leading_system(history.messages)
 
 
@@ -209,8 +211,8 @@ def _merge_leading_system(messages: list[Message]) -> list[Message]:
 def _function_spec(tool: dict[str, Any], path: str, namespace: str | None = None) -> ToolSpec:
     fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat shape too
     name, params = fn.get("name"), fn.get("parameters")
-    require(isinstance(name, str) and name != "", f"Missing required parameter: '{path}.name'.", f"{path}.name")
-    require(params is None or isinstance(params, dict), f"Invalid type for '{path}.parameters': expected an object.", f"{path}.parameters")
+    check(isinstance(name, str) and name != "", f"{path}.name")
+    check(params is None or isinstance(params, dict), f"{path}.parameters", "expected an object")
     spec = ToolSpec(f"{namespace}.{name}" if namespace else name, str(fn.get("description") or ""))
     if params:
         spec.parameters = params
@@ -221,13 +223,13 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
     specs: list[ToolSpec] = []
     for i, tool in enumerate(raw or []):
         path = f"tools[{i}]"
-        require(isinstance(tool, dict), f"'{path}' must be an object.", path)
+        check(isinstance(tool, dict), path, "expected an object")
         kind = tool.get("type", "function")
         if kind == "function":
             specs.append(_function_spec(tool, path))
         elif kind == "namespace" and isinstance(tool.get("tools"), list):
             ns = tool.get("name")
-            require(isinstance(ns, str) and ns != "", f"Missing required parameter: '{path}.name'.", f"{path}.name")
+            check(isinstance(ns, str) and ns != "", f"{path}.name")
             for j, inner in enumerate(tool["tools"]):
                 if isinstance(inner, dict) and inner.get("type", "function") == "function":
                     specs.append(_function_spec(inner, f"{path}.tools[{j}]", ns))
@@ -239,12 +241,12 @@ def _tool_choice(raw: Any) -> ToolChoice:
     if raw is None:
         return ToolChoice()
     if isinstance(raw, str):
-        require(raw in ("auto", "none", "required"), f"Invalid value for 'tool_choice': {raw!r}.", "tool_choice")
+        check(raw in ("auto", "none", "required"), "tool_choice", f"unknown mode {raw!r}")
         return ToolChoice(raw)  # type: ignore[arg-type]
-    require(isinstance(raw, dict), "Invalid type for 'tool_choice'.", "tool_choice")
+    check(isinstance(raw, dict), "tool_choice", "expected a string or an object")
     if raw.get("type") == "function":
         name = raw.get("name")
-        require(isinstance(name, str), "Missing required parameter: 'tool_choice.name'.", "tool_choice.name")
+        check(isinstance(name, str), "tool_choice.name")
         namespace = raw.get("namespace")
         return ToolChoice("function", f"{namespace}.{name}" if namespace else name)
     if raw.get("type") == "allowed_tools" and raw.get("mode") == "required":
@@ -255,7 +257,10 @@ def _tool_choice(raw: Any) -> ToolChoice:
 def decode_responses(body: Any) -> ResponsesGenerationRequest:
     req = validate(ResponsesRequestIn, body)
     if req.previous_response_id is not None:
-        raise invalid("previous_response_id is not supported: this server stores no responses; resend the full input.", "previous_response_id")
+        raise invalid(
+            "previous_response_id is not supported: this server stores no responses; resend the full input.",
+            "previous_response_id",
+        )
     if req.conversation is not None:
         raise invalid("conversation is not supported: this server stores no conversations.", "conversation")
     if req.background:
@@ -321,7 +326,7 @@ class OpenAIResponses(WireProtocol):
             for event in events:
                 builder.feed(event)
         finally:
-            _close(events)
+            close_events(events)
         last = builder.final()[-1]
         assert isinstance(last, dict)
         return last["response"]
@@ -342,7 +347,7 @@ class OpenAIResponses(WireProtocol):
             except ApiError as err:
                 yield from _frames([builder.failed(err)])
         finally:
-            _close(events)
+            close_events(events)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return openai_error_body(error)
@@ -353,10 +358,4 @@ def _frames(events: list[dict[str, Any] | bytes]) -> Iterator[bytes]:
         yield event if isinstance(event, bytes) else sse_event(event, event["type"])
 
 
-def _close(events: Iterator[Event]) -> None:
-    close = getattr(events, "close", None)
-    if close is not None:
-        close()
-
-
-__all__ = ["OpenAIResponses", "ResponsesGenerationRequest", "decode_responses", "new_id"]
+__all__ = ["OpenAIResponses", "ResponsesGenerationRequest", "decode_responses"]

@@ -183,7 +183,13 @@ class ResponsesBuilder:
 
     def open_text_item(self, kind: str) -> list[Frame]:
         if kind == "message":
-            item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            item = {
+                "id": new_id("msg_"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
             item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
@@ -209,7 +215,9 @@ class ResponsesBuilder:
         if namespace:
             item["namespace"] = namespace
         self.open = _Open(len(self.output), item, call_index=event.index)
-        frames.append(self.event("response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)))
+        frames.append(
+            self.event("response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item))
+        )
         return frames
 
     def call_delta(self, call_index: int, fragment: str) -> list[Frame]:
@@ -257,15 +265,34 @@ class ResponsesBuilder:
         ids = {"item_id": item["id"], "output_index": current.index}
         if item["type"] == "message":
             part = item["content"][0]
-            frames.append(self.event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=part["logprobs"]))
+            frames.append(
+                self.event(
+                    "response.output_text.done",
+                    **ids,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                )
+            )
             frames.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
         elif item["type"] == "reasoning":
             part = item["content"][0]
-            frames.append(self.event("response.reasoning_text.done", **ids, content_index=0, text=part["text"]))
+            frames.append(
+                self.event("response.reasoning_text.done", **ids, content_index=0, text=part["text"])
+            )
             frames.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
         else:
-            frames.append(self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"], name=item["name"]))
-        frames.append(self.event("response.output_item.done", output_index=current.index, item=copy.deepcopy(item)))
+            frames.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    **ids,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                )
+            )
+        frames.append(
+            self.event("response.output_item.done", output_index=current.index, item=copy.deepcopy(item))
+        )
         return frames
 
 

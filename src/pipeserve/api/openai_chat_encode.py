@@ -1,0 +1,217 @@
+"""Encoders for Chat Completions: `chat.completion` bodies and `chat.completion.chunk` SSE.
+
+Reasoning goes out as `reasoning_content`; tool calls stream as `tool_calls` deltas
+whose first fragment carries index/id/type/name and later ones argument text only.
+A failure mid-stream is a `data: {"error": ...}` frame (the openai SDK raises APIError
+on it) and no `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeserve.api.openai_common import (
+    KEEPALIVE_FRAME,
+    LogprobCursor,
+    api_error_from_event,
+    cancelled_error,
+    chat_usage,
+    new_id,
+    now,
+    openai_error_body,
+)
+from pipeserve.api.sse import sse_event
+from pipeserve.errors import ApiError
+from pipeserve.events import (
+    ContentDelta,
+    ErrorEvent,
+    Event,
+    Finish,
+    KeepAlive,
+    ReasoningDelta,
+    TokenText,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from pipeserve.stages.base import RequestContext
+
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    streamed: str = ""
+    arguments: str | None = None
+
+
+@dataclass
+class Accumulated:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, _Call] = field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish: str = "stop"
+    usage: Usage = field(default_factory=lambda: Usage(0, 0))
+
+
+def _finish_reason(event: Finish, has_calls: bool, ctx: RequestContext) -> str:
+    if event.reason == "cancelled":
+        raise cancelled_error(ctx)
+    if event.reason == "error":
+        raise ApiError("internal", "generation failed")
+    if event.reason == "stop" and has_calls:
+        return "tool_calls"
+    return FINISH[event.reason]
+
+
+def accumulate(events: Iterator[Event], ctx: RequestContext) -> Accumulated:
+    acc, cursor = Accumulated(), LogprobCursor(ctx)
+    for event in events:
+        if isinstance(event, (ContentDelta, TokenText)):
+            acc.content.append(event.text)
+            acc.logprobs += cursor.take(event if isinstance(event, TokenText) else None)
+        elif isinstance(event, ReasoningDelta):
+            acc.reasoning.append(event.text)
+            cursor.skip()
+        elif isinstance(event, ToolCallStart):
+            acc.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
+            cursor.skip()
+        elif isinstance(event, ToolCallArgsDelta) and event.index in acc.calls:
+            acc.calls[event.index].streamed += event.fragment
+        elif isinstance(event, ToolCallEnd) and event.index in acc.calls:
+            acc.calls[event.index].arguments = event.arguments
+        elif isinstance(event, Finish):
+            acc.finish = _finish_reason(event, bool(acc.calls), ctx)
+        elif isinstance(event, Usage):
+            acc.usage = event
+        elif isinstance(event, ErrorEvent):
+            raise api_error_from_event(event)
+    return acc
+
+
+class ChatStreamEncoder:
+    """Turns events into `chat.completion.chunk` SSE frames (one instance per request)."""
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.id = new_id("chatcmpl-")
+        self.created = now()
+        self.include_usage = bool(getattr(ctx.request, "include_usage", False))
+        self.cursor = LogprobCursor(ctx)
+        self.calls: dict[int, _Call] = {}
+        self.usage = Usage(0, 0)
+
+    def chunk(
+        self, delta: dict[str, Any], finish: str | None = None, logprobs: list[dict[str, Any]] | None = None
+    ) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if logprobs:
+            choice["logprobs"] = {"content": logprobs, "refusal": None}
+        return sse_event(self._base([choice]))
+
+    def _base(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def error(self, err: ApiError) -> bytes:
+        return sse_event(openai_error_body(err))
+
+    def run(self, events: Iterator[Event]) -> Iterator[bytes]:
+        yield self.chunk({"role": "assistant", "content": ""})
+        for event in events:
+            try:
+                frame = self.frame(event)
+            except ApiError as err:
+                yield self.error(err)
+                return
+            if frame:
+                yield frame
+        if self.include_usage:
+            yield sse_event({**self._base([]), "usage": chat_usage(self.usage)})
+        yield sse_event("[DONE]")
+
+    def frame(self, event: Event) -> bytes | None:
+        if isinstance(event, (ContentDelta, TokenText)):
+            direct = event if isinstance(event, TokenText) else None
+            logprobs = self.cursor.take(direct)
+            return self.chunk({"content": event.text}, logprobs=logprobs) if event.text else None
+        if isinstance(event, ReasoningDelta):
+            self.cursor.skip()
+            return self.chunk({"reasoning_content": event.text}) if event.text else None
+        if isinstance(event, (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)):
+            return self.tool_frame(event)
+        if isinstance(event, Finish):
+            return self.chunk({}, _finish_reason(event, bool(self.calls), self.ctx))
+        if isinstance(event, Usage):
+            self.usage = event
+        elif isinstance(event, ErrorEvent):
+            raise api_error_from_event(event)
+        elif isinstance(event, KeepAlive):
+            return KEEPALIVE_FRAME
+        return None
+
+    def tool_frame(self, event: ToolCallStart | ToolCallArgsDelta | ToolCallEnd) -> bytes | None:
+        if isinstance(event, ToolCallStart):
+            self.cursor.skip()
+            call = self.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
+            fn = {"name": call.name, "arguments": ""}
+            return self.chunk(
+                {"tool_calls": [{"index": event.index, "id": call.id, "type": "function", "function": fn}]}
+            )
+        existing = self.calls.get(event.index)
+        if existing is None:
+            return None
+        if isinstance(event, ToolCallArgsDelta):
+            fragment = event.fragment
+        elif event.arguments.startswith(existing.streamed):
+            fragment = event.arguments[len(existing.streamed) :]  # text never streamed
+        else:
+            return None  # coerced arguments differ from the streamed ones: cannot retract
+        existing.streamed += fragment
+        if not fragment:
+            return None
+        return self.chunk({"tool_calls": [{"index": event.index, "function": {"arguments": fragment}}]})
+
+
+def completion_body(acc: Accumulated, ctx: RequestContext) -> dict[str, Any]:
+    content = "".join(acc.content)
+    calls = [acc.calls[i] for i in sorted(acc.calls)]
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["content"] = content if content.strip() else None
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.streamed if c.arguments is None else c.arguments},
+            }
+            for c in calls
+        ]
+    if acc.reasoning:
+        message["reasoning_content"] = "".join(acc.reasoning)
+    logprobs = {"content": acc.logprobs, "refusal": None} if ctx.request.logprobs else None
+    return {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": ctx.model_name,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": acc.finish}],
+        "usage": chat_usage(acc.usage),
+    }
+
+
+__all__ = ["ChatStreamEncoder", "accumulate", "completion_body"]
