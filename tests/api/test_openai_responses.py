@@ -692,3 +692,20 @@ def test_sdk_errors() -> None:
     assert info.value.param == "previous_response_id"
     with pytest.raises(openai.InternalServerError):
         client.responses.create(model="demo", input="hi")
+
+
+def test_sealed_reasoning_round_trip() -> None:
+    """include=reasoning.encrypted_content: a stateless client gets the reasoning back next turn."""
+    body = encode_json(FULL_RUN, include=["reasoning.encrypted_content"])
+    reasoning = Response.model_validate(body).output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+    echoed = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
+    req = decode(input=[{"role": "user", "content": "q"}, echoed, {"role": "assistant", "content": "A"}])
+    assert req.messages[1].reasoning == "The user wants weather."
+    assert "encrypted_content" not in encode_json(FULL_RUN)["output"][0]
+
+
+def test_foreign_encrypted_reasoning_is_ignored() -> None:
+    item = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}], "encrypted_content": "gAAAAB..."}
+    req = decode(input=[{"role": "user", "content": "q"}, item, {"role": "assistant", "content": "A"}])
+    assert req.messages[1].reasoning == "S"

@@ -25,7 +25,7 @@ from pipeserve.api.openai_common import (
     text_of_parts,
     validate,
 )
-from pipeserve.api.openai_responses_encode import ResponsesBuilder
+from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import Event
@@ -92,6 +92,7 @@ class CustomCallItem(Lenient):
 class ReasoningItem(Lenient):
     summary: list[Any] | None = None
     content: list[Any] | None = None
+    encrypted_content: str | None = None
 
 
 @dataclass(slots=True)
@@ -153,7 +154,8 @@ class _History:
             self.messages.append(Message("tool", text, tool_call_id=out.call_id, name=name))
         elif kind == "reasoning":
             reasoning = validate(ReasoningItem, item, path)
-            texts = _part_texts(reasoning.content) or _part_texts(reasoning.summary)
+            sealed = open_reasoning(reasoning.encrypted_content)
+            texts = _part_texts(reasoning.content) or ([sealed] if sealed else _part_texts(reasoning.summary))
             if texts:
                 self.reasoning.append("\n".join(texts))
         # other item types (item_reference, web_search_call, tool_search_*, compaction...) are skipped
@@ -307,6 +309,7 @@ def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
         "metadata": req.metadata or {},
         "text": req.text or {"format": {"type": "text"}},
         "top_logprobs": req.top_logprobs or 0,
+        "include": req.include or [],
     }
 
 

@@ -9,6 +9,7 @@ which arrives after Finish, so it is produced by `final()` once the events end.
 
 from __future__ import annotations
 
+import base64
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,27 @@ from pipeserve.events import (
 from pipeserve.stages.base import RequestContext
 
 Frame = dict[str, Any] | bytes
+SEALED_REASONING = "reasoning.encrypted_content"
+_SEAL_PREFIX = "pipeserve.v1:"
+
+
+def seal_reasoning(text: str) -> str:
+    """Our `encrypted_content`: the reasoning text itself (we keep no secrets, only state).
+
+    Stateless clients (Codex: store false) send reasoning items back with it, so the next
+    turn's prompt can carry the reasoning even when the item's content is dropped.
+    """
+    return _SEAL_PREFIX + base64.b64encode(text.encode()).decode("ascii")
+
+
+def open_reasoning(blob: object) -> str | None:
+    """The text of a blob we sealed; None for anything else (e.g. real OpenAI blobs)."""
+    if not isinstance(blob, str) or not blob.startswith(_SEAL_PREFIX):
+        return None
+    try:
+        return base64.b64decode(blob[len(_SEAL_PREFIX) :], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 @dataclass
@@ -59,6 +81,7 @@ class ResponsesBuilder:
         self.id = new_id("resp_")
         self.created_at = now()
         self.echo: dict[str, Any] = dict(getattr(ctx.request, "echo", {}) or {})
+        self.seal = SEALED_REASONING in self.echo.get("include", ())
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: _Open | None = None
@@ -246,6 +269,8 @@ class ResponsesBuilder:
             item["status"] = status
         elif item["type"] == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]
+            if self.seal:
+                item["encrypted_content"] = seal_reasoning(text)
         else:
             item["arguments"] = item["arguments"] or text
             item["status"] = status
@@ -296,4 +321,4 @@ class ResponsesBuilder:
         return frames
 
 
-__all__ = ["ResponsesBuilder"]
+__all__ = ["SEALED_REASONING", "ResponsesBuilder", "open_reasoning", "seal_reasoning"]
