@@ -148,6 +148,25 @@ def test_text_after_tool_call_and_remaining_arguments() -> None:
     assert body["content"] == [{"type": "tool_use", "id": "toolu_x", "name": "f", "input": {"a": 1}}, {"type": "text", "text": "done"}]
 
 
+def test_call_cut_at_max_tokens_keeps_its_text() -> None:
+    events = [
+        PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"city": "Pa'),
+        ToolCallEnd(0, '{"city": "Pa'), Finish("length"), Usage(5, 4),
+    ]
+    body = encode_both(events)
+    assert body["content"] == [
+        {"type": "tool_use", "id": "toolu_x", "name": "f", "input": {}},
+        {"type": "text", "text": '{"city": "Pa'},
+    ]
+    assert body["stop_reason"] == "max_tokens"
+
+
+def test_malformed_arguments_are_not_streamed_as_json() -> None:
+    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallEnd(0, "city=Paris"), Finish("tool_calls"), Usage(5, 4)]
+    body = encode_both(events)
+    assert body["content"][1] == {"type": "text", "text": "city=Paris"}
+
+
 @pytest.mark.parametrize(
     ("finish", "stop_reason", "stop_sequence"),
     [(Finish("length"), "max_tokens", None), (Finish("stop", stop_sequence="END"), "stop_sequence", "END"), (Finish("stop"), "end_turn", None)],

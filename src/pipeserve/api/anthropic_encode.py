@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -223,6 +224,13 @@ class _MessageStream:
         if self.open_tool != event.index:
             return
         final = event.arguments
+        if not is_json_object(final):
+            # A call cut at max_tokens or malformed: an invalid suffix would make SDKs raise
+            # while parsing input_json_delta, so the raw text follows as a text block instead.
+            log.warning("tool call %d: arguments are not a JSON object: %.200s", event.index, final)
+            yield from self.close_block()
+            yield from self.delta("text", final)
+            return
         if final.startswith(self.sent_args):
             yield from self.tool_args(event.index, final[len(self.sent_args) :])
         else:
@@ -264,6 +272,15 @@ class _MessageStream:
             yield from self.end()
         else:
             yield from self.fail("internal", "generation ended without a finish reason")
+
+
+def is_json_object(text: str) -> bool:
+    if not text.strip():
+        return True  # no arguments at all: input stays {}
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def message_events(events: Iterable[Event], ctx: RequestContext) -> Iterator[dict[str, Any]]:
