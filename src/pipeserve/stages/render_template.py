@@ -1,0 +1,151 @@
+"""render_template: turn the normalized request into the prompt (text and token ids).
+
+Two renderers:
+- `chat_template`: the model tokenizer's own chat template, rendered by transformers
+  (sandboxed jinja) from OpenAI-style message dicts, tools as JSON-schema functions;
+- `harmony`: openai-harmony's renderer for GPT-OSS (see render_harmony.py).
+
+Per request (prepare) it sets ctx.prompt, ctx.prompt_token_ids and
+ctx.prompt_opened_thinking (the rendered prompt, right-stripped, ends with think_start).
+The stage passes events through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from pydantic import Field
+
+from pipeserve.errors import ApiError
+from pipeserve.events import Event
+from pipeserve.request import GenerationRequest, Message, ToolSpec
+from pipeserve.stages.base import BuildEnv, RequestContext, Stage, StageParams, register_stage
+
+
+class RenderParams(StageParams):
+    renderer: Literal["chat_template", "harmony"] = Field(
+        "chat_template",
+        description="chat_template: the tokenizer's chat template; harmony: openai-harmony (GPT-OSS).",
+    )
+    think_start: str | None = Field(
+        None, description="Reasoning start tag; a prompt ending with it opened a think block."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra template variables (harmony: model_identity, knowledge_cutoff, "
+        "conversation_start_date).",
+    )
+
+
+class RenderStage:
+    """Shared pass-through behaviour; subclasses implement `render`."""
+
+    def __init__(self, params: RenderParams, env: BuildEnv) -> None:
+        self.params = params
+        self.env = env
+
+    def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
+        raise NotImplementedError
+
+    def prepare(self, ctx: RequestContext) -> None:
+        prompt, token_ids = self.render(ctx.request)
+        if not token_ids:
+            raise ApiError("invalid_request", "The conversation rendered to an empty prompt.", "messages")
+        ctx.prompt = prompt
+        ctx.prompt_token_ids = token_ids
+        start = self.params.think_start
+        ctx.prompt_opened_thinking = bool(start) and prompt.rstrip().endswith(start)
+
+    def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
+        return events
+
+
+class ChatTemplateStage(RenderStage):
+    """Renders with the HF tokenizer's chat template (as transformers does)."""
+
+    def hf_tokenizer(self) -> Any:
+        runtime = self.env.runtime
+        if runtime is None:
+            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
+        return getattr(runtime.tokenizer, "_tokenizer", runtime.tokenizer)
+
+    def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
+        tokenizer = self.hf_tokenizer()
+        tools = None if request.tool_choice.mode == "none" else template_tools(request.tools)
+        try:
+            prompt = tokenizer.apply_chat_template(
+                template_messages(request.messages),
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **self.template_kwargs(request),
+            )
+        except TemplateError as exc:
+            raise ApiError("invalid_request", f"The chat template rejected the conversation: {exc}", "messages") from exc
+        return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
+
+    def template_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
+        kwargs = dict(self.params.chat_template_kwargs)
+        if request.reasoning.enabled is not None:
+            kwargs["enable_thinking"] = request.reasoning.enabled
+        if request.reasoning.effort is not None:
+            kwargs["reasoning_effort"] = request.reasoning.effort
+        if request.tool_choice.mode in ("required", "function"):
+            kwargs["enable_thinking"] = False  # the tool_calls stage prefills the call
+        return kwargs
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI-style message dicts, the shape chat templates expect."""
+    names = {call.id: call.name for m in messages for call in m.tool_calls}
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.reasoning is not None:
+            item["reasoning_content"] = message.reasoning
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call_arguments(call.arguments)},
+                }
+                for call in message.tool_calls
+            ]
+        if message.role == "tool":
+            item["tool_call_id"] = message.tool_call_id
+            item["name"] = message.name or names.get(message.tool_call_id or "")
+        out.append(item)
+    return out
+
+
+def call_arguments(arguments: str) -> Any:
+    """Arguments as a mapping when they are a JSON object (templates iterate them)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in tools
+    ]
+
+
+@register_stage("render_template", RenderParams, role="render")
+def render_template(params: RenderParams, env: BuildEnv) -> Stage:
+    """Render the request into the model's prompt (chat template or Harmony)."""
+    if params.renderer == "harmony":
+        from pipeserve.stages.render_harmony import HarmonyStage
+
+        return HarmonyStage(params, env)
+    return ChatTemplateStage(params, env)

@@ -1,0 +1,75 @@
+"""Shared fixtures: the offline demo models, built once and reused across test runs.
+
+PIPESERVE_HOME defaults to `<repo>/.pipeserve-home` for the whole test session (set at
+configure time, so server subprocesses inherit it); an already exported PIPESERVE_HOME
+wins. Demo models are built there at most once (atomic builds; versioned folders), so
+only the first run pays the ~30 s build.
+
+    def test_x(demo_model_dir, demo_tokenizer, demo_model):
+        path = demo_model_dir("qwen3")          # Path of a model mlx_lm.load() loads
+        tok = demo_tokenizer("glm")             # mlx_lm TokenizerWrapper (cached)
+        model, tok = demo_model("gpt-oss")      # mlx_lm.load() result (cached)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("PIPESERVE_HOME", str(REPO / ".pipeserve-home"))
+
+
+@pytest.fixture(scope="session")
+def pipeserve_home() -> Path:
+    """The session's PIPESERVE_HOME (shared with server subprocesses)."""
+    from pipeserve.engine.demo import pipeserve_home as home
+
+    return home()
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(pipeserve_home: Path) -> Callable[[str], Path]:
+    """family -> directory of its demo model (built on first use)."""
+    from pipeserve.engine.demo import ensure_demo_model
+
+    return cache(lambda family: ensure_demo_model(family, pipeserve_home))
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_model_dir: Callable[[str], Path]) -> Callable[[str], Any]:
+    """family -> mlx_lm TokenizerWrapper of its demo model (loaded once per session)."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    def load(family: str) -> Any:
+        path = demo_model_dir(family)
+        return load_tokenizer(path, eos_token_ids=load_config(path).get("eos_token_id"))
+
+    return cache(load)
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_model_dir: Callable[[str], Path]) -> Callable[[str], tuple[Any, Any]]:
+    """family -> (model, TokenizerWrapper) from mlx_lm.load (loaded once per session)."""
+    import mlx_lm
+
+    return cache(lambda family: tuple(mlx_lm.load(str(demo_model_dir(family)))))
+
+
+@pytest.fixture(scope="session")
+def harmony_encoding(pipeserve_home: Path) -> Any:
+    """openai-harmony's GPT-OSS encoding, loaded offline from our o200k_base.tiktoken."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    from pipeserve.engine.demo import ensure_tiktoken_base
+
+    ensure_tiktoken_base(pipeserve_home)
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
