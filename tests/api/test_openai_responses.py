@@ -709,3 +709,10 @@ def test_foreign_encrypted_reasoning_is_ignored() -> None:
     item = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}], "encrypted_content": "gAAAAB..."}
     req = decode(input=[{"role": "user", "content": "q"}, item, {"role": "assistant", "content": "A"}])
     assert req.messages[1].reasoning == "S"
+
+
+def test_empty_generation_still_has_a_message_item() -> None:
+    events = data_frames(stream_raw([PromptReady(3), Finish("stop"), Usage(3, 1)]))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["content"][0]["text"]) for i in done] == [("message", "")]
+    assert events[-1]["type"] == "response.completed"

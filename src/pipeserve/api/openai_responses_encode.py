@@ -187,7 +187,10 @@ class ResponsesBuilder:
         if event.reason == "error":
             raise ApiError("internal", "generation failed")
         self.finish = event
-        return self.close_open(incomplete=event.reason == "length")
+        frames: list[Frame] = []
+        if not self.output and self.open is None:  # nothing generated: still answer with a message
+            frames += self.open_text_item("message")
+        return frames + self.close_open(incomplete=event.reason == "length")
 
     def text(self, kind: str, delta: str, logprobs: list[dict[str, Any]]) -> list[Frame]:
         frames: list[Frame] = []
