@@ -7,7 +7,7 @@ and the SDK's own stream accumulation over our SSE bytes must give the same mess
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -199,6 +199,20 @@ def test_error_mid_stream_is_an_error_event() -> None:
     frames = sse([PromptReady(3), ContentDelta("partial"), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 1)])
     assert frames[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine fault"}})
     assert "message_stop" not in [name for name, _ in frames]
+
+
+def test_rest_of_the_stream_is_drained_and_generation_cancelled_after_an_error() -> None:
+    seen: list[Event] = []
+    ctx = make_ctx()
+
+    def source() -> Iterator[Event]:
+        for event in [PromptReady(3), ErrorEvent("internal", "boom"), Finish("error"), Usage(3, 1)]:
+            seen.append(event)
+            yield event
+
+    frames = list(PROTOCOL.encode_stream(source(), ctx))
+    assert frames[-1].startswith(b"event: error\n")
+    assert seen[-1] == Usage(3, 1) and ctx.cancelled and ctx.cancel_reason == "error"
 
 
 def test_error_before_output_raises_in_json_mode() -> None:

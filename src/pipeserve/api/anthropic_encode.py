@@ -112,6 +112,7 @@ class _MessageStream:
         self.ctx = ctx
         self.started = False
         self.done = False
+        self.failed = False
         self.index = -1  # index of the last started block
         self.open_kind: str | None = None  # "thinking" | "text" | "tool_use" while open
         self.open_tool: int | None = None  # ToolCallStart.index of the open tool_use block
@@ -261,7 +262,7 @@ class _MessageStream:
         self.done = True
 
     def fail(self, kind: str, message: str) -> Iterator[dict[str, Any]]:
-        self.done = True
+        self.done = self.failed = True
         yield error_event(kind, message)
 
     def close(self) -> Iterator[dict[str, Any]]:
@@ -284,10 +285,22 @@ def is_json_object(text: str) -> bool:
 
 
 def message_events(events: Iterable[Event], ctx: RequestContext) -> Iterator[dict[str, Any]]:
-    """The Anthropic stream events (as dicts) for one request's pipeline events."""
+    """The Anthropic stream events (as dicts) for one request's pipeline events.
+
+    After the last client event (message_stop, error, or a cancelled end) the rest of
+    the pipeline stream is drained, so Usage still reaches wrappers such as metrics;
+    after an error, generation is cancelled first so the drain is short.
+    """
     state = _MessageStream(ctx)
-    for event in events:
+    stream = iter(events)
+    for event in stream:
         yield from state.handle(event)
         if state.done:
-            return
-    yield from state.close()
+            break
+    else:
+        yield from state.close()
+        return
+    if state.failed:
+        ctx.cancel("error")
+    for _ in stream:
+        pass
