@@ -247,3 +247,12 @@ def test_error_bodies(kind: Any, status: int, anthropic_type: str) -> None:
     error = ApiError(kind, "what happened")
     assert PROTOCOL.error_status(error) == status
     assert PROTOCOL.error_body(error) == {"type": "error", "error": {"type": anthropic_type, "message": "what happened"}}
+
+
+def test_sse_framing_helpers() -> None:
+    from pipeserve.api.sse import sse_comment, sse_event
+
+    assert sse_event({"type": "ping", "text": "a\nb é"}, "ping") == 'event: ping\ndata: {"type":"ping","text":"a\\nb é"}\n\n'.encode()
+    assert sse_event("[DONE]") == b"data: [DONE]\n\n"
+    assert sse_comment("keep-alive") == b": keep-alive\n\n"
+    assert sse_comment() == b":\n\n"
