@@ -162,6 +162,7 @@ def test_decode_defaults() -> None:
         ({"temperature": 0, "top_p": 1}, lambda r: (r.sampling.temperature, r.sampling.top_p) == (0, 1)),
         ({"top_k": -1}, lambda r: r.sampling.top_k == 0),
         ({"n": 1}, lambda r: True),
+        ({"messages": [{"role": "assistant", "content": "a", "reasoning": "r"}]}, lambda r: r.messages[0].reasoning == "r"),
         ({"tool_choice": "none", "tools": [WEATHER]}, lambda r: r.tool_choice.mode == "none"),
         ({"tool_choice": "required", "tools": [WEATHER]}, lambda r: r.tool_choice.mode == "required"),
         ({"tools": [{"function": WEATHER["function"]}]}, lambda r: r.tools[0].name == "get_weather"),

@@ -59,6 +59,7 @@ class MessageIn(Lenient):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: Any = None  # the newer vLLM / OpenRouter spelling (a string when used that way)
 
 
 class StreamOptions(Lenient):
@@ -115,7 +116,10 @@ def _message(raw: MessageIn, path: str, call_names: dict[str, str]) -> Message:
         ]
         call_names.update((c.id, c.name) for c in calls)
         content = text_of_parts(raw.content, f"{path}.content", TEXT_PARTS, IMAGE_PARTS)
-        return Message("assistant", content, raw.reasoning_content, calls)
+        reasoning = raw.reasoning_content
+        if reasoning is None and isinstance(raw.reasoning, str):
+            reasoning = raw.reasoning
+        return Message("assistant", content, reasoning, calls)
     check(raw.content is not None, f"{path}.content")
     content = text_of_parts(raw.content, f"{path}.content", TEXT_PARTS, IMAGE_PARTS)
     if role in ("system", "developer", "user"):
