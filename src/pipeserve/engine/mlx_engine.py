@@ -11,12 +11,15 @@ thread that made them (DESIGN.md section 5).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import queue
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob
@@ -63,7 +66,7 @@ class MlxEngine:
         self._loaded = os_event()
         self._stopped = os_event()
         self._load_model = load_model
-        self._thread = start_os_thread(self._run, name=f"pipeserve-engine-{name}")
+        start_os_thread(self._run, name=f"pipeserve-engine-{name}")
         self._loaded.wait()
         if self._load_error is not None:
             raise RuntimeError(f"model {name}: loading failed: {self._load_error}") from self._load_error
@@ -110,8 +113,6 @@ class MlxEngine:
             self._closed = True
         self._inbox.put(_CLOSE)
         self._stopped.wait(timeout)
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     # -- engine thread ------------------------------------------------------------
 
@@ -132,8 +133,21 @@ class MlxEngine:
         finally:
             batch.close(courier)
             courier.flush()
-            del batch  # free MLX state on the thread that made it
+            del batch  # free MLX state on the thread that made it (mlx_lm.server does too)
+            mx.synchronize()
+            gc.collect()
             self._stopped.set()
+        self._park()
+
+    def _park(self) -> None:
+        """Never let the engine thread exit.
+
+        MLX keeps a per-thread compile cache whose thread-exit destructor takes the
+        GIL; if that races with interpreter shutdown the process aborts ("terminate
+        called without an active exception"). A parked daemon thread never runs it.
+        """
+        while True:
+            self._inbox.get()
 
     def _loop(self, batch: Batch, courier: Courier) -> None:
         while True:

@@ -24,7 +24,7 @@ REPETITION_CONTEXT = 64
 
 
 def make_sampler(params: SamplingParams, vocab_size: int | None = None) -> Sampler:
-    if params.temperature <= 0:
+    if params.temperature <= 0 or params.top_p <= 0:
         return greedy_sampler
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     filters = _filters(params, vocab_size)

@@ -1,0 +1,48 @@
+"""From a configured model entry to a running ModelRuntime (tokenizer + engine).
+
+    runtime = build_runtime(entry)      # loads the tokenizer (and the model for mlx)
+    stream = runtime.engine.submit(job) # from any request greenlet / thread
+    runtime.engine.close()              # at worker shutdown
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pipeserve.config.models import ModelEntry
+from pipeserve.engine.base import ModelRuntime
+from pipeserve.engine.loader import context_length, eos_token_ids, load_tokenizer, resolve_source
+
+log = logging.getLogger("pipeserve.engine")
+
+
+def build_runtime(entry: ModelEntry, keepalive_interval: float | None = None) -> ModelRuntime:
+    """Resolve the source, load the tokenizer (and the weights for engine mlx), start the engine."""
+    model_dir = resolve_source(entry.source)
+    tokenizer = load_tokenizer(model_dir)
+    eos = eos_token_ids(tokenizer, model_dir)
+    options = entry.options
+    if entry.engine == "replay":
+        from pipeserve.engine.replay import ReplayEngine
+
+        engine = ReplayEngine(
+            entry.name, tokenizer, eos, entry.replay.completion, entry.replay.delay,
+            capacity=options.max_batch + options.queue_size, keepalive_interval=keepalive_interval,
+        )  # fmt: skip
+        engine.max_tokens_limit = options.max_tokens_limit
+    else:
+        from pipeserve.engine.mlx_engine import build_mlx_engine
+
+        engine = build_mlx_engine(entry.name, model_dir, tokenizer, options, keepalive_interval=keepalive_interval)
+    log.info("model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos))
+    return ModelRuntime(
+        name=entry.name,
+        family=entry.pipeline,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        engine=engine,
+        eos_token_ids=eos,
+        context_length=options.context_length or context_length(model_dir),
+        default_max_tokens=options.default_max_tokens,
+        stats={},
+    )

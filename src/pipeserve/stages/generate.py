@@ -1,0 +1,144 @@
+"""generate: submit the rendered prompt to the model's engine and stream its events.
+
+prepare (before the response starts, so failures become 4xx / 429 / 529):
+  prompt ids = ctx.prompt_token_ids + the tokenized ctx.assistant_prefill; the context
+  length is checked; max_tokens defaults and is capped (by the model's max_tokens_limit
+  and the room left in the context); the job goes to the engine (unless ctx.dry_run)
+  and ctx.cancel() is wired to the stream's cancel().
+__call__: upstream events pass through, then the engine's PromptReady, TokenText...,
+  Finish, Usage (KeepAlive while nothing happens). The prefill is not re-emitted:
+  the tool_calls stage starts its parser in the prefilled state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import Field
+
+from pipeserve.engine.base import GenerationJob, ModelRuntime
+from pipeserve.errors import ApiError
+from pipeserve.events import Event
+from pipeserve.request import GenerationRequest, SamplingParams
+from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
+
+STREAM_KEY = "generate.stream"
+PROMPT_IDS_KEY = "generate.prompt_token_ids"
+KEEPALIVE_KEY = "keepalive_interval"  # ctx.scratch: the server's keep-alive interval
+DEFAULT_KEEPALIVE = 5.0
+
+
+class GenerateParams(StageParams):
+    keepalive_interval: float | None = Field(
+        None, gt=0, description="Seconds without a token before a KeepAlive event (default: the server's, else 5)."
+    )
+
+
+class GenerateStage:
+    """Runs the model (or the replay script) for the request."""
+
+    def __init__(self, params: GenerateParams, env: BuildEnv) -> None:
+        self.params = params
+        self.env = env
+
+    @property
+    def runtime(self) -> ModelRuntime:
+        if self.env.runtime is None:
+            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
+        return self.env.runtime
+
+    def prepare(self, ctx: RequestContext) -> None:
+        runtime = self.runtime
+        request = ctx.request
+        prompt = self.prompt_ids(ctx, runtime)
+        limit = runtime.context_length
+        if limit is not None and len(prompt) >= limit:
+            raise ApiError(
+                "invalid_request",
+                f"The prompt is {len(prompt)} tokens long; this model's context length is {limit} tokens "
+                "(prompt plus at least one generated token). Shorten the conversation.",
+                "messages",
+            )
+        check_sampling(request.sampling)
+        accepts_mock = bool(getattr(runtime.engine, "accepts_mock_response", False))
+        if request.mock_response is not None and not accepts_mock:
+            raise ApiError(
+                "invalid_request",
+                f"mock_response is only accepted by replay models; {ctx.model_name!r} runs a real model.",
+                "mock_response",
+            )
+        job = GenerationJob(
+            request_id=ctx.request_id,
+            prompt_token_ids=prompt,
+            sampling=request.sampling,
+            max_tokens=self.max_tokens(request, runtime, len(prompt)),
+            stop_token_ids=runtime.eos_token_ids,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs if request.logprobs else 0,
+            mock_completion=request.mock_response,
+        )
+        ctx.scratch[PROMPT_IDS_KEY] = prompt
+        if ctx.dry_run:
+            return
+        stream = runtime.engine.submit(job)
+        keepalive = self.params.keepalive_interval or ctx.scratch.get(KEEPALIVE_KEY) or DEFAULT_KEEPALIVE
+        if hasattr(stream, "keepalive_interval"):
+            stream.keepalive_interval = keepalive
+        ctx.scratch[STREAM_KEY] = stream
+        ctx.on_cancel(stream.cancel)
+
+    def prompt_ids(self, ctx: RequestContext, runtime: ModelRuntime) -> list[int]:
+        if ctx.prompt_token_ids is not None:
+            prompt = list(ctx.prompt_token_ids)
+        elif ctx.prompt is not None:
+            prompt = encode(runtime.tokenizer, ctx.prompt)
+        else:
+            raise ApiError("internal", "generate: no prompt was rendered (is render_template the first stage?)")
+        if ctx.assistant_prefill:
+            prompt += encode(runtime.tokenizer, ctx.assistant_prefill)
+        if not prompt:
+            raise ApiError("invalid_request", "The conversation rendered to an empty prompt.", "messages")
+        return prompt
+
+    def max_tokens(self, request: GenerationRequest, runtime: ModelRuntime, prompt_len: int) -> int:
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise ApiError("invalid_request", "max_tokens must be at least 1.", "max_tokens")
+        wanted = request.max_tokens or runtime.default_max_tokens
+        cap = getattr(runtime.engine, "max_tokens_limit", None)
+        if cap is not None:
+            wanted = min(wanted, cap)
+        if runtime.context_length is not None:
+            wanted = min(wanted, runtime.context_length - prompt_len)
+        return max(1, wanted)
+
+    def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
+        yield from events
+        stream = ctx.scratch.get(STREAM_KEY)
+        if stream is None:
+            return
+        yield from stream
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of text that continues a rendered prompt (special tokens recognized)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    problems = (
+        ("temperature", sampling.temperature < 0, "must be >= 0"),
+        ("top_p", not 0 <= sampling.top_p <= 1, "must be in [0, 1]"),
+        ("top_k", sampling.top_k < 0, "must be >= 0"),
+        ("min_p", not 0 <= sampling.min_p <= 1, "must be in [0, 1]"),
+        ("repetition_penalty", sampling.repetition_penalty <= 0, "must be > 0"),
+    )
+    for name, bad, rule in problems:
+        if bad:
+            raise ApiError("invalid_request", f"{name} {rule}.", name)
+
+
+@register_stage("generate", GenerateParams, role="generate")
+def build_generate(params: GenerateParams, env: BuildEnv) -> GenerateStage:
+    """Generate tokens with the model's engine (MLX, or replay of a scripted completion)."""
+    return GenerateStage(params, env)
