@@ -76,7 +76,8 @@ class _Split:
                 return
         self.fresh = False
         if not self.reasoning:
-            out.append(dataclasses.replace(token, text=text))
+            same = text == token.text
+            out.append(token if same else TokenText(text, token.token_id, token.logprob, token.top_logprobs))
             return
         if self.p.emit_tags_in_content:
             out.append(ContentDelta(text))

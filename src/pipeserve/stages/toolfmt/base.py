@@ -13,11 +13,8 @@ from pipeserve.stages.toolfmt.coerce import coerce, dumps
 from pipeserve.stages.toolfmt.json_stream import JsonStreamer
 from pipeserve.stages.toolfmt.markers import MarkerSet, Splitter
 
-_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-
-
 def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+    return "call_" + secrets.token_hex(12)
 
 
 class CallSink:

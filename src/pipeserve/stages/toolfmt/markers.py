@@ -27,6 +27,13 @@ class MarkerSet:
     def __bool__(self) -> bool:
         return bool(self.markers)
 
+    def absent(self, text: str) -> bool:
+        """True when no marker can start anywhere in text (the common, fast case)."""
+        for ch in self._first:
+            if ch in text:
+                return False
+        return True
+
     def find(self, text: str, start: int = 0) -> tuple[int, str | None]:
         """Position and text of the earliest marker at or after `start` (longest on ties)."""
         best, found = -1, None
@@ -56,8 +63,8 @@ class MarkerSet:
 class Splitter:
     """Splits streamed text at markers; the caller may switch marker sets between parts.
 
-    Usage: `for text, marker in splitter.feed(piece, lambda: current_markers)`; each item
-    is text before a marker (marker None at the end, when the rest is safe to release).
+    Loop: `buf = take(piece)`, then `split(buf, markers)` until no marker is left, and
+    keep the returned tail in `held` for the next piece.
     """
 
     __slots__ = ("held",)
@@ -68,8 +75,10 @@ class Splitter:
     def split(self, text: str, markers: MarkerSet) -> tuple[str, str | None, str]:
         """(before, marker, after) for the earliest marker; else (safe, None, held tail).
 
-        The held tail is kept in `self.held` only by `take`; `split` is pure.
+        The caller stores the held tail in `self.held`; `split` itself is pure.
         """
+        if markers.absent(text):
+            return text, None, ""
         i, marker = markers.find(text)
         if marker is not None:
             return text[:i], marker, text[i + len(marker) :]
