@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ DEMO_FAMILIES: tuple[str, ...] = ("qwen3", "gpt-oss", "glm", "kimi")
 DEMO_VERSION = 2  # bump when the builder's output changes; old builds are ignored
 DEMO_PREFIX = "demo:"
 WEIGHT_SCALE = 4.0  # MLX's default init makes tiny models repeat one token
+_INIT_LOCK = threading.Lock()  # mx.random.seed is process-global: one weight init at a time
 
 
 def pipeserve_home() -> Path:
@@ -156,13 +158,14 @@ def _write_weights(config: dict[str, Any], seed: int, path: Path) -> None:
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
     weights: dict[str, mx.array] = {}
-    for name, value in tree_flatten(model.parameters()):
-        value = value.astype(mx.float32)
-        weights[name] = value * WEIGHT_SCALE if value.ndim >= 2 else value
-    mx.eval(weights)
+    with _INIT_LOCK:
+        mx.random.seed(seed)
+        model = model_class(args_class.from_dict(config))
+        for name, value in tree_flatten(model.parameters()):
+            value = value.astype(mx.float32)
+            weights[name] = value * WEIGHT_SCALE if value.ndim >= 2 else value
+        mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
 
