@@ -258,3 +258,19 @@ def test_harmony_minimal_prompt(harmony: Stage) -> None:
 def test_harmony_rejects_unknown_kwargs() -> None:
     with pytest.raises(ValueError, match="enable_thinking"):
         make_stage("gpt-oss", None, renderer="harmony", chat_template_kwargs={"enable_thinking": False})
+
+
+def test_trailing_assistant_message_is_continued(qwen3: Stage, glm: Stage) -> None:
+    messages = [Message("user", "Name a colour."), Message("assistant", "The colour is")]
+    ctx = rendered(qwen3, messages=messages)
+    assert ctx.prompt is not None and ctx.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe colour is")
+    assert not ctx.prompt_opened_thinking
+    glm_ctx = rendered(glm, messages=messages)
+    assert glm_ctx.prompt is not None and glm_ctx.prompt.endswith("<|assistant|></think>The colour is")
+    assert not glm_ctx.prompt_opened_thinking
+
+
+def test_prefill_continuation_can_be_turned_off(demo_tokenizer: Callable[[str], Any]) -> None:
+    stage = make_stage("qwen3", demo_tokenizer("qwen3"), continue_final_assistant=False)
+    ctx = rendered(stage, messages=[Message("user", "Hi"), Message("assistant", "Hello")])
+    assert ctx.prompt is not None and ctx.prompt.endswith("Hello<|im_end|>\n<|im_start|>assistant\n")

@@ -33,6 +33,11 @@ class RenderParams(StageParams):
     think_start: str | None = Field(
         None, description="Reasoning start tag; a prompt ending with it opened a think block."
     )
+    continue_final_assistant: bool = Field(
+        True,
+        description="A conversation ending with an assistant message (prefill) is continued "
+        "instead of answered in a new turn (chat_template renderer).",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra template variables (harmony: model_identity, knowledge_cutoff, "
@@ -75,15 +80,17 @@ class ChatTemplateStage(RenderStage):
     def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
         tokenizer = self.hf_tokenizer()
         tools = None if request.tool_choice.mode == "none" else template_tools(request.tools)
+        continuing = self.params.continue_final_assistant and is_prefill(request.messages)
         try:
             prompt = tokenizer.apply_chat_template(
                 template_messages(request.messages),
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=not continuing,
+                continue_final_message=continuing,
                 tokenize=False,
                 **self.template_kwargs(request),
             )
-        except TemplateError as exc:
+        except (TemplateError, ValueError) as exc:
             raise ApiError("invalid_request", f"The chat template rejected the conversation: {exc}", "messages") from exc
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
 
@@ -96,6 +103,11 @@ class ChatTemplateStage(RenderStage):
         if request.tool_choice.mode in ("required", "function"):
             kwargs["enable_thinking"] = False  # the tool_calls stage prefills the call
         return kwargs
+
+
+def is_prefill(messages: list[Message]) -> bool:
+    """The conversation ends with assistant text to continue (Anthropic-style prefill)."""
+    return bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls and bool(messages[-1].content)
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
