@@ -71,6 +71,18 @@ class RenderStage:
 class ChatTemplateStage(RenderStage):
     """Renders with the HF tokenizer's chat template (as transformers does)."""
 
+    def __init__(self, params: RenderParams, env: BuildEnv) -> None:
+        super().__init__(params, env)
+        if env.runtime is not None:  # compile (transformers caches it) and fail at startup
+            tokenizer = self.hf_tokenizer()
+            if not getattr(tokenizer, "chat_template", None):
+                message = "has no chat template; use renderer: harmony or a model with one"
+                raise ValueError(f"model {env.model_name!r} {message}")
+            try:
+                tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+            except (TemplateError, ValueError) as exc:
+                raise ValueError(f"model {env.model_name!r}: its chat template does not render: {exc}") from exc
+
     def hf_tokenizer(self) -> Any:
         runtime = self.env.runtime
         if runtime is None:
@@ -91,7 +103,8 @@ class ChatTemplateStage(RenderStage):
                 **self.template_kwargs(request),
             )
         except (TemplateError, ValueError) as exc:
-            raise ApiError("invalid_request", f"The chat template rejected the conversation: {exc}", "messages") from exc
+            message = f"The chat template rejected the conversation: {exc}"
+            raise ApiError("invalid_request", message, "messages") from exc
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
 
     def template_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
@@ -107,7 +120,8 @@ class ChatTemplateStage(RenderStage):
 
 def is_prefill(messages: list[Message]) -> bool:
     """The conversation ends with assistant text to continue (Anthropic-style prefill)."""
-    return bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls and bool(messages[-1].content)
+    last = messages[-1] if messages else None
+    return last is not None and last.role == "assistant" and not last.tool_calls and bool(last.content)
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
