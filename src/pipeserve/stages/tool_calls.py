@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -74,10 +74,7 @@ class ToolCallsStage:
         out: list[Event] = []
         prefill = ctx.scratch.get(_PREFILL_KEY, "")
         if prefill:
-            if isinstance(parser, HarmonyFormat):
-                parser.prefill(prefill, out)
-            else:
-                parser.feed(prefill, out)
+            parser.prefill(prefill, out)
             yield from (e for e in out if type(e) is not ContentDelta)
             out.clear()
         finished = False
@@ -102,7 +99,7 @@ class ToolCallsStage:
             parser.finish("cancelled", out)
             yield from out
 
-    def _parser(self, sink: CallSink, calls_enabled: bool) -> Any:
+    def _parser(self, sink: CallSink, calls_enabled: bool) -> ToolFormat:
         cfg = self.cfg
         if self.format == "json":
             return JsonFormat(sink, cfg.start, cfg.end)
@@ -131,4 +128,4 @@ def build_tool_calls(params: ToolCallsParams, env: BuildEnv) -> ToolCallsStage:
     return stage
 
 
-__all__ = ["ToolCallsParams", "ToolCallsStage", "ToolFormat"]
+__all__ = ["ToolCallsParams", "ToolCallsStage"]

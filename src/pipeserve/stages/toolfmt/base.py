@@ -85,6 +85,9 @@ class ToolFormat(Protocol):
 
     reasoning_tokens: int | None
 
+    def prefill(self, text: str, out: list[Event]) -> None:
+        """Parse the forced assistant prefix (tool_choice) as if the model had written it."""
+
     def feed_token(self, token: TokenText, out: list[Event]) -> None: ...
 
     def finish(self, reason: str, out: list[Event]) -> None: ...
@@ -97,6 +100,9 @@ class MarkerParser:
 
     def __init__(self) -> None:
         self._splitter = Splitter()
+
+    def prefill(self, text: str, out: list[Event]) -> None:
+        self.feed(text, out)
 
     def feed_token(self, token: TokenText, out: list[Event]) -> None:
         if token.text:
