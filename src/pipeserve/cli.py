@@ -130,7 +130,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = args.config or Path(os.environ.get("PIPESERVE_CONFIG") or DEFAULT_CONFIG)
     if not config.is_file():
         raise UsageError(f"no such config file: {config}")
-    load_server_config(config)  # refuse to start on any problem (ConfigError -> exit 1)
+    try:
+        load_server_config(config)
+    except ConfigError as exc:
+        print_problems(exc.problems)
+        print(f"pipeserve: refusing to start: {config} is invalid", file=sys.stderr)
+        return 1
     from pipeserve.serving import serve
 
     result = serve(config_path=config, host=args.host, port=args.port, workers=args.workers)

@@ -113,6 +113,7 @@ def test_serve_refuses_an_invalid_config(tree: Tree, capsys: pytest.CaptureFixtu
     assert main(["serve", "--config", str(config)]) == 1
     assert capsys.readouterr().err == (  # files inside the working directory are named relative to it
         "configs/bad.yaml:7:40: endpoints[0].api: unknown api 'openai'; did you mean 'openai-chat'?\n"
+        f"pipeserve: refusing to start: {config} is invalid\n"
     )
 
 
