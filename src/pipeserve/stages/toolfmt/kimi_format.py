@@ -41,6 +41,7 @@ class KimiFormat(MarkerParser):
         self.raw: list[str] = []  # raw text of the unfinished call (for the fallback)
         self.call_id: list[str] = []
         self.args: StreamedArgs | None = None
+        self.loose: list[str] = []  # text between calls in a section: content unless blank
 
     def _markers(self) -> MarkerSet:
         return self._sets[self.state]
@@ -53,13 +54,13 @@ class KimiFormat(MarkerParser):
             self.call_id.append(text)
             self.raw.append(text)
         elif self.state == SECTION:
-            if text.strip():
-                content(text, out)
+            self.loose.append(text)
         else:
             content(text, out)
 
     def _marker(self, marker: str, out: list[Event]) -> None:
         state = self.state
+        self._flush_loose(out)
         if marker == self.section_start:
             self.state, self.raw = SECTION, [marker]
         elif marker == self.start:
@@ -87,8 +88,15 @@ class KimiFormat(MarkerParser):
         content("".join(self.raw) + marker, out)
         self.raw, self.state = [], SECTION if marker != self.section_end else CONTENT
 
+    def _flush_loose(self, out: list[Event]) -> None:
+        if self.loose:
+            text, self.loose = "".join(self.loose), []
+            if text.strip():
+                content(text, out)
+
     def finish(self, reason: str, out: list[Event]) -> None:
         self.flush(out)
+        self._flush_loose(out)
         if self.args is not None:
             self.args.cut(out)
         elif self.state == CALL_ID:
