@@ -30,7 +30,7 @@ class _Split:
 
     def __init__(self, params: ThinkingParams, start_set: MarkerSet, end_set: MarkerSet, reasoning: bool) -> None:
         self.p = params
-        self.sets = (start_set, end_set)
+        self.sets = (start_set, end_set)  # indexed by self.reasoning: what to look for next
         self.splitter = Splitter()
         self.reasoning = reasoning
         self.strip = params.strip_leading_newlines and not params.emit_tags_in_content
@@ -59,9 +59,7 @@ class _Split:
         held = self.splitter.flush()
         if held:
             self._emit(held, token or TokenText("", -1), out)
-        if self.newlines and not self.strip:
-            out.append(ReasoningDelta(self.newlines))
-        self.newlines = ""
+        self.newlines = ""  # trailing reasoning newlines at a cut: whitespace only, dropped
 
     def _switch(self, marker: str, out: list[Event]) -> None:
         self.reasoning = not self.reasoning
