@@ -52,7 +52,7 @@ def gunicorn_options(config: Any, host: str, port: int, workers: int, log_level:
         # The engine runs on its own OS thread, so the hub keeps beating during decode;
         # the timeout still bounds a wedged worker. Model loading happens before it counts.
         "timeout": 120,
-        "graceful_timeout": server.graceful_timeout,
+        "graceful_timeout": int(server.graceful_timeout),
         "keepalive": 75,
         "loglevel": log_level,
         "accesslog": "-",
