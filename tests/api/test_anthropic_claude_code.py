@@ -4,16 +4,21 @@
 `role: "system"` message inside `messages`, tools without `type` (JSON Schema draft-07,
 additionalProperties false), thinking adaptive, context_management, output_config,
 metadata, max_tokens 32000, stream true. It must decode (not 400), and the stream we
-send back must be accumulated by the SDK's beta stream as Claude Code does.
+send back must be accumulated by the SDK's beta stream as Claude Code does. The last
+tests run it through the real Falcon app (in process, WSGI) on a replay model.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx2 as httpx  # the anthropic SDK runs on httpx2 (same API as httpx)
+import pytest
+from anthropic._streaming import SSEDecoder
 
 from pipeserve.api.anthropic_messages import AnthropicMessages
 from pipeserve.api.base import RequestMeta
@@ -141,3 +146,81 @@ def test_beta_stream_accumulates_our_answer() -> None:
     assert final.stop_reason == "tool_use"
     usage = final.usage
     assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (18_000 - 16_384, 16_384, 25)
+
+
+# -- through the real app (in-process WSGI, replay engine, real qwen3 pipeline) ---------
+
+REPO = Path(__file__).resolve().parents[2]
+REPLAY = "<think>\nA greeting.\n</think>\n\nHi!"
+TOOL_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", "timeout": "5"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def app_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    from pipeserve.loading import build_app_from_config
+
+    config = tmp_path_factory.mktemp("anthropic") / "server.yaml"
+    config.write_text(
+        f"pipelines_dir: {REPO / 'pipelines'}\n"
+        "server: {host: 127.0.0.1, port: 8080}\n"
+        "models:\n"
+        f"  - {{name: demo, source: 'demo:qwen3', pipeline: qwen3, engine: replay, replay: {{completion: {json.dumps(REPLAY)}}}}}\n"
+        "endpoints:\n"
+        "  - {route: /v1/messages, api: anthropic-messages}\n"
+        "  - {route: /anthropic/v1/messages, api: anthropic-messages}\n"
+    )
+    app = build_app_from_config(config)
+    with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://test") as http:
+        yield http
+
+
+def test_app_streams_claude_code_request(app_client: httpx.Client) -> None:
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": META.headers["anthropic-beta"], "x-api-key": "k"}
+    response = app_client.post("/v1/messages?beta=true", json=claude_code_body(), headers=headers)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [(sse.event, sse.json()) for sse in SSEDecoder().iter_bytes(iter([response.content]))]
+    names = [name for name, _ in events if name != "ping"]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert all(name == data["type"] for name, data in events)
+    input_tokens = events[0][1]["message"]["usage"]["input_tokens"]
+    assert input_tokens > 10_000  # the ~75 KB prompt, really rendered and counted
+    counted = app_client.post("/v1/messages/count_tokens?beta=true", json=claude_code_body(), headers=headers)
+    assert counted.status_code == 200 and counted.json() == {"input_tokens": input_tokens}
+    blocks = [data["content_block"]["type"] for name, data in events if name == "content_block_start"]
+    assert blocks == ["thinking", "text"]
+
+
+def test_app_sdk_tool_round_trip_on_a_route_from_yaml(app_client: httpx.Client) -> None:
+    sdk = anthropic.Anthropic(api_key="k", base_url="http://test/anthropic", max_retries=0, http_client=app_client)
+    tools = [tool("Bash")]
+    ask = [{"role": "user", "content": "list files"}]
+    with sdk.messages.stream(model="demo", max_tokens=200, messages=ask, tools=tools, extra_body={"mock_response": TOOL_CALL}) as stream:
+        first = stream.get_final_message()
+    use = first.content[-1]
+    assert first.stop_reason == "tool_use" and use.type == "tool_use"
+    assert use.name == "Bash" and use.input == {"command": "ls", "timeout": 5}  # coerced to the schema
+    history = [
+        *ask,
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.txt"}]},
+    ]
+    second = sdk.messages.create(model="demo", max_tokens=64, messages=history, tools=tools)  # type: ignore[arg-type]
+    assert [block.type for block in second.content] == ["thinking", "text"]
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error_type"),
+    [
+        ({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error"),
+        ({"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error"),
+        (
+            {"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            400, "invalid_request_error",
+        ),
+    ],
+)
+def test_app_errors_in_anthropic_shape(app_client: httpx.Client, body: dict[str, Any], status: int, error_type: str) -> None:
+    response = app_client.post("/v1/messages", json=body)
+    assert response.status_code == status
+    assert response.json()["type"] == "error" and response.json()["error"]["type"] == error_type
