@@ -59,11 +59,33 @@ def os_lock() -> Any:
     return threading.Lock()
 
 
-def os_event() -> Any:
-    """A one-shot flag an OS thread can wait on (e.g. 'model loaded')."""
-    if gevent_patched():
-        return _original("threading", "Event")()
-    return threading.Event()
+class OsFlag:
+    """A one-shot flag an OS thread can wait on (e.g. "model loaded").
+
+    Built on a raw lock: threading.Event, even gevent's saved original, builds its
+    Condition from the patched threading module and would block the hub instead.
+    """
+
+    def __init__(self) -> None:
+        self._lock = os_lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()
+        return True
+
+
+_HUB_POLL = 1.0
 
 
 class Channel:
@@ -86,10 +108,15 @@ class Channel:
 
     def get(self, timeout: float | None) -> list[Event] | None:
         """Next batch of events, or None after `timeout` seconds of silence."""
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:  # gevent.queue.Empty is the same class
-            return None
+        while True:
+            try:
+                # gevent raises LoopExit on an untimed wait when nothing else keeps the
+                # hub alive: it cannot know the engine thread will call back.
+                wait = timeout if timeout is not None or self.hub is None else _HUB_POLL
+                return self._queue.get(timeout=wait)
+            except queue.Empty:  # gevent.queue.Empty is the same class
+                if timeout is not None:
+                    return None
 
 
 def _deliver(batch: list[tuple[Channel, list[Event]]]) -> None:

@@ -24,7 +24,7 @@ import mlx.core as mx
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.batching import Batch
-from pipeserve.engine.channel import Channel, Courier, os_event, os_lock, os_simple_queue, start_os_thread
+from pipeserve.engine.channel import Channel, Courier, OsFlag, os_lock, os_simple_queue, start_os_thread
 from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.sequence import Sequence
 from pipeserve.engine.stream import EngineStream
@@ -63,8 +63,8 @@ class MlxEngine:
         self._keys = itertools.count(1)
         self._stats: dict[str, float] = {"requests_total": 0, "overloaded_total": 0}
         self._load_error: BaseException | None = None
-        self._loaded = os_event()
-        self._stopped = os_event()
+        self._loaded = OsFlag()
+        self._stopped = OsFlag()
         self._load_model = load_model
         start_os_thread(self._run, name=f"pipeserve-engine-{name}")
         self._loaded.wait()
