@@ -149,3 +149,15 @@ def test_derived_merges_rebuild_every_token() -> None:
     tokens = read_ranks("cl100k")
     merges = derive_merges(tokens)
     assert [tokens[a] + tokens[b] for a, b in merges] == [t for t in tokens if len(t) > 1]
+
+
+def test_older_builds_are_removed(tmp_path: Path) -> None:
+    from pipeserve.engine.demo import DEMO_VERSION, demo_model_dir
+
+    stale = tmp_path / "demo" / "kimi-v0"
+    stale.mkdir(parents=True)
+    other = tmp_path / "demo" / "kimi-vault"  # not a version folder: kept
+    other.mkdir()
+    path = ensure_demo_model("kimi", tmp_path)
+    assert path == demo_model_dir("kimi", tmp_path) and path.name == f"kimi-v{DEMO_VERSION}"
+    assert not stale.exists() and other.exists()

@@ -274,3 +274,9 @@ def test_prefill_continuation_can_be_turned_off(demo_tokenizer: Callable[[str], 
     stage = make_stage("qwen3", demo_tokenizer("qwen3"), continue_final_assistant=False)
     ctx = rendered(stage, messages=[Message("user", "Hi"), Message("assistant", "Hello")])
     assert ctx.prompt is not None and ctx.prompt.endswith("Hello<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_kimi_tool_results_reuse_the_call_ids(demo_tokenizer: Callable[[str], Any]) -> None:
+    stage = make_stage("kimi", demo_tokenizer("kimi"), think_start="<think>")
+    prompt = rendered(stage, messages=CONVERSATION, tools=[WEATHER]).prompt
+    assert prompt is not None and '## Return of functions.get_weather:0\n{"temp": 20}<|im_end|>' in prompt

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from pipeserve.engine.demo_families import FAMILIES, DemoFamily
 from pipeserve.engine.vocab import build_tokenizer, tiktoken_file, write_atomic
 
 DEMO_FAMILIES: tuple[str, ...] = ("qwen3", "gpt-oss", "glm", "kimi")
-DEMO_VERSION = 2  # bump when the builder's output changes; old builds are ignored
+DEMO_VERSION = 3  # bump when the builder's output changes; old builds are ignored
 DEMO_PREFIX = "demo:"
 WEIGHT_SCALE = 4.0  # MLX's default init makes tiny models repeat one token
 _INIT_LOCK = threading.Lock()  # mx.random.seed is process-global: one weight init at a time
@@ -73,7 +74,19 @@ def ensure_demo_model(family: str, home: Path | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale(family, target.parent)
     return target
+
+
+def _remove_stale(family: str, folder: Path) -> None:
+    """Drop older builder versions and build folders abandoned (crashed) over an hour ago."""
+    current = f"{family}-v{DEMO_VERSION}"
+    for path in folder.glob(f"{family}-v*"):
+        if path.name != current and path.name[len(family) + 2 :].isdigit():
+            shutil.rmtree(path, ignore_errors=True)
+    for path in folder.glob(f".{family}-build-*"):
+        if time.time() - path.stat().st_mtime > 3600:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def build_demo_models(
