@@ -60,9 +60,10 @@ def test_chat_forced_tool_choice_and_round_trip(openai_client: OpenAI) -> None:
 
 
 def test_anthropic_create_stream_and_count(anthropic_client: Anthropic) -> None:
-    message = anthropic_client.messages.create(model="demo", max_tokens=10, messages=HELLO, temperature=0)
+    greedy = {"temperature": 0}  # the 2.x SDK dropped the sampling arguments; the API keeps them
+    message = anthropic_client.messages.create(model="demo", max_tokens=10, messages=HELLO, extra_body=greedy)
     assert message.stop_reason in {"end_turn", "max_tokens"}
-    with anthropic_client.messages.stream(model="demo", max_tokens=10, messages=HELLO, temperature=0) as stream:
+    with anthropic_client.messages.stream(model="demo", max_tokens=10, messages=HELLO, extra_body=greedy) as stream:
         final = stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in message.content]
     counted = anthropic_client.messages.count_tokens(model="demo", messages=HELLO)
@@ -72,7 +73,12 @@ def test_anthropic_create_stream_and_count(anthropic_client: Anthropic) -> None:
 def test_responses_create_and_stream(openai_client: OpenAI) -> None:
     response = openai_client.responses.create(model="demo", input="Say hello", max_output_tokens=10, temperature=0)
     assert response.status in {"completed", "incomplete"}
+    # At max_output_tokens the stream ends with response.incomplete, on which the SDK's
+    # get_final_response() raises (as against OpenAI): take the terminal event instead.
     with openai_client.responses.stream(model="demo", input="Say hello", max_output_tokens=10, temperature=0) as stream:
-        final = stream.get_final_response()
+        terminal = [e for e in stream if e.type in {"response.completed", "response.incomplete"}]
+    assert len(terminal) == 1
+    final = terminal[0].response
+    assert final.status == response.status
     assert final.output_text == response.output_text
     assert final.usage.output_tokens == response.usage.output_tokens
