@@ -94,7 +94,7 @@ class Batch:
         except Exception as exc:
             log.exception("engine step failed; failing the %d requests in the batch", len(self.seqs))
             self.stats["engine_faults"] += 1
-            self._fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
+            self.fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
             return
         self.stats["decode_steps"] += 1
         for response in responses:
@@ -159,7 +159,7 @@ class Batch:
         finished, self._finished = self._finished, 0
         return finished
 
-    def _fail_all(self, courier: Courier, message: str) -> None:
+    def fail_all(self, courier: Courier, message: str) -> None:
         for seq in self.seqs.values():
             seq.finish(courier, "error", message)
             self._count_finished("requests_failed")

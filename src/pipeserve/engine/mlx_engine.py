@@ -11,8 +11,10 @@ thread that made them (DESIGN.md section 5).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
+import weakref
 import logging
 import queue
 from collections.abc import Callable
@@ -70,6 +72,8 @@ class MlxEngine:
         self._loaded.wait()
         if self._load_error is not None:
             raise RuntimeError(f"model {name}: loading failed: {self._load_error}") from self._load_error
+        # Stop decoding before interpreter shutdown tears down what the thread uses.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- request side (any thread / greenlet) ------------------------------------
 
@@ -107,6 +111,7 @@ class MlxEngine:
         return out
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop: requests still running end with an error; later submits are refused."""
         with self._lock:
             if self._closed:
                 return
@@ -124,7 +129,7 @@ class MlxEngine:
             self._load_error = exc
             self._loaded.set()
             self._stopped.set()
-            return
+            self._park()
         self._load_model = lambda: None  # drop the loader closure
         self._loaded.set()
         courier = Courier()
@@ -150,11 +155,15 @@ class MlxEngine:
             self._inbox.get()
 
     def _loop(self, batch: Batch, courier: Courier) -> None:
-        while True:
-            if not self._drain(batch, courier, block=batch.idle):
-                return
-            if not batch.idle:
-                batch.step(courier)
+        running = True
+        while running:
+            try:
+                running = self._drain(batch, courier, block=batch.idle)
+                if running and not batch.idle:
+                    batch.step(courier)
+            except Exception as exc:  # a bug must not kill the engine thread
+                log.exception("engine loop failed; failing the requests in the batch")
+                batch.fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
             for _ in range(batch.reap()):
                 self._release()
             courier.flush()
@@ -174,6 +183,12 @@ class MlxEngine:
                 batch.cancel(message[1], courier)
             elif kind == "close":
                 return False
+
+
+def _close_at_exit(ref: weakref.ref[MlxEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close(timeout=5.0)
 
 
 def build_mlx_engine(name: str, model_dir: Path, tokenizer: Any, options: EngineOptions, **kwargs: Any) -> MlxEngine:

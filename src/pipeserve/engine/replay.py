@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.sequence import Sequence
 from pipeserve.engine.stream import EngineStream
 from pipeserve.errors import ApiError
+
+log = logging.getLogger("pipeserve.engine")
 
 BURST = 32  # tokens per job per loop turn when there is no delay
 
@@ -102,23 +105,34 @@ class ReplayEngine:
         active: dict[int, _Replay] = {}
         due: list[tuple[float, int]] = []
         courier = Courier()
-        while True:
-            timeout = None if not due else max(0.0, due[0][0] - time.monotonic())
-            if not self._drain(active, due, courier, timeout):
-                break
-            now = time.monotonic()
-            while due and due[0][0] <= now:
-                _, key = heapq.heappop(due)
-                replay = active.get(key)
-                if replay is not None and self._advance(replay, courier):
-                    replay.due = now + self.delay
-                    heapq.heappush(due, (replay.due, key))
-                elif replay is not None:
-                    del active[key]
+        running = True
+        while running:
+            try:
+                timeout = None if not due else max(0.0, due[0][0] - time.monotonic())
+                running = self._drain(active, due, courier, timeout)
+                self._advance_due(active, due, courier)
+            except Exception as exc:  # a bug must not kill the engine thread
+                log.exception("replay loop failed; failing its requests")
+                for replay in active.values():
+                    replay.seq.finish(courier, "error", f"engine fault: {type(exc).__name__}: {exc}")
+                    self._release()
+                active.clear()
+                due.clear()
             courier.flush()
         for replay in active.values():
             replay.seq.finish(courier, "error", "the model is shutting down")
         courier.flush()
+
+    def _advance_due(self, active: dict[int, _Replay], due: list[tuple[float, int]], courier: Courier) -> None:
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            _, key = heapq.heappop(due)
+            replay = active.get(key)
+            if replay is not None and self._advance(replay, courier):
+                replay.due = now + self.delay
+                heapq.heappush(due, (replay.due, key))
+            elif replay is not None:
+                del active[key]
 
     def _drain(self, active: dict[int, _Replay], due: list[tuple[float, int]], courier: Courier,
                timeout: float | None) -> bool:  # fmt: skip
@@ -163,5 +177,8 @@ class ReplayEngine:
 
     def _end(self, replay: _Replay, courier: Courier, reason: Any) -> None:
         replay.seq.finish(courier, reason)
+        self._release()
+
+    def _release(self) -> None:
         with self._lock:
             self._in_flight -= 1
