@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pipeserve.engine.runtime import build_runtime
@@ -110,10 +112,13 @@ def test_queue_full_is_overloaded(demo_model_dir):
         with pytest.raises(ApiError) as raised:
             runtime.engine.submit(job(prompt, max_tokens=5))
         assert raised.value.kind == "overloaded" and raised.value.retry_after
-        assert runtime.engine.stats()["queue_depth"] + runtime.engine.stats()["active_sequences"] <= 2
-        for stream in streams:
+        second = iter(streams[1])
+        ready = next(second)  # PromptReady: both are admitted
+        stats = runtime.engine.stats()
+        assert (stats["active_sequences"], stats["queue_depth"]) == (1, 1)
+        for stream, events in ((streams[0], iter(streams[0])), (streams[1], itertools.chain([ready], second))):
             stream.cancel()
-            assert collect(stream).finish.reason == "cancelled"
+            assert collect(events).finish.reason == "cancelled"
         assert collect(runtime.engine.submit(job(prompt, max_tokens=3))).finish.reason == "length"
     finally:
         runtime.engine.close()

@@ -177,9 +177,6 @@ class Batch:
         self.gen.close()
 
     def _update_stats(self) -> None:
-        waiting = sum(1 for s in self.seqs.values() if s.completion_tokens == 0)
-        self.stats["queue_depth"] = waiting
-        self.stats["active_sequences"] = len(self.seqs) - waiting
         self.stats["prefix_cache_hits"] = self.prefix.hits
         self.stats["prefix_cache_misses"] = self.prefix.misses
         self.stats["prefix_cache_bytes"] = self.prefix.nbytes

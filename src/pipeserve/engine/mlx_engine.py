@@ -105,9 +105,16 @@ class MlxEngine:
             self._in_flight -= 1
 
     def stats(self) -> dict[str, float]:
-        """Live counters for metrics: queue depth, active sequences, cache hits, tokens."""
+        """Live counters for metrics: queue depth, active sequences, cache hits, tokens.
+
+        A request counts from submit to its Usage: the first max_batch are active (in
+        the batch, or joining it at the next step), the rest wait in the queue.
+        """
         out = dict(self._stats)
-        out["in_flight"] = self._in_flight
+        in_flight = self._in_flight
+        out["in_flight"] = in_flight
+        out["active_sequences"] = min(in_flight, self.options.max_batch)
+        out["queue_depth"] = in_flight - out["active_sequences"]
         return out
 
     def close(self, timeout: float = 10.0) -> None:
