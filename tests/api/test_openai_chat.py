@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
+from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta

@@ -11,7 +11,7 @@ from openai import omit
 from openai.lib.streaming.responses import ResponseStream
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
+from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta

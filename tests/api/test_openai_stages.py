@@ -7,7 +7,7 @@ from typing import Any
 
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
-from test_openai_common import make_ctx
+from tests.api.test_openai_common import make_ctx
 
 from pipeserve.api.base import RequestMeta
 from pipeserve.api.openai_chat import OpenAIChat
