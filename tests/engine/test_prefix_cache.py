@@ -1,0 +1,73 @@
+"""Prefix KV cache: longest-prefix reuse, memory-bounded LRU, real cached counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.engine.runtime import build_runtime
+from tests.engine.helpers import collect, entry, job
+
+
+@pytest.fixture()
+def engine_with(demo_model_dir):
+    demo_model_dir("qwen3")
+    built = []
+
+    def make(**prefix_cache):
+        runtime = build_runtime(entry("demo:qwen3", prefix_cache=prefix_cache))
+        built.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in built:
+        runtime.engine.close()
+
+
+def prompt(runtime, topic: str) -> list[int]:
+    return list(runtime.tokenizer.encode(f"{topic} " * 150, add_special_tokens=False))
+
+
+def cached(runtime, ids: list[int]) -> int:
+    got = collect(runtime.engine.submit(job(ids, max_tokens=4)))
+    assert got.ready.cached_tokens == got.usage.cached_tokens
+    return got.usage.cached_tokens
+
+
+def test_lru_is_bounded_by_bytes(engine_with):
+    probe = engine_with()
+    first = prompt(probe, "apple")
+    cached(probe, first)
+    entry_bytes = probe.engine.stats()["prefix_cache_bytes"]
+    runtime = engine_with(max_bytes=int(entry_bytes * 1.5))  # room for one entry
+    a, b = first, prompt(runtime, "banana")
+    assert cached(runtime, a) == 0
+    assert cached(runtime, b) == 0  # evicts a
+    assert cached(runtime, a) == 0
+    assert cached(runtime, a) == len(a) - 1
+    assert runtime.engine.stats()["prefix_cache_bytes"] <= int(entry_bytes * 1.5)
+
+
+def test_disabled_and_short_prompts_are_not_cached(engine_with):
+    off = engine_with(enabled=False)
+    ids = prompt(off, "cherry")
+    cached(off, ids)
+    assert cached(off, ids) == 0 and off.engine.stats()["prefix_cache_bytes"] == 0
+    short = engine_with(min_tokens=1000)
+    cached(short, ids)
+    assert cached(short, ids) == 0
+
+
+def test_cancelled_generation_is_cached(engine_with):
+    runtime = engine_with()
+    ids = prompt(runtime, "durian")
+    stream = runtime.engine.submit(job(ids, max_tokens=5000))
+    events = []
+    for event in stream:
+        events.append(event)
+        if len(events) == 6:
+            stream.cancel()
+            break
+    got = collect(events + list(stream))
+    assert got.finish.reason == "cancelled"
+    follow_up = ids + got.ids + list(runtime.tokenizer.encode(" and more", add_special_tokens=False))
+    assert cached(runtime, follow_up) >= len(ids) + len(got.ids) - 1
