@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
     tick = gevent.spawn(ticker)
     gevent.sleep(0.05)
     started = time.monotonic()
-    workers = [gevent.spawn(generate, n) for n in (300, 300, 300, 250)]
+    workers = [gevent.spawn(generate, n) for n in (120, 120, 120, 100)]
     gevent.joinall(workers, raise_error=True)
     elapsed = time.monotonic() - started
     done = True
@@ -69,8 +69,8 @@ def test_hub_keeps_running_while_generating(pipeserve_home, demo_model_dir):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(q.startswith("gevent") for q in result["queues"]), result["queues"]
     outputs = result["outputs"]
-    assert [len(o) for o in outputs] == [300, 300, 300, 250]
-    assert outputs[0] == outputs[1] == outputs[2] and outputs[3] == outputs[0][:250]
+    assert [len(o) for o in outputs] == [120, 120, 120, 100]
+    assert outputs[0] == outputs[1] == outputs[2] and outputs[3] == outputs[0][:100]
     # Generous bound: generating on the hub would stall the ticker for the whole run.
     summary = {k: v for k, v in result.items() if k != "outputs"}
     assert result["max_gap"] < 1.0, summary
