@@ -95,9 +95,8 @@ def test_disconnect_frees_the_slot(batch_server: str) -> None:
     body = {"model": "demo", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 4000, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{batch_server}/v1/chat/completions", json=body) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and '"content"' in line:
-                    break
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: ") and '"content"' in line)
             assert metric(batch_server, "pipeserve_active_sequences") >= 1
     deadline = time.monotonic() + 30
     while metric(batch_server, "pipeserve_active_sequences") > 0 and time.monotonic() < deadline:
@@ -109,7 +108,8 @@ def test_overload_gets_429_and_529(tmp_path: Path) -> None:
     with running_server(write_config(tmp_path, 1, 0)) as base:
         long_body = {"model": "demo", "messages": [{"role": "user", "content": "long"}], "max_tokens": 4000, "stream": True}
         with httpx.Client(timeout=60) as client, client.stream("POST", f"{base}/v1/chat/completions", json=long_body) as resp:
-            next(line for line in resp.iter_lines() if line.startswith("data: "))
+            lines = resp.iter_lines()  # keep it referenced: closing it closes the response
+            next(line for line in lines if line.startswith("data: "))
             busy = chat(base, "hi", 4)
             assert busy.status_code == 429
             assert busy.json()["error"]["type"] == "rate_limit_error"
