@@ -18,7 +18,7 @@ def encode(runtime, text: str) -> list[int]:
     return list(runtime.tokenizer.encode(text, add_special_tokens=False))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm"])
+@pytest.mark.parametrize("family", ["qwen3", "glm", "gpt-oss", "kimi"])
 def test_greedy_equals_mlx_lm(family, mlx_runtime, demo_model):
     runtime = mlx_runtime(family)
     model, tokenizer = demo_model(family)

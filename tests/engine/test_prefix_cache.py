@@ -10,11 +10,11 @@ from tests.engine.helpers import collect, entry, job
 
 @pytest.fixture()
 def engine_with(demo_model_dir):
-    demo_model_dir("qwen3")
     built = []
 
-    def make(**prefix_cache):
-        runtime = build_runtime(entry("demo:qwen3", prefix_cache=prefix_cache))
+    def make(family: str = "qwen3", **prefix_cache):
+        demo_model_dir(family)
+        runtime = build_runtime(entry(f"demo:{family}", prefix_cache=prefix_cache))
         built.append(runtime)
         return runtime
 
@@ -71,3 +71,15 @@ def test_cancelled_generation_is_cached(engine_with):
     assert got.finish.reason == "cancelled"
     follow_up = ids + got.ids + list(runtime.tokenizer.encode(" and more", add_special_tokens=False))
     assert cached(runtime, follow_up) >= len(ids) + len(got.ids) - 1
+
+
+def test_sliding_window_model_reuses_prompt_snapshot(engine_with):
+    """gpt-oss caches (RotatingKVCache) cannot be trimmed once wrapped; the prompt
+    snapshot taken after prefill still serves a repeated or extended prompt."""
+    runtime = engine_with("gpt-oss")
+    ids = prompt(runtime, "fig")
+    first = collect(runtime.engine.submit(job(ids, max_tokens=6)))
+    second = collect(runtime.engine.submit(job(ids, max_tokens=6)))
+    assert second.usage.cached_tokens == len(ids) - 1 and second.ids == first.ids
+    longer = ids + list(runtime.tokenizer.encode(" grape", add_special_tokens=False))
+    assert cached(runtime, longer) == len(ids) - 1

@@ -90,7 +90,8 @@ class Batch:
 
     def step(self, courier: Courier) -> None:
         try:
-            _, responses = self.gen.next()
+            prompt_responses, responses = self.gen.next()
+            self._snapshot_prompts(prompt_responses)
         except Exception as exc:
             log.exception("engine step failed; failing the %d requests in the batch", len(self.seqs))
             self.stats["engine_faults"] += 1
@@ -102,6 +103,19 @@ class Batch:
             if key is not None:
                 self._deliver(key, response, courier)
         self._update_stats()
+
+    def _snapshot_prompts(self, responses: list[Any]) -> None:
+        """Cache the KV state of each prompt (minus its last token) once it is prefilled.
+
+        A repeated or extended prompt then hits it without trimming, which caches with
+        a sliding window (RotatingKVCache) cannot do once they have wrapped.
+        """
+        if not self.prefix.enabled:
+            return
+        uids = [r.uid for r in responses if r.end_of_segment and not r.end_of_prompt and r.uid in self.key_of]
+        if uids:
+            for cache, tokens in self.gen.extract_cache(uids).values():
+                self.prefix.store(list(tokens), cache, kind="user")
 
     def _deliver(self, key: int, response: Any, courier: Courier) -> None:
         seq = self.seqs[key]

@@ -57,11 +57,11 @@ class PrefixCache:
         self.hits += 1
         return CacheLookup(cache, len(prompt) - len(rest), list(rest))
 
-    def store(self, tokens: list[int], cache: list[Any]) -> None:
-        """Remember the KV state of `tokens` (prompt plus generated tokens)."""
+    def store(self, tokens: list[int], cache: list[Any], kind: str = "assistant") -> None:
+        """Remember the KV state of `tokens`: a prompt ("user") or prompt plus answer."""
         if not self.enabled or len(tokens) < self.options.min_tokens or not cache:
             return
         nbytes = sum(c.nbytes for c in cache)
         if nbytes > self.options.max_bytes:
             return
-        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
+        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
