@@ -38,7 +38,8 @@ def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str
     app.add_error_handler(falcon.HTTPError, render_http_error)
     table = ModelTable(list(models))
     metrics = Metrics(table.stats)
-    options = HttpOptions(config.server.max_body_bytes, config.server.request_timeout, api_key)
+    server = config.server
+    options = HttpOptions(server.max_body_bytes, server.request_timeout, server.keepalive_interval, api_key)
     protocols = load_builtin_protocols()
     for endpoint in config.endpoints:
         add_endpoint(app, endpoint, protocols[endpoint.api](), table, options, metrics)

@@ -20,6 +20,7 @@ from pipeserve.server.disconnect import watch_disconnect
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.stages.base import RequestContext
+from pipeserve.stages.generate import KEEPALIVE_KEY
 
 log = logging.getLogger("pipeserve.http")
 MOCK_HEADER = "x-mock-response"
@@ -29,6 +30,7 @@ MOCK_HEADER = "x-mock-response"
 class HttpOptions:
     max_body_bytes: int
     request_timeout: float
+    keepalive_interval: float = 5.0
     api_key: str | None = None
 
 
@@ -74,6 +76,7 @@ class GenerationResource:
             served = self.models.resolve(request.model, self.allowed)
             label = served.name
             ctx = RequestContext(request=request, request_id=new_request_id(), model_name=request.model)
+            ctx.scratch[KEEPALIVE_KEY] = self.options.keepalive_interval
             served.chain.prepare(ctx)
         except ApiError as error:
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))
