@@ -51,7 +51,7 @@ def gunicorn_options(config: Any, host: str, port: int, workers: int, log_level:
         "worker_connections": 1000,
         # The engine runs on its own OS thread, so the hub keeps beating during decode;
         # the timeout still bounds a wedged worker. Model loading happens before it counts.
-        "timeout": 120,
+        "timeout": 300,
         "graceful_timeout": int(server.graceful_timeout),
         "keepalive": 75,
         "loglevel": log_level,
@@ -85,6 +85,8 @@ def serve(
     not_used = blas.reexec_with_openblas(settings.blas, home)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("BLAS: %s", describe_blas(not_used))
+    if not fetch_sources(config):
+        return 1
     options = gunicorn_options(
         config,
         host or settings.host or config.server.host,
@@ -94,6 +96,21 @@ def serve(
     )
     PipeserveApplication(path, options, settings.api_key).run()
     return 0
+
+
+def fetch_sources(config: Any) -> bool:
+    """Build demo models and download hub models once, in the master, before forking:
+    a worker that spends minutes downloading would be killed by gunicorn's timeout."""
+    from pipeserve.engine.loader import resolve_source
+
+    for entry in config.models:
+        try:
+            path = resolve_source(entry.source)
+        except Exception as exc:  # report every kind of failure plainly, then refuse to start
+            print(f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}", file=sys.stderr)
+            return False
+        log.info("model %s: source %s is at %s", entry.name, entry.source, path)
+    return True
 
 
 def default_home() -> Path:
