@@ -32,17 +32,12 @@ def _original(module: str, name: str) -> Any:
     return monkey.get_original(module, name)
 
 
-def start_os_thread(target: Callable[[], None], name: str) -> threading.Thread | None:
-    """Start `target` on a real OS thread, also when threading is a greenlet shim.
-
-    Returns the Thread to join when threading is not patched (None under gevent).
-    """
+def start_os_thread(target: Callable[[], None], name: str) -> None:
+    """Start `target` on a real (daemon) OS thread, also when threading is a greenlet shim."""
     if gevent_patched():
         _original("_thread", "start_new_thread")(target, ())
-        return None
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    return thread
+    else:
+        threading.Thread(target=target, name=name, daemon=True).start()
 
 
 def os_simple_queue() -> Any:
@@ -101,10 +96,6 @@ class Channel:
             self._queue: Any = gevent.queue.Queue()
         else:
             self._queue = queue.SimpleQueue()
-
-    def put_local(self, events: list[Event]) -> None:
-        """Deliver from the consumer's own thread (no hub hop needed)."""
-        self._queue.put(events)
 
     def get(self, timeout: float | None) -> list[Event] | None:
         """Next batch of events, or None after `timeout` seconds of silence."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-import weakref
 import logging
 import queue
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
