@@ -1,0 +1,56 @@
+"""Hostile and unusual HTTP input against a real server: never a 500 or a dropped socket."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.server
+
+ROUTES = {
+    "/v1/chat/completions": {"model": "replay-qwen3", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages": {"model": "replay-qwen3", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "replay-qwen3", "input": "hi"},
+}
+MOCK = "<think>\n</think>\n\nok"
+
+
+def error_message(route: str, response: httpx.Response) -> str:
+    payload = response.json()
+    if route == "/v1/messages":
+        assert payload["type"] == "error"
+        return str(payload["error"]["message"])
+    return str(payload["error"]["message"])
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_deeply_nested_json_is_a_400(replay_server: str, route: str) -> None:
+    body = '{"model": "replay-qwen3", "x": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    response = httpx.post(f"{replay_server}{route}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "JSON" in error_message(route, response)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_lone_surrogate_escapes_are_served(replay_server: str, route: str) -> None:
+    # A JS client that cut a string inside an emoji sends an unpaired "\ud83d" escape.
+    body = json.dumps({**ROUTES[route], "mock_response": MOCK}).replace('"hi"', '"hi \\ud83d there \\udfff"')
+    response = httpx.post(f"{replay_server}{route}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def chunks(data: bytes, size: int = 7) -> Iterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_chunked_request_body(replay_server: str, route: str) -> None:
+    data = json.dumps({**ROUTES[route], "mock_response": MOCK}).encode()
+    response = httpx.post(
+        f"{replay_server}{route}", content=chunks(data), headers={"content-type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
