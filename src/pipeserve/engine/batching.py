@@ -9,6 +9,7 @@ prefix cache has one, the KV cache of its longest cached prefix.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -22,7 +23,8 @@ from pipeserve.engine.sequence import Sequence
 
 log = logging.getLogger("pipeserve.engine")
 
-PREFILL_BATCH = 4  # prompts prefilled together (bounded: a prefill chunk delays decoding)
+PREFILL_BATCH = 4
+DURATION_EMA = 0.2  # prompts prefilled together (bounded: a prefill chunk delays decoding)
 
 
 class Batch:
@@ -140,6 +142,7 @@ class Batch:
                 self.prefix.store(response.all_tokens[:], response.prompt_cache)
             seq.finish(courier, reason)
             self._count_finished()
+            self._observe_duration(time.monotonic() - seq.submitted_at)
 
     def cancel(self, key: int, courier: Courier) -> None:
         seq = self.seqs.get(key)
@@ -162,6 +165,11 @@ class Batch:
         uid = self.uid_of.pop(key, None)
         if uid is not None:
             self.key_of.pop(uid, None)
+
+    def _observe_duration(self, seconds: float) -> None:
+        """Moving average of how long a completed request took (for Retry-After)."""
+        mean = self.stats.get("mean_request_seconds")
+        self.stats["mean_request_seconds"] = seconds if not mean else mean + DURATION_EMA * (seconds - mean)
 
     def _count_finished(self, counter: str | None = None) -> None:
         self._finished += 1

@@ -36,6 +36,7 @@ log = logging.getLogger("pipeserve.engine")
 
 _CLOSE = ("close",)
 RETRY_AFTER_SECONDS = 1.0
+MAX_RETRY_AFTER = 60.0
 
 
 class MlxEngine:
@@ -95,10 +96,15 @@ class MlxEngine:
                 raise ApiError(
                     "overloaded",
                     f"model {self.name} is at capacity ({self._in_flight} requests in flight); retry later",
-                    retry_after=RETRY_AFTER_SECONDS,
+                    retry_after=self._retry_after(),
                 )
             self._in_flight += 1
             self._stats["requests_total"] += 1
+
+    def _retry_after(self) -> float:
+        """About when a place frees up: with max_batch running, one ends every mean/max_batch s."""
+        mean = float(self._stats.get("mean_request_seconds") or RETRY_AFTER_SECONDS)
+        return min(MAX_RETRY_AFTER, max(RETRY_AFTER_SECONDS, mean / self.options.max_batch))
 
     def _release(self) -> None:
         with self._lock:

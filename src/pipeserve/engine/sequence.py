@@ -7,6 +7,7 @@ one Finish and one Usage (after an ErrorEvent on a fault).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pipeserve.engine.base import GenerationJob
@@ -31,6 +32,7 @@ class Sequence:
         self.finished = False
         self.started = False  # PromptReady sent
         self.last_token_id: int | None = None
+        self.submitted_at = time.monotonic()
 
     def ready(self, courier: Courier, cached_tokens: int = 0) -> None:
         if self.started:
