@@ -10,6 +10,11 @@ from tests.engine.helpers import collect, job
 
 QWEN_SCRIPT = ' Hello 世界 🤖!  <think>plan: call f</think>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
 HARMONY_SCRIPT = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi ✓"
+GLM_SCRIPT = "idea</think>\nSure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Zürich</arg_value></tool_call>"
+KIMI_SCRIPT = (
+    " Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "東京"}<|tool_call_end|><|tool_calls_section_end|>'
+)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -29,7 +34,10 @@ def per_token_texts(tokenizer, ids: list[int]) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize(("family", "script"), [("qwen3", QWEN_SCRIPT), ("gpt-oss", HARMONY_SCRIPT)])
+@pytest.mark.parametrize(
+    ("family", "script"),
+    [("qwen3", QWEN_SCRIPT), ("gpt-oss", HARMONY_SCRIPT), ("glm", GLM_SCRIPT), ("kimi", KIMI_SCRIPT)],
+)
 def test_replay_reproduces_script_token_by_token(family, script, replay_runtime):
     runtime = replay_runtime(family)
     tokenizer = runtime.tokenizer
