@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import falcon
 
@@ -26,23 +25,26 @@ from pipeserve.server.misc import (
     RootResource,
 )
 from pipeserve.server.registry import ModelTable, ServedModel
+from pipeserve.server.routing import RequestIdMiddleware, RoutingErrors
 
 log = logging.getLogger("pipeserve.app")
 
 
 def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str | None = None) -> falcon.App:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading)."""
-    app = falcon.App(media_type=falcon.MEDIA_JSON)
+    app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=[RequestIdMiddleware()])
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
-    app.add_error_handler(falcon.HTTPError, render_http_error)
     table = ModelTable(list(models))
     metrics = Metrics(table.stats)
     server = config.server
     options = HttpOptions(server.max_body_bytes, server.request_timeout, server.keepalive_interval, api_key)
     protocols = load_builtin_protocols()
+    served: dict[str, WireProtocol] = {}
     for endpoint in config.endpoints:
-        add_endpoint(app, endpoint, protocols[endpoint.api](), table, options, metrics)
+        served[endpoint.route] = protocols[endpoint.api]()
+        add_endpoint(app, endpoint, served[endpoint.route], table, options, metrics)
+    app.add_error_handler(falcon.HTTPError, RoutingErrors(served, protocols["openai-chat"]()))
     models_resource = ModelsResource(table)
     app.add_route("/v1/models", models_resource)
     app.add_route("/v1/models/{model_id}", models_resource, suffix="one")
@@ -65,21 +67,6 @@ def add_endpoint(
     if hasattr(protocol, "count_tokens_body"):
         route = endpoint.route + "/count_tokens"
         app.add_route(route, CountTokensResource(route, protocol, table, allowed, options))
-
-
-def render_http_error(req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError, params: Any) -> None:
-    """Routing errors (404, 405) in the OpenAI error shape, never Falcon's HTML/title shape."""
-    resp.status = error.status
-    resp.content_type = falcon.MEDIA_JSON
-    message = error.description or error.title or "error"
-    if error.status_code == 404:
-        message = f"no route {req.method} {req.path} on this server"
-    elif error.status_code == 405:
-        message = f"method {req.method} is not allowed on {req.path}"
-    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
-    resp.media = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    for name, value in (error.headers or {}).items():
-        resp.set_header(name, value)
 
 
 def compact_json_handler() -> falcon.media.JSONHandler:

@@ -54,3 +54,28 @@ def test_chunked_request_body(replay_server: str, route: str) -> None:
         f"{replay_server}{route}", content=chunks(data), headers={"content-type": "application/json"}, timeout=30
     )
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_request_id_headers_on_success_and_error(replay_server: str, route: str) -> None:
+    ok = httpx.post(f"{replay_server}{route}", json={**ROUTES[route], "mock_response": MOCK}, timeout=30)
+    bad = httpx.post(f"{replay_server}{route}", json={"model": "replay-qwen3"}, timeout=30)
+    for response in (ok, bad):
+        assert response.headers["request-id"].startswith("req_")  # anthropic SDK: _request_id
+        assert response.headers["x-request-id"] == response.headers["request-id"]  # openai SDK
+    assert ok.headers["request-id"] != bad.headers["request-id"]
+
+
+def test_routing_errors_on_anthropic_routes_have_the_anthropic_shape(replay_server: str) -> None:
+    wrong_method = httpx.get(f"{replay_server}/v1/messages", timeout=10)
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["type"] == "error" and wrong_method.json()["error"]["type"] == "invalid_request_error"
+    unknown = httpx.post(f"{replay_server}/v1/messages/batches", json={}, headers={"anthropic-version": "2023-06-01"}, timeout=10)
+    assert unknown.status_code == 404
+    assert unknown.json() == {"type": "error", "error": {"type": "not_found_error", "message": unknown.json()["error"]["message"]}}
+    openai_unknown = httpx.post(f"{replay_server}/v1/embeddings", json={}, timeout=10)
+    assert openai_unknown.status_code == 404 and openai_unknown.json()["error"]["type"] == "not_found_error"
+
+
+def test_head_on_models(replay_server: str) -> None:
+    assert httpx.head(f"{replay_server}/v1/models", timeout=10).status_code == 200

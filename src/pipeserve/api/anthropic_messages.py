@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 class AnthropicMessages(WireProtocol):
     name: ClassVar[str] = "anthropic-messages"
     overload_status: ClassVar[int] = 529
+    client_header: ClassVar[str | None] = "anthropic-version"
 
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
         return decode_body(body)

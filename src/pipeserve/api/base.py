@@ -28,6 +28,9 @@ class RequestMeta:
 class WireProtocol(ABC):
     name: ClassVar[str]
     overload_status: ClassVar[int] = 429
+    # A request header only this protocol's clients send: routing errors (404/405) on
+    # paths no endpoint owns are rendered in this protocol's shape when it is present.
+    client_header: ClassVar[str | None] = None
 
     @abstractmethod
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:

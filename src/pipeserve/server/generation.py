@@ -75,7 +75,7 @@ class GenerationResource:
             request = self.decode(req)
             served = self.models.resolve(request.model, self.allowed)
             label = served.name
-            ctx = RequestContext(request=request, request_id=new_request_id(), model_name=request.model)
+            ctx = RequestContext(request=request, request_id=request_id(req), model_name=request.model)
             ctx.scratch[KEEPALIVE_KEY] = self.options.keepalive_interval
             served.chain.prepare(ctx)
         except ApiError as error:
@@ -182,6 +182,11 @@ def decode_header_text(value: str) -> str:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def request_id(req: falcon.Request) -> str:
+    """The id RequestIdMiddleware gave this request (a fresh one without it)."""
+    return str(getattr(req.context, "request_id", None) or "req_" + new_request_id())
 
 
 __all__ = ["GenerationResource", "HttpOptions", "KeepAlive", "ProtocolErrors"]

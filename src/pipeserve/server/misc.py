@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pipeserve.api.base import WireProtocol
 from pipeserve.errors import ApiError
 from pipeserve.server.body import read_json_body
-from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key, new_request_id, request_meta
+from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key, request_id, request_meta
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable
 from pipeserve.stages.base import RequestContext
@@ -47,6 +47,8 @@ class ModelsResource:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = {"object": "list", "data": [self._card(m.name) for m in self.models.models]}
+
+    on_head = on_get
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         if model_id not in {m.name for m in self.models.models}:
@@ -86,7 +88,7 @@ class CountTokensResource:
             body = read_json_body(req, self.options.max_body_bytes)
             request = self.protocol.count_tokens_body(body, request_meta(req, self.route))  # type: ignore[attr-defined]
             served = self.models.resolve(request.model, self.allowed)
-            ctx = RequestContext(request=request, request_id=new_request_id(), model_name=request.model, dry_run=True)
+            ctx = RequestContext(request=request, request_id=request_id(req), model_name=request.model, dry_run=True)
             served.chain.prepare(ctx)
             count = len(ctx.prompt_token_ids or [])
             resp.media = self.protocol.count_tokens_response(count)  # type: ignore[attr-defined]
