@@ -255,3 +255,20 @@ def test_bad_input(raw: Any, param: str | None, message: str) -> None:
     assert (exc.value.kind, exc.value.param, exc.value.message) == ("invalid_request", param, message)
     assert PROTOCOL.error_status(exc.value) == 400
     assert PROTOCOL.error_body(exc.value) == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+
+def test_null_for_optional_fields_means_absent() -> None:
+    """Some clients (proxies, SDKs in other languages) send null for unset optional fields."""
+    nulls = dict.fromkeys(
+        ["system", "tools", "tool_choice", "thinking", "stop_sequences", "temperature", "top_p", "top_k",
+         "stream", "metadata", "output_config", "mock_response"]
+    )
+    req = decode(**nulls)
+    assert not req.stream and req.stop == [] and req.tools == [] and req.messages == [Message("user", "hi")]
+    history = [
+        assistant([{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "x"}}]),
+        user([{"type": "tool_result", "tool_use_id": "t1", "content": "sunny", "is_error": None, "cache_control": None}]),
+    ]
+    choice = {"type": "auto", "disable_parallel_tool_use": None}
+    req = decode(messages=history, tools=[{**WEATHER, "description": None}], tool_choice=choice)
+    assert req.messages[-1].content == "sunny" and req.parallel_tool_calls

@@ -65,7 +65,7 @@ def decode_body(body: Any, *, count_tokens: bool = False) -> GenerationRequest:
         sampling=decode_sampling(req),
         max_tokens=req.max_tokens,
         stop=decode_stop(req.stop_sequences or []),
-        stream=req.stream,
+        stream=bool(req.stream),
         reasoning=decode_reasoning(req.thinking, req.output_config),
         mock_response=req.mock_response,
     )

@@ -44,7 +44,7 @@ class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Any = None
-    is_error: bool = False
+    is_error: bool | None = False
 
 
 class ThinkingBlock(Lenient):
@@ -76,7 +76,7 @@ class ToolParam(Lenient):
 class ToolChoiceParam(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: bool | None = False
 
 
 class ThinkingParam(Lenient):
@@ -98,7 +98,7 @@ class MessagesBody(Lenient):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
+    stream: bool | None = False  # null (sent by some clients) means absent
     mock_response: str | None = None  # replay models only
 
 
