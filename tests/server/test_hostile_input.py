@@ -79,3 +79,18 @@ def test_routing_errors_on_anthropic_routes_have_the_anthropic_shape(replay_serv
 
 def test_head_on_models(replay_server: str) -> None:
     assert httpx.head(f"{replay_server}/v1/models", timeout=10).status_code == 200
+
+
+def test_prompt_over_the_context_length_speaks_each_protocols_dialect(replay_server: str) -> None:
+    """Agents react to these exact markers: Codex to code `context_length_exceeded`,
+    Claude Code to an error message starting `prompt is too long`."""
+    long_text = "word " * 60_000  # replay-qwen3's context is 40960 tokens
+    chat = httpx.post(f"{replay_server}/v1/chat/completions", json={**ROUTES["/v1/chat/completions"], "messages": [{"role": "user", "content": long_text}]}, timeout=60)
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
+    responses = httpx.post(f"{replay_server}/v1/responses", json={**ROUTES["/v1/responses"], "input": long_text}, timeout=60)
+    assert responses.status_code == 400 and responses.json()["error"]["code"] == "context_length_exceeded"
+    assert responses.json()["error"]["param"] == "input"
+    messages = httpx.post(f"{replay_server}/v1/messages", json={**ROUTES["/v1/messages"], "messages": [{"role": "user", "content": long_text}]}, timeout=60)
+    assert messages.status_code == 400
+    assert messages.json()["error"]["type"] == "invalid_request_error"
+    assert messages.json()["error"]["message"].startswith("prompt is too long: ")

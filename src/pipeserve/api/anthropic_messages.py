@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from pipeserve.api.anthropic_decode import decode_body
 from pipeserve.api.anthropic_encode import ERROR_KINDS, ERROR_TYPES, message_events
-from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
+from pipeserve.api.base import RequestMeta, WireProtocol, context_overflow, register_protocol
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, ErrorKind
 from pipeserve.events import Event
@@ -49,7 +49,10 @@ class AnthropicMessages(WireProtocol):
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         kind = ERROR_TYPES.get(error.kind, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
+        message = error.message
+        if (overflow := context_overflow(error)) is not None:
+            message = f"prompt is too long: {overflow[0]} tokens > {overflow[1]} maximum ({message})"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[str, Any]:

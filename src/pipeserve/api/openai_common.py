@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeserve.api.base import context_overflow
 from pipeserve.api.sse import sse_comment
 from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
 from pipeserve.events import ErrorEvent, Event, TokenText, Usage
@@ -166,6 +167,8 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
     kind, code = _ERROR_SHAPES.get(error.kind, ("server_error", "server_error"))
     if error.kind == "not_found" and error.param == "model":
         code = "model_not_found"
+    elif context_overflow(error) is not None:
+        code = "context_length_exceeded"
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 

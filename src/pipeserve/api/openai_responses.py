@@ -353,7 +353,10 @@ class OpenAIResponses(WireProtocol):
             close_events(events)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
-        return openai_error_body(error)
+        body = openai_error_body(error)
+        if body["error"]["param"] == "messages":  # stages name the prompt as Chat does
+            body["error"]["param"] = "input"
+        return body
 
 
 def _frames(events: list[dict[str, Any] | bytes]) -> Iterator[bytes]:
