@@ -4,16 +4,18 @@ BatchGenerator accepts one sampler per sequence but has no per-request seed (mlx
 samplers draw from the global random state). A seeded request gets its own PRNG key,
 split once per decode step, so the same seed gives the same tokens whether the
 request runs alone or batched with others. Greedy requests share mlx-lm's
-`greedy_sampler` object, which lets BatchGenerator sample them in one batched call.
+`greedy_sampler` object and unseeded ones with equal parameters share one mlx-lm
+sampler, which lets BatchGenerator sample each group in one batched call.
 """
 
 from __future__ import annotations
 
-import random
+import functools
 from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
 from pipeserve.request import SamplingParams
 
@@ -26,7 +28,20 @@ REPETITION_CONTEXT = 64
 def make_sampler(params: SamplingParams, vocab_size: int | None = None) -> Sampler:
     if params.temperature <= 0 or params.top_p <= 0:
         return greedy_sampler
-    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    top_k = params.top_k if vocab_size is None or params.top_k < vocab_size else 0
+    if params.seed is None:
+        return _shared_sampler(params.temperature, params.top_p, params.min_p, top_k)
+    return _seeded_sampler(params, params.seed, vocab_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    """Unseeded requests with equal parameters share one sampler object, so
+    BatchGenerator samples them in one batched call (global random state)."""
+    return mlx_make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+def _seeded_sampler(params: SamplingParams, seed: int, vocab_size: int | None) -> Sampler:
     filters = _filters(params, vocab_size)
     inverse_temperature = 1.0 / params.temperature
     state = {"key": mx.random.key(seed)}

@@ -1,0 +1,49 @@
+"""Sampling parameters take effect per request, also when mixed in one batch."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.sample_utils import greedy_sampler
+
+from pipeserve.engine.sampling import make_processors, make_sampler
+from pipeserve.request import SamplingParams
+from tests.engine.helpers import collect, job
+
+PROMPT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sampler_sharing():
+    assert make_sampler(SamplingParams(temperature=0.0)) is greedy_sampler
+    unseeded = make_sampler(SamplingParams(temperature=0.7))
+    assert make_sampler(SamplingParams(temperature=0.7)) is unseeded  # batched together
+    assert make_sampler(SamplingParams(temperature=0.7, seed=1)) is not make_sampler(SamplingParams(temperature=0.7, seed=1))
+    assert make_processors(SamplingParams()) == []
+    assert len(make_processors(SamplingParams(repetition_penalty=1.3))) == 1
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1.5, "top_k": 1},
+        {"temperature": 1.5, "top_k": 1, "seed": 5},
+        {"temperature": 1.5, "min_p": 1.0, "seed": 9},
+        {"temperature": 1.5, "top_p": 1e-6},
+    ],
+)
+def test_filters_that_keep_only_the_best_token_equal_greedy(mlx_runtime, sampling):
+    runtime = mlx_runtime("qwen3")
+    prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
+    greedy = collect(runtime.engine.submit(job(prompt, 12))).ids
+    # Run next to a greedy and an unconstrained request: per-request parameters hold.
+    streams = [runtime.engine.submit(job(prompt, 12, **s)) for s in (sampling, {"temperature": 1.5}, {})]
+    constrained, _, plain = (collect(s).ids for s in streams)
+    assert constrained == greedy == plain
+
+
+def test_repetition_penalty_changes_output(mlx_runtime):
+    runtime = mlx_runtime("qwen3")
+    prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
+    plain = collect(runtime.engine.submit(job(prompt, 40))).ids
+    penalized = collect(runtime.engine.submit(job(prompt, 40, repetition_penalty=5.0))).ids
+    assert penalized != plain
+    assert len(set(penalized)) >= len(set(plain))
