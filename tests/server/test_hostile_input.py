@@ -94,3 +94,13 @@ def test_prompt_over_the_context_length_speaks_each_protocols_dialect(replay_ser
     assert messages.status_code == 400
     assert messages.json()["error"]["type"] == "invalid_request_error"
     assert messages.json()["error"]["message"].startswith("prompt is too long: ")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, -(2**70)])
+def test_any_integer_seed_is_served_by_the_real_engine(demo_server: str, seed: int) -> None:
+    body = {"model": "demo", "max_tokens": 2, "seed": seed, "messages": [{"role": "user", "content": "hi"}]}
+    first = httpx.post(f"{demo_server}/v1/chat/completions", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    again = httpx.post(f"{demo_server}/v1/responses", json={"model": "demo", "max_output_tokens": 2, "seed": seed, "input": "hi"}, timeout=120)
+    assert again.status_code == 200, again.text
+

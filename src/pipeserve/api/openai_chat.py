@@ -22,6 +22,7 @@ from pipeserve.api.openai_common import (
     close_events,
     openai_error_body,
     reasoning_options,
+    seed_value,
     text_of_parts,
     validate,
 )
@@ -190,7 +191,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         top_k=max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
-        seed=req.seed,
+        seed=seed_value(req.seed),
     )
     return ChatGenerationRequest(
         model=req.model,

@@ -124,6 +124,15 @@ def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> 
         raise invalid(f"Invalid value for '{param}': function {choice.name!r} is not in tools.", param)
 
 
+SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
+
+
+def seed_value(seed: int | None) -> int | None:
+    """Any JSON integer is a valid seed (clients send -1 or huge values); fold it into
+    the engine's range so it stays deterministic instead of failing in the engine."""
+    return None if seed is None else seed % SEED_SPACE
+
+
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -270,6 +279,7 @@ __all__ = [
     "openai_error_body",
     "reasoning_options",
     "responses_usage",
+    "seed_value",
     "split_namespace",
     "text_of_parts",
     "validate",

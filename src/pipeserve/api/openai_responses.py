@@ -22,6 +22,7 @@ from pipeserve.api.openai_common import (
     close_events,
     openai_error_body,
     reasoning_options,
+    seed_value,
     text_of_parts,
     validate,
 )
@@ -283,7 +284,7 @@ def decode_responses(body: Any) -> ResponsesGenerationRequest:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(req.top_k or 0, 0),
             min_p=req.min_p or 0.0,
-            seed=req.seed,
+            seed=seed_value(req.seed),
         ),
         max_tokens=req.max_output_tokens,
         stream=bool(req.stream),
