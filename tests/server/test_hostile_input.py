@@ -104,3 +104,12 @@ def test_any_integer_seed_is_served_by_the_real_engine(demo_server: str, seed: i
     again = httpx.post(f"{demo_server}/v1/responses", json={"model": "demo", "max_output_tokens": 2, "seed": seed, "input": "hi"}, timeout=120)
     assert again.status_code == 200, again.text
 
+
+
+def test_count_tokens_counts_a_conversation_longer_than_the_context(replay_server: str) -> None:
+    """Claude Code measures its context with count_tokens; an over-full conversation
+    must be counted (so it can compact), not refused."""
+    body = {"model": "replay-qwen3", "messages": [{"role": "user", "content": "word " * 60_000}]}
+    response = httpx.post(f"{replay_server}/v1/messages/count_tokens", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["input_tokens"] > 40960

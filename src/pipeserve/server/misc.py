@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import falcon
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pipeserve.api.base import WireProtocol
+from pipeserve.api.base import WireProtocol, context_overflow
 from pipeserve.errors import ApiError
 from pipeserve.server.body import read_json_body
 from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key, request_id, request_meta
 from pipeserve.server.metrics import Metrics
-from pipeserve.server.registry import ModelTable
+from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.stages.base import RequestContext
 
 STARTED_AT = int(time.time())
+log = logging.getLogger("pipeserve.http")
 
 
 class HealthResource:
@@ -89,8 +91,22 @@ class CountTokensResource:
             request = self.protocol.count_tokens_body(body, request_meta(req, self.route))  # type: ignore[attr-defined]
             served = self.models.resolve(request.model, self.allowed)
             ctx = RequestContext(request=request, request_id=request_id(req), model_name=request.model, dry_run=True)
-            served.chain.prepare(ctx)
-            count = len(ctx.prompt_token_ids or [])
-            resp.media = self.protocol.count_tokens_response(count)  # type: ignore[attr-defined]
+            resp.media = self.protocol.count_tokens_response(prompt_tokens(served, ctx))  # type: ignore[attr-defined]
         except ApiError as error:
             self.errors.render(resp, error)
+        except Exception as exc:  # a bug in a stage's prepare: still answer in protocol shape
+            log.exception("count_tokens failed")
+            self.errors.render(resp, ApiError("internal", f"internal error: {type(exc).__name__}"))
+
+
+def prompt_tokens(served: ServedModel, ctx: RequestContext) -> int:
+    """The rendered prompt's length. A prompt over the context length is still counted:
+    clients (Claude Code) count precisely to learn that they must compact."""
+    try:
+        served.chain.prepare(ctx)
+    except ApiError as error:
+        overflow = context_overflow(error)
+        if overflow is None:
+            raise
+        return overflow[0]
+    return len(ctx.prompt_token_ids or [])
