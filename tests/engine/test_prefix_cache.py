@@ -83,3 +83,14 @@ def test_sliding_window_model_reuses_prompt_snapshot(engine_with):
     assert second.usage.cached_tokens == len(ids) - 1 and second.ids == first.ids
     longer = ids + list(runtime.tokenizer.encode(" grape", add_special_tokens=False))
     assert cached(runtime, longer) == len(ids) - 1
+
+
+def test_cached_prefixes_batched_together_give_the_same_tokens(engine_with):
+    runtime = engine_with()
+    prompts = [prompt(runtime, word)[: 60 + 25 * i] for i, word in enumerate(("kiwi", "lemon", "mango"))]
+    alone = [collect(runtime.engine.submit(job(p, max_tokens=10))) for p in prompts]
+    assert all(got.usage.cached_tokens == 0 for got in alone)
+    streams = [runtime.engine.submit(job(p, max_tokens=10)) for p in prompts]
+    together = [collect(s) for s in streams]
+    assert [got.usage.cached_tokens for got in together] == [len(p) - 1 for p in prompts]
+    assert [got.ids for got in together] == [got.ids for got in alone]
