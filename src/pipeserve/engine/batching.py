@@ -23,8 +23,8 @@ from pipeserve.engine.sequence import Sequence
 
 log = logging.getLogger("pipeserve.engine")
 
-PREFILL_BATCH = 4
-DURATION_EMA = 0.2  # prompts prefilled together (bounded: a prefill chunk delays decoding)
+PREFILL_BATCH = 4  # prompts prefilled together (bounded: a prefill chunk delays decoding)
+DURATION_EMA = 0.2  # weight of the newest request in the mean request duration
 
 
 class Batch:
