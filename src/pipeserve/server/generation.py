@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import falcon
 
 from pipeserve.api.base import RequestMeta, WireProtocol
+from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, Usage
 from pipeserve.request import GenerationRequest
@@ -108,7 +109,7 @@ class GenerationResource:
             resp.content_type = "text/event-stream; charset=utf-8"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching)
+            resp.stream = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol)
             self.metrics.count_request(self.route, served.name, 200)
             return
         try:
@@ -140,10 +141,19 @@ def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> It
         yield Finish("error")
 
 
-def closing_stream(chunks: Iterable[bytes], ctx: RequestContext, stop_watching: Callable[[], None]) -> Iterator[bytes]:
-    """The WSGI body: when the server closes it (client gone), generation stops."""
+def closing_stream(
+    chunks: Iterable[bytes], ctx: RequestContext, stop_watching: Callable[[], None], protocol: WireProtocol
+) -> Iterator[bytes]:
+    """The WSGI body: when the server closes it (client gone), generation stops. A fault
+    in the encoder itself still ends the stream with an in-protocol `error` event (the
+    SDKs raise on it) instead of a truncated body that looks like a normal end."""
     try:
         yield from chunks
+    except Exception as exc:
+        log.exception("stream encoder failed")
+        ctx.cancel("error")
+        error = ApiError("internal", f"internal error while streaming: {type(exc).__name__}")
+        yield sse_event(protocol.error_body(error), "error")
     finally:
         stop_watching()
         ctx.cancel("response_closed")
