@@ -165,3 +165,14 @@ def test_logprob_cursor_hands_out_records_once() -> None:
     cursor.skip()
     records.append(TokenText("z", 4, None))  # no logprob recorded: no entry
     assert cursor.take() == []
+
+
+@pytest.mark.parametrize("part_type", [[], {}, ["text"], None, 5])
+@pytest.mark.parametrize("protocol", [OpenAIChat(), OpenAIResponses()], ids=lambda p: p.name)
+def test_content_part_type_of_any_json_type_is_a_400(protocol: WireProtocol, part_type: Any) -> None:
+    parts = [{"type": part_type, "text": "hi"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}], "input": [{"role": "user", "content": parts}]}
+    with pytest.raises(ApiError) as exc:
+        protocol.decode(body, RequestMeta(route="/"))
+    assert exc.value.kind == "invalid_request" and exc.value.param is not None
+    assert exc.value.param.endswith("content[0].type")

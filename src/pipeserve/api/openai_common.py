@@ -105,6 +105,7 @@ def text_of_parts(parts: Any, path: str, text_types: frozenset[str], image_types
         where = f"{path}[{i}]"
         check(isinstance(part, dict), where, "expected an object")
         kind = part.get("type")
+        check(isinstance(kind, str), f"{where}.type", "expected a string")
         if kind in image_types:
             raise images_unsupported(where)
         if kind == "refusal" and isinstance(part.get("refusal"), str):
