@@ -93,3 +93,11 @@ def test_count_tokens_matches_usage(client: Anthropic, family: Family) -> None:
     counted = client.messages.count_tokens(model=family.model, messages=HELLO, tools=TOOLS)
     message = client.messages.create(model=family.model, max_tokens=16, messages=HELLO, tools=TOOLS, extra_body={"mock_response": family.text})
     assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+
+
+def test_models_list_and_retrieve(client: Anthropic) -> None:
+    """`/v1/models` serves both SDKs: the Anthropic one pages on has_more/last_id."""
+    models = list(client.models.list())
+    assert [m.id for m in models][:2] == ["replay-qwen3", "replay-gpt-oss"]
+    assert all(m.type == "model" and m.display_name for m in models)
+    assert client.models.retrieve("replay-glm").id == "replay-glm"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import falcon
@@ -18,6 +19,7 @@ from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.stages.base import RequestContext
 
 STARTED_AT = int(time.time())
+STARTED_AT_ISO = datetime.fromtimestamp(STARTED_AT, timezone.utc).isoformat().replace("+00:00", "Z")
 log = logging.getLogger("pipeserve.http")
 
 
@@ -42,13 +44,22 @@ class RootResource:
 
 
 class ModelsResource:
-    """OpenAI's `GET /v1/models` list shape."""
+    """`GET /v1/models` in a shape both SDKs read: OpenAI's list (object/data, cards with
+    object/created/owned_by) plus Anthropic's page fields (has_more, first_id, last_id;
+    cards with type/display_name/created_at)."""
 
     def __init__(self, models: ModelTable) -> None:
         self.models = models
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"object": "list", "data": [self._card(m.name) for m in self.models.models]}
+        names = [m.name for m in self.models.models]
+        resp.media = {
+            "object": "list",
+            "data": [self._card(name) for name in names],
+            "has_more": False,
+            "first_id": names[0] if names else None,
+            "last_id": names[-1] if names else None,
+        }
 
     on_head = on_get
 
@@ -61,7 +72,15 @@ class ModelsResource:
 
     @staticmethod
     def _card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": STARTED_AT, "owned_by": "pipeserve"}
+        return {
+            "id": name,
+            "object": "model",
+            "created": STARTED_AT,
+            "owned_by": "pipeserve",
+            "type": "model",
+            "display_name": name,
+            "created_at": STARTED_AT_ISO,
+        }
 
 
 class MetricsResource:
