@@ -39,7 +39,7 @@ CASES = [
     ("no-arguments", "<tool_call>get_time</tool_call>", [("call", "get_time", "{}"), ("finish", "tool_calls")]),
     ("two-calls", "<tool_call>get_time<arg_key>tz</arg_key><arg_value>CET</arg_value></tool_call>\n"
      "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Bern</arg_value></tool_call>",
-     [("call", "get_time", '{"tz": "CET"}'), ("content", "\n"), ("call", "get_weather", '{"city": "Bern"}'),
+     [("call", "get_time", '{"tz": "CET"}'), ("call", "get_weather", '{"city": "Bern"}'),
       ("finish", "tool_calls")]),
     ("unknown-tool-json-guess", "<tool_call>other<arg_key>n</arg_key><arg_value>3</arg_value>"
      "<arg_key>s</arg_key><arg_value>text</arg_value></tool_call>",

@@ -26,7 +26,7 @@ CASES = [
     ("text-call-text", "Let me check. " + CALL + "\nDone.",
      [("content", "Let me check. "), ("call", "get_weather", PARIS), ("content", "\nDone."), ("finish", "tool_calls")]),
     ("two-calls", CALL + "\n" + '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
-     [("call", "get_weather", PARIS), ("content", "\n"), ("call", "get_time", '{"tz": "CET"}'),
+     [("call", "get_weather", PARIS), ("call", "get_time", '{"tz": "CET"}'),
       ("finish", "tool_calls")]),
     ("plain", "No tools needed.", [("content", "No tools needed."), ("finish", "stop")]),
     ("not-json", 'x <tool_call>get_weather(city="Paris")</tool_call> y',

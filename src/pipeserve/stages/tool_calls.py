@@ -10,7 +10,7 @@ finishes with reason "tool_calls".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from pydantic import Field
@@ -24,6 +24,7 @@ from pipeserve.stages.toolfmt.glm_format import GlmFormat
 from pipeserve.stages.toolfmt.harmony_format import HarmonyFormat, load_encoding
 from pipeserve.stages.toolfmt.json_format import JsonFormat
 from pipeserve.stages.toolfmt.kimi_format import KimiFormat
+from pipeserve.stages.toolfmt.turn import TurnShaper
 
 _PREFILL_KEY = "tool_calls.prefill"
 
@@ -71,21 +72,25 @@ class ToolCallsStage:
             return
         sink = CallSink(ctx.request.tools)
         parser = self._parser(sink, calls_enabled)
+        shaper = TurnShaper()
         out: list[Event] = []
         prefill = ctx.scratch.get(_PREFILL_KEY, "")
         if prefill:
             parser.prefill(prefill, out)
-            yield from (e for e in out if type(e) is not ContentDelta)
+            yield from _shaped((e for e in out if type(e) is not ContentDelta), shaper)
             out.clear()
         finished = False
         for event in events:
             if type(event) is TokenText:
                 parser.feed_token(event, out)
                 if out:
-                    yield from out
+                    yield from _shaped(out, shaper)
                     out.clear()
             elif type(event) is Finish:
                 parser.finish(event.reason, out)
+                yield from _shaped(out, shaper)
+                out.clear()
+                shaper.end(out)
                 yield from out
                 out.clear()
                 finished = True
@@ -94,10 +99,10 @@ class ToolCallsStage:
             elif type(event) is Usage and parser.reasoning_tokens:
                 yield dataclasses.replace(event, reasoning_tokens=event.reasoning_tokens + parser.reasoning_tokens)
             else:
-                yield event
+                yield from _shaped((event,), shaper)
         if not finished:
             parser.finish("cancelled", out)
-            yield from out
+            yield from _shaped(out, shaper)
 
     def _parser(self, sink: CallSink, calls_enabled: bool) -> ToolFormat:
         cfg = self.cfg
@@ -108,6 +113,13 @@ class ToolCallsStage:
         if self.format == "kimi":
             return KimiFormat(sink, cfg.start, cfg.end, cfg.section_start, cfg.section_end, cfg.args_marker)
         return HarmonyFormat(load_encoding(), sink, self.reasoning_channels, calls_enabled)
+
+
+def _shaped(events: Iterable[Event], shaper: TurnShaper) -> list[Event]:
+    shaped: list[Event] = []
+    for event in events:
+        shaper.push(event, shaped)
+    return shaped
 
 
 def _as_content(events: Iterator[Event]) -> Iterator[Event]:
