@@ -157,9 +157,39 @@ def test_logprobs(mlx_runtime):
         assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
 
 
-def test_engine_fault_fails_request_and_engine_survives(mlx_runtime):
+def test_invalid_sampling_is_rejected_by_the_engine(mlx_runtime):
     runtime = mlx_runtime("qwen3")
     prompt = encode(runtime, PROMPT)
     broken = collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0, min_p=2.0)))
     assert broken.finish.reason == "error" and broken.errors
-    assert collect(runtime.engine.submit(job(prompt, max_tokens=4))).finish.reason == "length"
+    assert collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0))).finish.reason == "length"
+
+
+def test_engine_fault_fails_the_batch_and_engine_survives(mlx_runtime, monkeypatch):
+    """A fault inside a decode step (here: a sampler that raises, injected for seed
+    666) fails the requests of that batch with ErrorEvent + Finish("error") + Usage."""
+    import pipeserve.engine.batching as batching
+
+    real = batching.make_sampler
+
+    def faulty(params, vocab_size=None):
+        if params.seed != 666:
+            return real(params, vocab_size)
+
+        def sampler(logprobs):
+            raise RuntimeError("injected sampler fault")
+
+        return sampler
+
+    monkeypatch.setattr(batching, "make_sampler", faulty)
+    runtime = mlx_runtime("qwen3")
+    prompt = encode(runtime, PROMPT)
+    faults = runtime.engine.stats()["engine_faults"]
+    bystander = runtime.engine.submit(job(prompt, max_tokens=200))
+    broken = collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0, seed=666)))
+    assert broken.finish.reason == "error" and "injected" in broken.errors[0].message
+    assert collect(bystander).finish.reason in ("error", "length")
+    assert runtime.engine.stats()["engine_faults"] == faults + 1
+    monkeypatch.undo()
+    after = collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0)))
+    assert after.finish.reason == "length" and len(after.tokens) == 4

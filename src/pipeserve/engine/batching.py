@@ -9,6 +9,7 @@ prefix cache has one, the KV cache of its longest cached prefix.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Any
 
@@ -190,6 +191,8 @@ class Batch:
         self.key_of.clear()
         self.gen.close()
         self.gen = self._new_generator()  # its state may be inconsistent after a fault
+        # A fault inside a compiled sampler can leave a tracer as the global key.
+        mx.random.seed(random.getrandbits(32))
         self._update_stats()
 
     def close(self, courier: Courier) -> None:

@@ -25,7 +25,16 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 REPETITION_CONTEXT = 64
 
 
+def check(params: SamplingParams) -> None:
+    """Reject values mlx-lm's samplers would raise on while being compiled: an exception
+    inside mx.compile leaves tracers in the global random state and breaks later steps."""
+    if not (params.temperature >= 0 and 0 <= params.top_p <= 1 and 0 <= params.min_p <= 1
+            and params.top_k >= 0 and params.repetition_penalty > 0):  # fmt: skip
+        raise ValueError(f"invalid sampling parameters: {params}")
+
+
 def make_sampler(params: SamplingParams, vocab_size: int | None = None) -> Sampler:
+    check(params)
     if params.temperature <= 0 or params.top_p <= 0:
         return greedy_sampler
     top_k = params.top_k if vocab_size is None or params.top_k < vocab_size else 0
