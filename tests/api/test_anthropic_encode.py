@@ -130,13 +130,25 @@ def test_tool_calls() -> None:
     assert body["stop_reason"] == "tool_use"
 
 
-def test_streamed_tool_arguments_are_fragments() -> None:
-    deltas = [d["delta"] for name, d in sse(TOOLS) if name == "content_block_delta"]
+def test_tool_input_is_sent_once_validated() -> None:
+    """Like Anthropic without the fine-grained streaming beta: input is buffered and
+    validated, so the block starts when the call is complete, with one input_json_delta."""
+    frames = sse(TOOLS)
+    deltas = [d["delta"] for name, d in frames if name == "content_block_delta"]
     assert [d.get("partial_json") for d in deltas if d["type"] == "input_json_delta"] == [
-        '{"city": ', '"Paris"', "}", '{"city": "Nice", "days": 3}',
+        '{"city": "Paris"}', '{"city": "Nice", "days": 3}',
     ]
-    starts = [d["content_block"] for name, d in sse(TOOLS) if name == "content_block_start"]
+    starts = [d["content_block"] for name, d in frames if name == "content_block_start"]
     assert starts[1] == {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {}}
+
+
+def test_long_held_call_keeps_the_stream_alive() -> None:
+    fragments = [ToolCallArgsDelta(0, '{"text": "') ] + [ToolCallArgsDelta(0, "x") for _ in range(200)]
+    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), *fragments, ToolCallArgsDelta(0, '"}'),
+              ToolCallEnd(0, '{"text": "' + "x" * 200 + '"}'), Finish("tool_calls"), Usage(5, 9)]
+    frames = sse(events)
+    assert sum(name == "ping" for name, _ in frames) >= 2
+    assert encode_both(events)["content"][0]["input"] == {"text": "x" * 200}
 
 
 def test_text_after_tool_call_and_remaining_arguments() -> None:
@@ -148,23 +160,34 @@ def test_text_after_tool_call_and_remaining_arguments() -> None:
     assert body["content"] == [{"type": "tool_use", "id": "toolu_x", "name": "f", "input": {"a": 1}}, {"type": "text", "text": "done"}]
 
 
-def test_call_cut_at_max_tokens_keeps_its_text() -> None:
+def test_call_cut_at_max_tokens_is_text_not_a_tool_use() -> None:
+    """A cut call never becomes a tool_use block whose input the SDK would repair into a
+    plausible but wrong object ({"city": "Pa"}); its text is kept and stop_reason says why."""
     events = [
-        PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"city": "Pa'),
+        PromptReady(5), ContentDelta("Sure."), ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"city": "Pa'),
         ToolCallEnd(0, '{"city": "Pa'), Finish("length"), Usage(5, 4),
     ]
     body = encode_both(events)
-    assert body["content"] == [
-        {"type": "tool_use", "id": "toolu_x", "name": "f", "input": {}},
-        {"type": "text", "text": '{"city": "Pa'},
-    ]
+    assert body["content"] == [{"type": "text", "text": 'Sure.{"city": "Pa'}]
     assert body["stop_reason"] == "max_tokens"
 
 
-def test_malformed_arguments_are_not_streamed_as_json() -> None:
-    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallEnd(0, "city=Paris"), Finish("tool_calls"), Usage(5, 4)]
+def test_malformed_call_is_text_and_ends_the_turn() -> None:
+    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"a" 1'),
+              ToolCallEnd(0, '{"a" 1'), Finish("stop"), Usage(5, 4)]
     body = encode_both(events)
-    assert body["content"][1] == {"type": "text", "text": "city=Paris"}
+    assert body["content"] == [{"type": "text", "text": '{"a" 1'}]
+    assert body["stop_reason"] == "end_turn"
+
+
+def test_valid_call_after_a_malformed_one() -> None:
+    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallEnd(0, "city=Paris"),
+              ToolCallStart(1, "call_y", "f"), ToolCallArgsDelta(1, '{"a": 1}'), ToolCallEnd(1, '{"a": 1}'),
+              Finish("tool_calls"), Usage(5, 4)]
+    body = encode_both(events)
+    assert body["content"] == [{"type": "text", "text": "city=Paris"},
+                               {"type": "tool_use", "id": "toolu_y", "name": "f", "input": {"a": 1}}]
+    assert body["stop_reason"] == "tool_use"
 
 
 @pytest.mark.parametrize(

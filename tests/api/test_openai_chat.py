@@ -616,3 +616,21 @@ def test_sdk_internal_error_is_500() -> None:
     ).client
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+
+
+# A call whose arguments never became a JSON object (malformed, or cut at max tokens)
+# does not make the turn a tool call: the finish reason keeps what generation said.
+BROKEN_CALL = [ToolCallStart(0, "call_b", "get_weather"), ToolCallArgsDelta(0, '{"city" 1'), ToolCallEnd(0, '{"city" 1')]
+
+
+@pytest.mark.parametrize(("reason", "expected"), [("stop", "stop"), ("length", "length")])
+def test_broken_call_does_not_finish_tool_calls(reason: Any, expected: str) -> None:
+    events = [*BROKEN_CALL, Finish(reason), Usage(3, 4)]
+    assert encode_json(list(events))["choices"][0]["finish_reason"] == expected
+    chunks = chunks_of(stream_frames(list(events)))
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == expected
+
+
+def test_valid_call_still_upgrades_stop_to_tool_calls() -> None:
+    events = [ToolCallStart(0, "call_a", "f"), ToolCallEnd(0, '{"a": 1}'), *BROKEN_CALL[:0], Finish("stop"), Usage(3, 4)]
+    assert encode_json(events)["choices"][0]["finish_reason"] == "tool_calls"

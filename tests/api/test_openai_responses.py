@@ -716,3 +716,16 @@ def test_empty_generation_still_has_a_message_item() -> None:
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert [(i["type"], i["content"][0]["text"]) for i in done] == [("message", "")]
     assert events[-1]["type"] == "response.completed"
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_broken_call_item_is_incomplete(reason: Any) -> None:
+    events = [ToolCallStart(0, "call_b", "get_weather"), ToolCallArgsDelta(0, '{"city": "Pa'),
+              ToolCallEnd(0, '{"city": "Pa'), Finish(reason), Usage(3, 4)]
+    response = Response.model_validate(encode_json(events, tools=[WEATHER]))
+    (call,) = response.output
+    assert call.type == "function_call" and call.status == "incomplete"  # type: ignore[union-attr]
+    assert call.arguments == '{"city": "Pa'  # type: ignore[union-attr]
+    assert response.status == ("incomplete" if reason == "length" else "completed")
+    done = [f["item"] for f in data_frames(stream_raw(events, tools=[WEATHER])) if f["type"] == "response.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]

@@ -11,6 +11,15 @@ message by construction.
   cache_read_input_tokens + cache_creation_input_tokens): input_tokens = prompt tokens
   minus the prefix-cache hits, cache_read_input_tokens = the hits, creation = 0.
 - Blocks are strictly sequential: a block is stopped before the next starts.
+- Tool input is buffered and validated, as Anthropic does without the
+  `fine-grained-tool-streaming` beta: a tool_use block is sent when its call is complete
+  (content_block_start, one input_json_delta with the final coerced arguments, stop), and
+  only if those arguments are a JSON object. A call cut off by max tokens or malformed
+  becomes text (its raw arguments) instead, so no client ever sees a tool_use block whose
+  input the SDK's partial-JSON parser repaired into a plausible but wrong object; the
+  stop_reason then says max_tokens / end_turn (the tool_calls stage only finishes
+  "tool_calls" after a valid call). A `ping` every PING_EVERY held fragments keeps the
+  connection visibly alive while a long call is buffered.
 - Thinking signature: "pssig1_" + urlsafe-base64 SHA-256 of a domain tag and the
   thinking text. It is opaque, non-empty and deterministic (the same text gives the same
   signature in every worker, streamed or not); it proves nothing and is never checked
@@ -21,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -43,6 +51,7 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.stages.base import RequestContext
+from pipeserve.stages.toolfmt.base import arguments_valid
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,7 @@ EMPTY_BLOCKS: dict[str, dict[str, str]] = {
     "thinking": {"type": "thinking", "thinking": "", "signature": ""},
     "text": {"type": "text", "text": ""},
 }
+PING_EVERY = 64  # held argument fragments between pings
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 # ErrorEvent.kind / ApiError.kind <-> Anthropic error type
 ERROR_TYPES: dict[str, str] = {
@@ -115,8 +125,8 @@ class _MessageStream:
         self.failed = False
         self.index = -1  # index of the last started block
         self.open_kind: str | None = None  # "thinking" | "text" | "tool_use" while open
-        self.open_tool: int | None = None  # ToolCallStart.index of the open tool_use block
-        self.sent_args = ""
+        self.held_tool: ToolCallStart | None = None  # the call being buffered
+        self.held_fragments = 0
         self.signature = _Signature()
         self.prompt_tokens = len(ctx.prompt_token_ids or [])
         self.cached_tokens = 0
@@ -195,7 +205,7 @@ class _MessageStream:
             yield {"type": "content_block_delta", "index": self.index, "delta": delta}
             self.signature = _Signature()
         yield {"type": "content_block_stop", "index": self.index}
-        self.open_kind = self.open_tool = None
+        self.open_kind = None
 
     def delta(self, kind: str, text: str) -> Iterator[dict[str, Any]]:
         if not text:
@@ -210,32 +220,29 @@ class _MessageStream:
         yield {"type": "content_block_delta", "index": self.index, "delta": delta}
 
     def tool_start(self, event: ToolCallStart) -> Iterator[dict[str, Any]]:
-        block = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name, "input": {}}
-        yield from self.open_block(block)
-        self.open_tool, self.sent_args = event.index, ""
+        yield from self.start()
+        self.held_tool, self.held_fragments = event, 0
 
     def tool_args(self, index: int, fragment: str) -> Iterator[dict[str, Any]]:
-        if self.open_tool != index or not fragment:
-            return  # calls are sequential: a fragment for a closed call cannot be sent
-        self.sent_args += fragment
-        delta = {"type": "input_json_delta", "partial_json": fragment}
-        yield {"type": "content_block_delta", "index": self.index, "delta": delta}
+        if self.held_tool is None or self.held_tool.index != index or not fragment:
+            return
+        self.held_fragments += 1
+        if self.held_fragments % PING_EVERY == 0:
+            yield {"type": "ping"}
 
     def tool_end(self, event: ToolCallEnd) -> Iterator[dict[str, Any]]:
-        if self.open_tool != event.index:
+        held, self.held_tool = self.held_tool, None
+        if held is None or held.index != event.index:
             return
         final = event.arguments
         if not is_json_object(final):
-            # A call cut at max_tokens or malformed: an invalid suffix would make SDKs raise
-            # while parsing input_json_delta, so the raw text follows as a text block instead.
             log.warning("tool call %d: arguments are not a JSON object: %.200s", event.index, final)
-            yield from self.close_block()
             yield from self.delta("text", final)
             return
-        if final.startswith(self.sent_args):
-            yield from self.tool_args(event.index, final[len(self.sent_args) :])
-        else:
-            log.warning("tool call %d: streamed arguments differ from the final arguments", event.index)
+        yield from self.open_block({"type": "tool_use", "id": tool_use_id(held.id), "name": held.name, "input": {}})
+        if final.strip():
+            delta = {"type": "input_json_delta", "partial_json": final}
+            yield {"type": "content_block_delta", "index": self.index, "delta": delta}
         yield from self.close_block()
 
     def on_finish(self, event: Finish) -> Iterator[dict[str, Any]]:
@@ -275,13 +282,7 @@ class _MessageStream:
             yield from self.fail("internal", "generation ended without a finish reason")
 
 
-def is_json_object(text: str) -> bool:
-    if not text.strip():
-        return True  # no arguments at all: input stays {}
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+is_json_object = arguments_valid  # no arguments at all counts: input stays {}
 
 
 def message_events(events: Iterable[Event], ctx: RequestContext) -> Iterator[dict[str, Any]]:

@@ -4,6 +4,12 @@ Reasoning goes out as `reasoning_content`; tool calls stream as `tool_calls` del
 whose first fragment carries index/id/type/name and later ones argument text only.
 A failure mid-stream is a `data: {"error": ...}` frame (the openai SDK raises APIError
 on it) and no `[DONE]`.
+
+Broken calls follow OpenAI: a call cut off by max tokens keeps its partial arguments and
+the finish reason `length`; a call whose arguments are not a JSON object (malformed) is
+still listed as written, but "stop" becomes `tool_calls` only when some call ended with
+valid JSON-object arguments, so a client never reads `tool_calls` for a turn whose calls
+cannot be run. Argument fragments are streamed as generated (no hold-back).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.stages.base import RequestContext
+from pipeserve.stages.toolfmt.base import arguments_valid
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
@@ -48,6 +55,10 @@ class _Call:
     name: str
     streamed: str = ""
     arguments: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.arguments is not None and arguments_valid(self.arguments)
 
 
 @dataclass
@@ -60,12 +71,12 @@ class Accumulated:
     usage: Usage = field(default_factory=lambda: Usage(0, 0))
 
 
-def _finish_reason(event: Finish, has_calls: bool, ctx: RequestContext) -> str:
+def _finish_reason(event: Finish, calls: dict[int, _Call], ctx: RequestContext) -> str:
     if event.reason == "cancelled":
         raise cancelled_error(ctx)
     if event.reason == "error":
         raise ApiError("internal", "generation failed")
-    if event.reason == "stop" and has_calls:
+    if event.reason == "stop" and any(call.valid for call in calls.values()):
         return "tool_calls"
     return FINISH[event.reason]
 
@@ -87,7 +98,7 @@ def accumulate(events: Iterator[Event], ctx: RequestContext) -> Accumulated:
         elif isinstance(event, ToolCallEnd) and event.index in acc.calls:
             acc.calls[event.index].arguments = event.arguments
         elif isinstance(event, Finish):
-            acc.finish = _finish_reason(event, bool(acc.calls), ctx)
+            acc.finish = _finish_reason(event, acc.calls, ctx)
         elif isinstance(event, Usage):
             acc.usage = event
         elif isinstance(event, ErrorEvent):
@@ -155,7 +166,7 @@ class ChatStreamEncoder:
         if isinstance(event, (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)):
             return self.tool_frame(event)
         if isinstance(event, Finish):
-            return self.chunk({}, _finish_reason(event, bool(self.calls), self.ctx))
+            return self.chunk({}, _finish_reason(event, self.calls, self.ctx))
         if isinstance(event, Usage):
             self.usage = event
         elif isinstance(event, ErrorEvent):
@@ -175,6 +186,8 @@ class ChatStreamEncoder:
         existing = self.calls.get(event.index)
         if existing is None:
             return None
+        if isinstance(event, ToolCallEnd):
+            existing.arguments = event.arguments
         if isinstance(event, ToolCallArgsDelta):
             fragment = event.fragment
         elif event.arguments.startswith(existing.streamed):

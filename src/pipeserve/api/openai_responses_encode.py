@@ -5,6 +5,10 @@ closes the open one with its `.done` events. Every stream event carries a
 `sequence_number` (from 0); item events carry `output_index`, content events
 `content_index`. The final `response.completed` / `response.incomplete` needs Usage,
 which arrives after Finish, so it is produced by `final()` once the events end.
+
+Broken calls: arguments stream as generated; a function_call whose final arguments are not
+a JSON object (cut off by max tokens, or malformed) ends with item status `incomplete`,
+and a cut-off turn ends with `response.incomplete` (as OpenAI does for max_output_tokens).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.stages.base import RequestContext
+from pipeserve.stages.toolfmt.base import arguments_valid
 
 Frame = dict[str, Any] | bytes
 SEALED_REASONING = "reasoning.encrypted_content"
@@ -261,7 +266,7 @@ class ResponsesBuilder:
         if event.arguments.startswith(streamed):
             frames += self.call_delta(event.index, event.arguments[len(streamed) :])
         self.open.item["arguments"] = event.arguments  # the coerced arguments are final
-        return frames + self.close_open()
+        return frames + self.close_open(incomplete=not arguments_valid(event.arguments))
 
     # ------------------------------------------------------------ closing items
 

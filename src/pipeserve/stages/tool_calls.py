@@ -3,8 +3,9 @@
 Markers and the tool_choice prefills default per format and can be overridden in YAML.
 For tool_choice `required` / `function`, prepare() appends the format's opening text to
 the prompt (ctx.assistant_prefill) and the parser starts as if the model had written it;
-for `none` no calls are parsed. A response with at least one call that ended normally
-finishes with reason "tool_calls".
+for `none` no calls are parsed. A response with at least one call that ended with valid
+JSON-object arguments finishes with reason "tool_calls" (a cut-off call keeps "length", a
+malformed one leaves "stop"); whitespace around calls is not content (toolfmt/turn.py).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class ToolCallsStage:
                 yield from out
                 out.clear()
                 finished = True
-                reason = "tool_calls" if event.reason == "stop" and sink.count else event.reason
+                reason = "tool_calls" if event.reason == "stop" and shaper.valid else event.reason
                 yield Finish(reason, event.stop_sequence) if reason != event.reason else event
             elif type(event) is Usage and parser.reasoning_tokens:
                 yield dataclasses.replace(event, reasoning_tokens=event.reasoning_tokens + parser.reasoning_tokens)

@@ -5,11 +5,17 @@ Whitespace: a model separates and ends its calls with newlines ("</tool_call>\\n
 after reasoning, after a call) is held; it is dropped when a call, reasoning or the end
 of a turn with calls follows, and released in front of the next real text. A turn
 without calls keeps its text exactly.
+
+Valid calls: a call counts for the finish reason "tool_calls" only when it ended with
+arguments that are a JSON object. A call cut off by max tokens keeps "length"; a turn
+whose only calls are malformed finishes "stop", so no client runs a tool on input the
+model never completed (the encoders mark such calls, see each encoder's docstring).
 """
 
 from __future__ import annotations
 
 from pipeserve.events import ContentDelta, Event, ReasoningDelta, ToolCallEnd, ToolCallStart
+from pipeserve.stages.toolfmt.base import arguments_valid
 
 
 class TurnShaper:
@@ -19,6 +25,7 @@ class TurnShaper:
         self.held: list[str] = []
         self.at_boundary = True
         self.calls = 0
+        self.valid = 0  # calls that ended with a JSON object as arguments
 
     def push(self, event: Event, out: list[Event]) -> None:
         kind = type(event)
@@ -31,6 +38,7 @@ class TurnShaper:
             self.calls += kind is ToolCallStart
         elif kind is ToolCallEnd:
             self.at_boundary = True
+            self.valid += arguments_valid(event.arguments)  # type: ignore[union-attr]
         out.append(event)
 
     def end(self, out: list[Event]) -> None:
