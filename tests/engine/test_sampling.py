@@ -47,3 +47,13 @@ def test_repetition_penalty_changes_output(mlx_runtime):
     penalized = collect(runtime.engine.submit(job(prompt, 40, repetition_penalty=5.0))).ids
     assert penalized != plain
     assert len(set(penalized)) >= len(set(plain))
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_top_k_beyond_vocabulary_keeps_everything(mlx_runtime, seed):
+    runtime = mlx_runtime("qwen3")
+    prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
+    faults = runtime.engine.stats()["engine_faults"]
+    got = collect(runtime.engine.submit(job(prompt, 6, temperature=1.0, top_k=10**7, seed=seed)))
+    assert got.finish.reason == "length" and len(got.tokens) == 6
+    assert runtime.engine.stats()["engine_faults"] == faults

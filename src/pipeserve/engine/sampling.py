@@ -11,6 +11,7 @@ sampler, which lets BatchGenerator sample each group in one batched call.
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -37,10 +38,11 @@ def make_sampler(params: SamplingParams, vocab_size: int | None = None) -> Sampl
     check(params)
     if params.temperature <= 0 or params.top_p <= 0:
         return greedy_sampler
-    top_k = params.top_k if vocab_size is None or params.top_k < vocab_size else 0
-    if params.seed is None:
+    if params.seed is None and (params.top_k == 0 or vocab_size is not None):
+        top_k = params.top_k if vocab_size is None or params.top_k < vocab_size else 0
         return _shared_sampler(params.temperature, params.top_p, params.min_p, top_k)
-    return _seeded_sampler(params, params.seed, vocab_size)
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    return _seeded_sampler(params, seed)
 
 
 @functools.lru_cache(maxsize=256)
@@ -50,8 +52,8 @@ def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) 
     return mlx_make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
 
-def _seeded_sampler(params: SamplingParams, seed: int, vocab_size: int | None) -> Sampler:
-    filters = _filters(params, vocab_size)
+def _seeded_sampler(params: SamplingParams, seed: int) -> Sampler:
+    filters = _filters(params)
     inverse_temperature = 1.0 / params.temperature
     state = {"key": mx.random.key(seed)}
 
@@ -64,15 +66,15 @@ def _seeded_sampler(params: SamplingParams, seed: int, vocab_size: int | None) -
     return sampler
 
 
-def _filters(params: SamplingParams, vocab_size: int | None) -> list[Callable[[mx.array], mx.array]]:
+def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
     filters: list[Callable[[mx.array], mx.array]] = []
     top_p, min_p, top_k = params.top_p, params.min_p, params.top_k
     if 0 < top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, top_p))
     if min_p > 0.0:
         filters.append(lambda x: apply_min_p(x, min_p))
-    if top_k > 0 and (vocab_size is None or top_k < vocab_size):
-        filters.append(lambda x: apply_top_k(x, top_k))
+    if top_k > 0:  # a top_k as large as the vocabulary keeps everything
+        filters.append(lambda x: apply_top_k(x, top_k) if top_k < x.shape[-1] else x)
     return filters
 
 
