@@ -6,6 +6,8 @@ the prompt (ctx.assistant_prefill) and the parser starts as if the model had wri
 for `none` no calls are parsed. A response with at least one call that ended with valid
 JSON-object arguments finishes with reason "tool_calls" (a cut-off call keeps "length", a
 malformed one leaves "stop"); whitespace around calls is not content (toolfmt/turn.py).
+With parallel_tool_calls false the turn ends after the first valid call: generation is
+cancelled (reason "single_tool_call") and the finish reason is "tool_calls".
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class ToolCallsStage:
             return
         sink = CallSink(ctx.request.tools)
         parser = self._parser(sink, calls_enabled)
-        shaper = TurnShaper()
+        shaper = TurnShaper(single=not ctx.request.parallel_tool_calls)
         out: list[Event] = []
         prefill = ctx.scratch.get(_PREFILL_KEY, "")
         if prefill:
@@ -83,19 +85,24 @@ class ToolCallsStage:
         finished = False
         for event in events:
             if type(event) is TokenText:
+                if shaper.closed:
+                    continue
                 parser.feed_token(event, out)
                 if out:
                     yield from _shaped(out, shaper)
                     out.clear()
+                    if shaper.closed:
+                        ctx.cancel("single_tool_call")
             elif type(event) is Finish:
-                parser.finish(event.reason, out)
+                if not shaper.closed:
+                    parser.finish(event.reason, out)
                 yield from _shaped(out, shaper)
                 out.clear()
                 shaper.end(out)
                 yield from out
                 out.clear()
                 finished = True
-                reason = "tool_calls" if event.reason == "stop" and shaper.valid else event.reason
+                reason = _finish_reason(event.reason, shaper)
                 yield Finish(reason, event.stop_sequence) if reason != event.reason else event
             elif type(event) is Usage and parser.reasoning_tokens:
                 yield dataclasses.replace(event, reasoning_tokens=event.reasoning_tokens + parser.reasoning_tokens)
@@ -114,6 +121,12 @@ class ToolCallsStage:
         if self.format == "kimi":
             return KimiFormat(sink, cfg.start, cfg.end, cfg.section_start, cfg.section_end, cfg.args_marker)
         return HarmonyFormat(load_encoding(), sink, self.reasoning_channels, calls_enabled)
+
+
+def _finish_reason(reason: str, shaper: TurnShaper) -> str:
+    if shaper.closed and reason != "error":
+        return "tool_calls"  # we cancelled after the single call ("cancelled"), or it just ended
+    return "tool_calls" if reason == "stop" and shaper.valid else reason
 
 
 def _shaped(events: Iterable[Event], shaper: TurnShaper) -> list[Event]:

@@ -14,14 +14,19 @@ model never completed (the encoders mark such calls, see each encoder's docstrin
 
 from __future__ import annotations
 
-from pipeserve.events import ContentDelta, Event, ReasoningDelta, ToolCallEnd, ToolCallStart
+from pipeserve.events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from pipeserve.stages.toolfmt.base import arguments_valid
+
+
+_TURN_OUTPUT = (ContentDelta, ReasoningDelta, ToolCallStart, ToolCallArgsDelta, ToolCallEnd)
 
 
 class TurnShaper:
     """Filters one request's events in order; per-request state, O(1) per event."""
 
-    def __init__(self) -> None:
+    def __init__(self, single: bool = False) -> None:
+        self.single = single
+        self.closed = False  # single mode: the one call is complete
         self.held: list[str] = []
         self.at_boundary = True
         self.calls = 0
@@ -29,6 +34,8 @@ class TurnShaper:
 
     def push(self, event: Event, out: list[Event]) -> None:
         kind = type(event)
+        if self.closed and kind in _TURN_OUTPUT:
+            return
         if kind is ContentDelta:
             self._content(event.text, out)  # type: ignore[union-attr]
             return
@@ -38,7 +45,9 @@ class TurnShaper:
             self.calls += kind is ToolCallStart
         elif kind is ToolCallEnd:
             self.at_boundary = True
-            self.valid += arguments_valid(event.arguments)  # type: ignore[union-attr]
+            if arguments_valid(event.arguments):  # type: ignore[union-attr]
+                self.valid += 1
+                self.closed = self.single
         out.append(event)
 
     def end(self, out: list[Event]) -> None:
