@@ -51,3 +51,18 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError("invalid_request", message, param)
+
+
+class ContextLengthError(ApiError):
+    """The prompt does not fit the model's context; protocols render it in the dialect
+    agents react to (OpenAI `context_length_exceeded`, Anthropic "prompt is too long")."""
+
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            "invalid_request",
+            f"The prompt is {prompt_tokens} tokens long; this model's context length is {context_length} tokens "
+            "(prompt plus at least one generated token). Shorten the conversation.",
+            "messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length

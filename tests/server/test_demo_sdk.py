@@ -82,3 +82,17 @@ def test_responses_create_and_stream(openai_client: OpenAI) -> None:
     assert final.status == response.status
     assert final.output_text == response.output_text
     assert final.usage.output_tokens == response.usage.output_tokens
+
+
+def test_chat_logprobs_from_the_real_engine(openai_client: OpenAI) -> None:
+    result = openai_client.chat.completions.create(
+        model="demo", messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        reasoning_effort="none",
+    )
+    entries = result.choices[0].logprobs.content
+    assert len(entries) == result.usage.completion_tokens
+    assert "".join(e.token for e in entries) == result.choices[0].message.content
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        # Greedy: the sampled token is the most likely one.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)

@@ -5,13 +5,12 @@ A protocol knows nothing about model families; stages know nothing about protoco
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pipeserve.errors import ApiError
+from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
@@ -55,16 +54,11 @@ class WireProtocol(ABC):
         return error.default_status
 
 
-# The generate stage's context-length ApiError (stages/generate.py); each protocol renders
-# it in the dialect agents react to (OpenAI code `context_length_exceeded`, Anthropic
-# "prompt is too long: N tokens > M maximum").
-_CONTEXT_OVERFLOW = re.compile(r"prompt is (\d+) tokens long; this model's context length is (\d+) tokens")
-
-
 def context_overflow(error: ApiError) -> tuple[int, int] | None:
     """(prompt tokens, context length) when `error` says the prompt does not fit."""
-    match = _CONTEXT_OVERFLOW.search(error.message) if error.kind == "invalid_request" else None
-    return (int(match[1]), int(match[2])) if match else None
+    if isinstance(error, ContextLengthError):
+        return error.prompt_tokens, error.context_length
+    return None
 
 
 PROTOCOL_REGISTRY: dict[str, type[WireProtocol]] = {}

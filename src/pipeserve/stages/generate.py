@@ -18,13 +18,14 @@ from typing import Any
 from pydantic import Field
 
 from pipeserve.engine.base import GenerationJob, ModelRuntime
-from pipeserve.errors import ApiError
-from pipeserve.events import Event
+from pipeserve.errors import ApiError, ContextLengthError
+from pipeserve.events import Event, TokenText
 from pipeserve.request import GenerationRequest, SamplingParams
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 
 STREAM_KEY = "generate.stream"
 PROMPT_IDS_KEY = "generate.prompt_token_ids"
+LOGPROBS_KEY = "logprobs"  # ctx.scratch: TokenText records for logprobs (openai_common)
 KEEPALIVE_KEY = "keepalive_interval"  # ctx.scratch: the server's keep-alive interval
 DEFAULT_KEEPALIVE = 5.0
 
@@ -54,12 +55,7 @@ class GenerateStage:
         prompt = self.prompt_ids(ctx, runtime)
         limit = runtime.context_length
         if limit is not None and len(prompt) >= limit:
-            raise ApiError(
-                "invalid_request",
-                f"The prompt is {len(prompt)} tokens long; this model's context length is {limit} tokens "
-                "(prompt plus at least one generated token). Shorten the conversation.",
-                "messages",
-            )
+            raise ContextLengthError(len(prompt), limit)
         check_sampling(request.sampling)
         accepts_mock = bool(getattr(runtime.engine, "accepts_mock_response", False))
         if request.mock_response is not None and not accepts_mock:
@@ -117,7 +113,16 @@ class GenerateStage:
         stream = ctx.scratch.get(STREAM_KEY)
         if stream is None:
             return
-        yield from stream
+        if not ctx.request.logprobs:
+            yield from stream
+            return
+        # Later stages turn tokens into text deltas; encoders that report logprobs read
+        # the sampled tokens (with their logprobs) from here, in generation order.
+        records: list[TokenText] = ctx.scratch.setdefault(LOGPROBS_KEY, [])
+        for event in stream:
+            if isinstance(event, TokenText):
+                records.append(event)
+            yield event
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
