@@ -48,7 +48,16 @@ class EngineOptions(Strict):
     prefill_step_size: int = Field(512, ge=16)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
-    sharding: ShardingOptions | None = None
+    sharding: ShardingOptions | None = Field(None, description="Not available yet: rejected by validation.")
+
+    @field_validator("sharding")
+    @classmethod
+    def _sharding_not_yet(cls, value: ShardingOptions | None) -> ShardingOptions | None:
+        # Refuse rather than silently serve unsharded: a user who asks for sharding has a
+        # model that may not fit one process.
+        if value is not None:
+            raise ValueError("sharding is not implemented in this version of pipeserve; remove options.sharding")
+        return value
 
 
 class ReplayOptions(Strict):

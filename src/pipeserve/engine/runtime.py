@@ -22,8 +22,6 @@ def build_runtime(entry: ModelEntry, keepalive_interval: float | None = None) ->
     tokenizer = load_tokenizer(model_dir)
     eos = eos_token_ids(tokenizer, model_dir)
     options = entry.options
-    if options.sharding is not None:
-        log.warning("model %s: sharding is not implemented yet; serving it from this process alone", entry.name)
     if entry.engine == "replay":
         from pipeserve.engine.replay import ReplayEngine
 
