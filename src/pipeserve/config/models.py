@@ -46,6 +46,7 @@ class EngineOptions(Strict):
     max_tokens_limit: int | None = Field(None, ge=1, description="Upper bound clients may ask for.")
     context_length: int | None = Field(None, ge=1, description="Longer prompts get 400; default from the model config.")
     prefill_step_size: int = Field(512, ge=16)
+    prefill_batch: int = Field(4, ge=1, le=256, description="Prompts prefilled together when a burst arrives (capped by max_batch).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
     sharding: ShardingOptions | None = Field(None, description="Not available yet: rejected by validation.")

@@ -24,7 +24,6 @@ from pipeserve.engine.sequence import Sequence
 
 log = logging.getLogger("pipeserve.engine")
 
-PREFILL_BATCH = 4  # prompts prefilled together (bounded: a prefill chunk delays decoding)
 DURATION_EMA = 0.2  # weight of the newest request in the mean request duration
 
 
@@ -51,7 +50,9 @@ class Batch:
         return BatchGenerator(
             self.model,
             completion_batch_size=self.options.max_batch,
-            prefill_batch_size=min(PREFILL_BATCH, self.options.max_batch),
+            # A burst of prompts is prefilled together; each prefill chunk delays decoding
+            # of the running sequences, so it stays bounded by options.prefill_batch.
+            prefill_batch_size=min(self.options.prefill_batch, self.options.max_batch),
             prefill_step_size=self.options.prefill_step_size,
             stream=self.stream,
         )
