@@ -38,7 +38,9 @@ def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str
     table = ModelTable(list(models))
     metrics = Metrics(table.stats)
     server = config.server
-    options = HttpOptions(server.max_body_bytes, server.request_timeout, server.keepalive_interval, api_key)
+    options = HttpOptions(
+        server.max_body_bytes, server.request_timeout, server.keepalive_interval, api_key, server.body_read_timeout
+    )
     protocols = load_builtin_protocols()
     served: dict[str, WireProtocol] = {}
     for endpoint in config.endpoints:

@@ -13,7 +13,8 @@ ErrorKind: TypeAlias = Literal[
     "too_large",  # 413: body or prompt too large
     "rate_limit",  # 429: queue full (OpenAI routes)
     "overloaded",  # 529 on Anthropic routes, 429 on OpenAI routes
-    "timeout",  # 504/408: request timed out in queue or generation
+    "timeout",  # 504: request timed out in queue or generation
+    "body_timeout",  # 408: the client did not send the body it announced
     "internal",  # 500: a bug or an engine fault
     "unavailable",  # 503: engine not ready
 ]
@@ -27,6 +28,7 @@ DEFAULT_STATUS: dict[str, int] = {
     "rate_limit": 429,
     "overloaded": 429,
     "timeout": 504,
+    "body_timeout": 408,
     "internal": 500,
     "unavailable": 503,
 }

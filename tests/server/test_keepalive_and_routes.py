@@ -15,7 +15,7 @@ from tests.server.serverproc import REPO, running_server
 pytestmark = pytest.mark.server
 
 CONFIG = f"""
-server: {{keepalive_interval: 0.2}}
+server: {{keepalive_interval: 0.2, body_read_timeout: 1}}
 pipelines_dir: {REPO / 'pipelines'}
 models:
   - name: slow
@@ -66,3 +66,24 @@ def test_api_key_is_enforced_in_protocol_shape(slow_server: str) -> None:
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
     denied = httpx.post(f"{slow_server}/anthropic/v1/messages", json={}, headers={"x-api-key": "wrong"}, timeout=10)
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+
+
+def test_body_shorter_than_content_length_gets_408(slow_server: str) -> None:
+    import json
+    import socket
+
+    host, port = slow_server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\""
+        )
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    assert "no request body bytes arrived for 1 s" in json.loads(body)["error"]["message"]

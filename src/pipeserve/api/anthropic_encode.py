@@ -72,6 +72,7 @@ ERROR_TYPES: dict[str, str] = {
     "rate_limit": "rate_limit_error",
     "overloaded": "overloaded_error",
     "timeout": "timeout_error",
+    "body_timeout": "invalid_request_error",
     "internal": "api_error",
     "unavailable": "api_error",
 }

@@ -168,6 +168,7 @@ _ERROR_SHAPES: dict[str, tuple[str, str | None]] = {
     "rate_limit": ("rate_limit_error", "rate_limit_exceeded"),
     "overloaded": ("rate_limit_error", "rate_limit_exceeded"),
     "timeout": ("timeout_error", "timeout"),
+    "body_timeout": ("invalid_request_error", "request_timeout"),
     "internal": ("server_error", "server_error"),
     "unavailable": ("server_error", "service_unavailable"),
 }

@@ -33,6 +33,7 @@ class HttpOptions:
     request_timeout: float
     keepalive_interval: float = 5.0
     api_key: str | None = None
+    body_read_timeout: float = 30.0
 
 
 class ProtocolErrors:
@@ -90,7 +91,7 @@ class GenerationResource:
         self.respond(req, resp, served, ctx, started)
 
     def decode(self, req: falcon.Request) -> GenerationRequest:
-        body = read_json_body(req, self.options.max_body_bytes)
+        body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
         meta = request_meta(req, self.route)
         request = self.protocol.decode(body, meta)
         mock = req.get_header(MOCK_HEADER)

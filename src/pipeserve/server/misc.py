@@ -106,7 +106,7 @@ class CountTokensResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
             check_api_key(req, self.options.api_key)
-            body = read_json_body(req, self.options.max_body_bytes)
+            body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
             request = self.protocol.count_tokens_body(body, request_meta(req, self.route))  # type: ignore[attr-defined]
             served = self.models.resolve(request.model, self.allowed)
             ctx = RequestContext(request=request, request_id=request_id(req), model_name=request.model, dry_run=True)
