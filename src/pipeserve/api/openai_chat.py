@@ -24,6 +24,7 @@ from pipeserve.api.openai_common import (
     reasoning_options,
     seed_value,
     text_of_parts,
+    tool_choice_mode,
     validate,
 )
 from pipeserve.errors import ApiError, invalid
@@ -153,12 +154,8 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
 
 
 def _tool_choice(raw: Any) -> ToolChoice:
-    if raw is None:
-        return ToolChoice()
-    if isinstance(raw, str):
-        check(raw in ("auto", "none", "required"), "tool_choice", f"unknown mode {raw!r}")
-        return ToolChoice(raw)  # type: ignore[arg-type]
-    check(isinstance(raw, dict), "tool_choice", "expected a string or an object")
+    if (mode := tool_choice_mode(raw)) is not None:
+        return mode
     fn = raw.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     check(isinstance(name, str), "tool_choice.function.name")

@@ -118,6 +118,18 @@ def text_of_parts(parts: Any, path: str, text_types: frozenset[str], image_types
     return "".join(texts)
 
 
+def tool_choice_mode(raw: Any) -> ToolChoice | None:
+    """The shared part of both OpenAI APIs' tool_choice: absent, or a mode string.
+    None means an object, which each API spells its own way."""
+    if raw is None:
+        return ToolChoice()
+    if isinstance(raw, str):
+        check(raw in ("auto", "none", "required"), "tool_choice", f"unknown mode {raw!r}")
+        return ToolChoice(raw)  # type: ignore[arg-type]
+    check(isinstance(raw, dict), "tool_choice", "expected a string or an object")
+    return None
+
+
 def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> None:
     if choice.mode in ("required", "function") and not tools:
         raise invalid(f"'{param}' {choice.mode!r} is only allowed when tools are specified.", param)

@@ -12,18 +12,12 @@ Also here: the real-OS-thread, queue and lock primitives, which gevent patches a
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from pipeserve.events import Event
-
-
-def gevent_patched() -> bool:
-    """True when gevent monkey patching replaced `threading` in this process."""
-    monkey = sys.modules.get("gevent.monkey")
-    return bool(monkey and monkey.is_module_patched("threading"))
+from pipeserve.gevent_support import gevent_patched
 
 
 def _original(module: str, name: str) -> Any:

@@ -10,6 +10,7 @@ from typing import Any, BinaryIO
 import falcon
 
 from pipeserve.errors import ApiError
+from pipeserve.gevent_support import gevent_patched
 
 READ_CHUNK = 64 * 1024
 BODY_READ_TIMEOUT = 30.0  # default seconds without a byte of the announced body: 408
@@ -44,7 +45,7 @@ def _read_with_timeout(req: falcon.Request, max_bytes: int, timeout: float) -> b
     greenlet forever: give up after `timeout` seconds of silence (gevent only;
     elsewhere the WSGI server's own socket timeout applies)."""
     stream = _body_stream(req)
-    if not _gevent_sockets():
+    if not gevent_patched("socket"):
         return _read_limited(stream.read, max_bytes)
     import gevent
 
@@ -59,14 +60,6 @@ def _read_with_timeout(req: falcon.Request, max_bytes: int, timeout: float) -> b
             ) from None
 
     return _read_limited(read, max_bytes)
-
-
-def _gevent_sockets() -> bool:
-    try:
-        from gevent import monkey
-    except ImportError:
-        return False
-    return bool(monkey.is_module_patched("socket"))
 
 
 def _body_stream(req: falcon.Request) -> BinaryIO:

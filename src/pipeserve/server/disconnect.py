@@ -10,24 +10,18 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from pipeserve.gevent_support import gevent_patched
+
 
 def watch_disconnect(env: dict[str, Any], on_disconnect: Callable[[], None]) -> Callable[[], None]:
     """Start watching; returns a function that stops the watcher. No-op outside gevent."""
     sock = env.get("gunicorn.socket")
-    if sock is None or not _gevent_active():
+    if sock is None or not gevent_patched("socket"):
         return lambda: None
     import gevent
 
     greenlet = gevent.spawn(_watch, sock, on_disconnect)
     return lambda: greenlet.kill(block=False)
-
-
-def _gevent_active() -> bool:
-    try:
-        from gevent import monkey
-    except ImportError:
-        return False
-    return bool(monkey.is_module_patched("socket"))
 
 
 def _watch(sock: socket.socket, on_disconnect: Callable[[], None]) -> None:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pipeserve.events import ContentDelta, Event, PromptReady, ReasoningDelta, ToolCallArgsDelta, Usage
+from pipeserve.events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, Usage
 
 OUTPUT_EVENTS = (ContentDelta, ReasoningDelta, ToolCallArgsDelta)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -78,8 +78,6 @@ class Metrics:
                 self.prompt_tokens.labels(model).inc(event.prompt_tokens)
                 self.cached_tokens.labels(model).inc(event.cached_tokens)
                 self.completion_tokens.labels(model).inc(event.completion_tokens)
-            elif isinstance(event, PromptReady):
-                pass
             yield event
 
     def render(self) -> bytes:
