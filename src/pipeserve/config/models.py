@@ -49,6 +49,8 @@ class EngineOptions(Strict):
     prefill_step_size: int = Field(512, ge=16)
     prefill_batch: int = Field(4, ge=1, le=256, description="Prompts prefilled together when a burst arrives (capped by max_batch).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    cpu_pretranspose: bool = Field(
+        True, description="On the CPU, store float32 dense weights transposed for BLAS (same outputs, faster decode).")
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
     sharding: ShardingOptions | None = Field(None, description="Not available yet: rejected by validation.")
 

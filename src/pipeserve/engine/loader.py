@@ -53,13 +53,16 @@ def load_tokenizer(model_dir: Path) -> Any:
     return mlx_load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
 
 
-def load_model(model_dir: Path, dtype: str = "auto") -> Any:
-    """The mlx-lm model with its weights evaluated, optionally cast to `dtype`.
+def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = False) -> Any:
+    """The mlx-lm model with its weights evaluated, optionally cast to `dtype` and, on
+    the CPU, with float32 dense weights stored transposed (engine/cpu_layout.py).
 
     Call it on the thread that will run the model (MLX arrays belong to their thread).
     """
     import mlx.core as mx
     from mlx_lm.utils import load_model as mlx_load_model
+
+    from pipeserve.engine import cpu_layout
 
     model, _ = mlx_load_model(model_dir)
     if dtype != "auto":
@@ -67,6 +70,9 @@ def load_model(model_dir: Path, dtype: str = "auto") -> Any:
             raise ValueError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+    if cpu_pretranspose and cpu_layout.applies_here():
+        count = cpu_layout.pretranspose_dense_weights(model)
+        log.info("%s: %d float32 weight matrices stored transposed for the CPU BLAS", model_dir.name, count)
     return model
 
 

@@ -207,4 +207,4 @@ def _close_at_exit(ref: weakref.ref[MlxEngine]) -> None:
 def build_mlx_engine(name: str, model_dir: Path, tokenizer: Any, options: EngineOptions, **kwargs: Any) -> MlxEngine:
     from pipeserve.engine.loader import load_model
 
-    return MlxEngine(name, lambda: load_model(model_dir, options.dtype), tokenizer, options, **kwargs)
+    return MlxEngine(name, lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose), tokenizer, options, **kwargs)
