@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeserve import __version__
-from pipeserve.config.loader import ConfigError, Problem, sort_problems
+from pipeserve.config.problems import ConfigError, Problem, sort_problems
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
 YAML_SUFFIXES = (".yaml", ".yml")

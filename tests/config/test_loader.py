@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.config.loader import ConfigError, Problem, dotted, load_yaml, parse_yaml
+from pipeserve.config.loader import dotted, load_yaml, parse_yaml
+from pipeserve.config.problems import ConfigError, Problem
 
 TEXT = """\
 family: qwen3

@@ -10,8 +10,8 @@ import yaml
 from jsonschema import Draft202012Validator
 
 from pipeserve.cli import main
+from pipeserve.config.pipeline_checks import stage_registry
 from pipeserve.config.schema import json_schema
-from pipeserve.config.validate import stage_registry
 from tests.config.conftest import GOOD_CONFIG, GOOD_PIPELINE
 from tests.config.shipped import require_shipped_and_real_stages
 

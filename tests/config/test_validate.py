@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from pipeserve.config import ConfigError, LoadedConfig, load_pipeline, load_server_config, validate_paths
+from pipeserve.config.config_checks import KNOWN_APIS
 from pipeserve.config.loader import load_yaml
-from pipeserve.config.validate import KNOWN_APIS, detect_kind
+from pipeserve.config.validate import detect_kind
 from tests.config.conftest import GOOD_CONFIG, GOOD_PIPELINE, NoParams, ThinkingParams, Tree
 
 

@@ -5,18 +5,12 @@ ServerConfig plus each pipeline its models use) or raises ConfigError listing ev
 problem as `FILE:LINE:COL: dotted.path: message`.
 """
 
-from pipeserve.config.loader import ConfigError, Problem, YamlDoc, load_yaml
+from pipeserve.config.config_checks import KNOWN_APIS, LoadedConfig
+from pipeserve.config.loader import YamlDoc, load_yaml
 from pipeserve.config.models import EndpointEntry, ModelEntry, PipelineFile, ServerConfig
-from pipeserve.config.validate import (
-    KNOWN_APIS,
-    LoadedConfig,
-    LoadedPipeline,
-    StageEntry,
-    load_pipeline,
-    load_server_config,
-    stage_registry,
-    validate_paths,
-)
+from pipeserve.config.pipeline_checks import LoadedPipeline, StageEntry, stage_registry
+from pipeserve.config.problems import ConfigError, Problem
+from pipeserve.config.validate import load_pipeline, load_server_config, validate_paths
 
 __all__ = [
     "KNOWN_APIS",

@@ -23,7 +23,7 @@ SchemaKind = Literal["config", "pipeline", "all"]
 def json_schema(kind: SchemaKind = "all", registry: Mapping[str, StageSpec] | None = None) -> dict[str, Any]:
     """The schema of one file kind, or of either kind ("all")."""
     if registry is None:
-        from pipeserve.config.validate import stage_registry
+        from pipeserve.config.pipeline_checks import stage_registry
 
         registry = stage_registry()
     specs = [registry[k] for k in sorted(registry)]
