@@ -130,10 +130,14 @@ def measure_server(name: str, cmd: list[str], env: dict[str, str], port: int, mo
         stop(proc)
 
 
-def in_process_decode(model_dir: Path, tokens: int, env: dict[str, str]) -> float:
+def in_process_decode(model_dir: Path, tokens: int, env: dict[str, str], pretranspose: bool = False) -> float:
+    """mlx_lm.stream_generate's decode rate; with `pretranspose`, on the weight layout
+    pipeserve's engine uses (so served/in-process is the HTTP + pipeline overhead)."""
     code = (
         "import sys, time, mlx_lm\n"
+        "from pipeserve.engine.cpu_layout import pretranspose_dense_weights\n"
         f"m, t = mlx_lm.load({str(model_dir)!r})\n"
+        f"if {pretranspose}: pretranspose_dense_weights(m)\n"
         f"p = t.apply_chat_template([{{'role': 'user', 'content': {PROMPT!r}}}], add_generation_prompt=True)\n"
         "rates = []\n"
         "for _ in range(3):\n"
@@ -171,6 +175,8 @@ def main() -> int:
         print_table(label, rows)
     rate = in_process_decode(model_dir, args.tokens * 2, openblas_env)
     print(f"\nin-process mlx_lm.stream_generate decode (OpenBLAS): {rate:.1f} tok/s")
+    rate = in_process_decode(model_dir, args.tokens * 2, openblas_env, pretranspose=True)
+    print(f"the same on pipeserve's CPU weight layout (options.cpu_pretranspose): {rate:.1f} tok/s")
     return 0
 
 
