@@ -7,7 +7,13 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from pipeserve.engine.cpu_layout import TransposedEmbedding, TransposedLinear, pretranspose_dense_weights
+from pipeserve.engine.cpu_layout import (
+    TRANSPOSE_ROWS,
+    TransposedEmbedding,
+    TransposedLinear,
+    pretranspose_dense_weights,
+    transposed,
+)
 from pipeserve.engine.loader import load_model
 
 
@@ -68,3 +74,11 @@ def test_off_by_option_and_after_a_half_precision_cast(demo_model_dir):
     assert _dense_layers(load_model(demo_model_dir("qwen3"), cpu_pretranspose=False))
     half = load_model(demo_model_dir("qwen3"), "float16", cpu_pretranspose=True)
     assert not any(isinstance(m, (TransposedLinear, TransposedEmbedding)) for _, m in half.named_modules())
+
+
+@pytest.mark.parametrize("rows", [1, TRANSPOSE_ROWS, TRANSPOSE_ROWS + 1, 3 * TRANSPOSE_ROWS - 7])
+def test_tiled_transpose_equals_transpose(rows):
+    weight = mx.random.normal((rows, 24))
+    out = transposed(weight)
+    assert out.shape == (24, rows)
+    assert mx.array_equal(out, weight.T).item()
