@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,10 @@ def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = Fa
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
     if cpu_pretranspose and cpu_layout.applies_here():
+        started = time.monotonic()
         count = cpu_layout.pretranspose_dense_weights(model)
-        log.info("%s: %d float32 weight matrices stored transposed for the CPU BLAS", model_dir.name, count)
+        log.info("%s: %d float32 weight matrices stored transposed for the CPU BLAS (%.1f s)",
+                 model_dir.name, count, time.monotonic() - started)  # fmt: skip
     return model
 
 
