@@ -25,6 +25,7 @@ from pipeserve.api.openai_common import (
     seed_value,
     text_of_parts,
     tool_choice_mode,
+    unsupported,
     validate,
 )
 from pipeserve.errors import ApiError, invalid
@@ -92,6 +93,16 @@ class ChatRequestIn(Lenient):
     reasoning_effort: str | None = None
     parallel_tool_calls: bool | None = None
     mock_response: str | None = None
+    # Known fields this server cannot honour: refused when set to anything but a no-op
+    # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
+    # prediction, verbosity, prompt_cache_key, safety_identifier, web_search_options --
+    # only affect billing, storage, latency or hosted tools and are accepted and ignored.
+    response_format: Any = None
+    logit_bias: Any = None
+    modalities: Any = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 @dataclass(slots=True)
@@ -156,10 +167,36 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
 def _tool_choice(raw: Any) -> ToolChoice:
     if (mode := tool_choice_mode(raw)) is not None:
         return mode
+    kind = raw.get("type", "function")
+    if kind == "allowed_tools":
+        allowed = raw.get("allowed_tools")
+        check(isinstance(allowed, dict), "tool_choice.allowed_tools")
+        mode = allowed.get("mode")
+        check(mode in ("auto", "required"), "tool_choice.allowed_tools.mode", f"{mode!r} is not one of auto, required")
+        return ToolChoice(mode)
+    if kind != "function":
+        raise unsupported("tool_choice", f"forcing a {kind!r} tool (only function tools are served)")
     fn = raw.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     check(isinstance(name, str), "tool_choice.function.name")
     return ToolChoice("function", name)
+
+
+def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
+    """tool_choice allowed_tools: only the listed function tools may be called."""
+    if not isinstance(raw, dict) or raw.get("type") != "allowed_tools":
+        return tools
+    listed = raw["allowed_tools"].get("tools")
+    check(isinstance(listed, list), "tool_choice.allowed_tools.tools")
+    names = set()
+    for i, entry in enumerate(listed):
+        where = f"tool_choice.allowed_tools.tools[{i}]"
+        check(isinstance(entry, dict), where, "expected an object")
+        if entry.get("type", "function") == "function":
+            fn = entry.get("function")
+            check(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"{where}.function.name")
+            names.add(fn["name"])
+    return [tool for tool in tools if tool.name in names]
 
 
 def _stop(raw: Any) -> list[str]:
@@ -171,16 +208,42 @@ def _stop(raw: Any) -> list[str]:
     return [s for s in values if s]
 
 
+def _refuse_unhonoured(req: ChatRequestIn) -> None:
+    """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
+    fmt = req.response_format
+    if fmt is not None:
+        check(isinstance(fmt, dict), "response_format", "expected an object")
+        kind = fmt.get("type")
+        check(isinstance(kind, str), "response_format.type")
+        if kind != "text":
+            raise unsupported("response_format", f"{kind!r} output is not enforced; only 'text' is available")
+    if req.logit_bias is not None:
+        check(isinstance(req.logit_bias, dict), "logit_bias", "expected an object")
+        if req.logit_bias:
+            raise unsupported("logit_bias", "token biases are not applied")
+    if req.modalities is not None:
+        check(isinstance(req.modalities, list), "modalities", "expected an array")
+        if any(m != "text" for m in req.modalities):
+            raise unsupported("modalities", "only 'text' output is available")
+    if req.audio is not None:
+        raise unsupported("audio", "audio output is not available")
+    if req.functions:
+        raise unsupported("functions", "the deprecated functions API is not served; use 'tools'")
+    if isinstance(req.function_call, dict):
+        raise unsupported("function_call", "the deprecated functions API is not served; use 'tool_choice'")
+
+
 def decode_chat(body: Any) -> ChatGenerationRequest:
     req = validate(ChatRequestIn, body)
     if req.n is not None and req.n != 1:
         raise invalid("Only n=1 is supported.", "n")
+    _refuse_unhonoured(req)
     if req.top_logprobs and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     call_names: dict[str, str] = {}
     messages = [_message(m, f"messages[{i}]", call_names) for i, m in enumerate(req.messages)]
-    tools = _tools(req.tools)
     choice = _tool_choice(req.tool_choice)
+    tools = _allowed(req.tool_choice, _tools(req.tools))
     check_tool_choice(choice, tools, "tool_choice")
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,

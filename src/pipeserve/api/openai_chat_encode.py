@@ -47,6 +47,10 @@ from pipeserve.stages.base import RequestContext
 from pipeserve.stages.toolfmt.base import arguments_valid
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+# Fields OpenAI sends on every completion and chunk: the tier that served the request
+# and the backend configuration tag (one serving stack here, so one constant).
+SERVICE_TIER = "default"
+SYSTEM_FINGERPRINT = "fp_pipeserve"
 
 
 @dataclass
@@ -132,6 +136,8 @@ class ChatStreamEncoder:
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.ctx.model_name,
+            "service_tier": SERVICE_TIER,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }
         if self.include_usage:
@@ -142,7 +148,7 @@ class ChatStreamEncoder:
         return sse_event(openai_error_body(err))
 
     def run(self, events: Iterator[Event]) -> Iterator[bytes]:
-        yield self.chunk({"role": "assistant", "content": ""})
+        yield self.chunk({"role": "assistant", "content": "", "refusal": None})
         for event in events:
             try:
                 frame = self.frame(event)
@@ -203,7 +209,7 @@ class ChatStreamEncoder:
 def completion_body(acc: Accumulated, ctx: RequestContext) -> dict[str, Any]:
     content = "".join(acc.content)
     calls = [acc.calls[i] for i in sorted(acc.calls)]
-    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
     if calls:
         message["content"] = content if content.strip() else None
         message["tool_calls"] = [
@@ -222,6 +228,8 @@ def completion_body(acc: Accumulated, ctx: RequestContext) -> dict[str, Any]:
         "object": "chat.completion",
         "created": now(),
         "model": ctx.model_name,
+        "service_tier": SERVICE_TIER,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": acc.finish}],
         "usage": chat_usage(acc.usage),
     }

@@ -89,6 +89,11 @@ def check(condition: bool, param: str, problem: str = "missing") -> None:
     raise invalid(f"Invalid value for '{param}': {problem}.", param)
 
 
+def unsupported(param: str, why: str) -> ApiError:
+    """A 400 for a parameter this server would otherwise silently not honour."""
+    return invalid(f"'{param}' is not supported by this server: {why}.", param)
+
+
 def images_unsupported(param: str) -> ApiError:
     return invalid("images are not supported by this model", param)
 
@@ -211,8 +216,13 @@ def chat_usage(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
 
 
@@ -296,5 +306,6 @@ __all__ = [
     "seed_value",
     "split_namespace",
     "text_of_parts",
+    "unsupported",
     "validate",
 ]
