@@ -259,16 +259,19 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
             lambda r: r.messages[1].content == '{"ok": true}' and r.messages[1].name is None,
         ),
         (
-            {"input": [{"type": "item_reference", "id": "x"}, {"role": "user", "content": "q"}]},
-            lambda r: len(r.messages) == 1,
-        ),
-        (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},
             lambda r: (r.tool_choice.mode, r.tool_choice.name) == ("function", "get_weather"),
         ),
         ({"tools": [WEATHER], "tool_choice": "required"}, lambda r: r.tool_choice.mode == "required"),
         (
-            {"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}},
+            {
+                "tools": [WEATHER],
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "mode": "required",
+                    "tools": [{"type": "function", "name": "get_weather"}],
+                },
+            },
             lambda r: r.tool_choice.mode == "required",
         ),
         (
@@ -286,7 +289,7 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
         ),
         ({"reasoning": {"effort": "xhigh", "summary": "detailed"}}, lambda r: r.reasoning.effort == "high"),
         (
-            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+            {"text": {"format": {"type": "text"}, "verbosity": "low"}},
             lambda r: r.messages[0].content == "hi",
         ),
         ({"mock_response": "canned"}, lambda r: r.mock_response == "canned"),

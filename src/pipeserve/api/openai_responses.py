@@ -1,8 +1,9 @@
 """OpenAI Responses (`/v1/responses`): request decoder and encoders.
 
-Nothing is stored: `previous_response_id` is refused, clients resend the history (as
-Codex does). Output items are built strictly one after another; the JSON encoder runs
-the same item builder as the stream and returns its final response object.
+Nothing is stored: `previous_response_id`, `conversation`, `prompt` and `item_reference`
+inputs are refused (400 naming them); clients resend the history (as Codex does).
+Output items are built strictly one after another; the JSON encoder runs the same item
+builder as the stream and returns its final response object.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pipeserve.api.openai_common import (
     seed_value,
     text_of_parts,
     tool_choice_mode,
+    unsupported,
     validate,
 )
 from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
@@ -41,6 +43,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 class ReasoningIn(Lenient):
     effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # echoed; we stream full reasoning text
 
 
 class ResponsesRequestIn(Lenient):
@@ -66,6 +69,15 @@ class ResponsesRequestIn(Lenient):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     mock_response: str | None = None
+    prompt: Any = None  # a stored prompt template: cannot be resolved here, refused
+    truncation: Literal["auto", "disabled"] | None = None
+    # Echoed, otherwise no effect: they apply to built-in tools, storage, caching or billing.
+    max_tool_calls: int | None = Field(None, ge=1)
+    store: bool | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
 
 class MessageItem(Lenient):
@@ -160,7 +172,9 @@ class _History:
             texts = _part_texts(reasoning.content) or ([sealed] if sealed else _part_texts(reasoning.summary))
             if texts:
                 self.reasoning.append("\n".join(texts))
-        # other item types (item_reference, web_search_call, tool_search_*, compaction...) are skipped
+        elif kind == "item_reference":  # nothing is stored: dropping it would lose history
+            raise invalid(f"'{path}': item_reference cannot be resolved (nothing is stored); send the item.", path)
+        # other item types (web_search_call, tool_search_*, compaction...) are skipped
 
 
 def _arguments(value: Any) -> str:
@@ -249,13 +263,32 @@ def _tool_choice(raw: Any) -> ToolChoice:
         check(isinstance(name, str), "tool_choice.name")
         namespace = raw.get("namespace")
         return ToolChoice("function", f"{namespace}.{name}" if namespace else name)
-    if raw.get("type") == "allowed_tools" and raw.get("mode") == "required":
-        return ToolChoice("required")
+    if raw.get("type") == "allowed_tools":
+        mode = raw.get("mode", "auto")
+        check(mode in ("auto", "required"), "tool_choice.mode", f"{mode!r} is not one of auto, required")
+        return ToolChoice(mode)
     return ToolChoice()  # hosted / custom tool choices: the model decides
 
 
-def decode_responses(body: Any) -> ResponsesGenerationRequest:
-    req = validate(ResponsesRequestIn, body)
+def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
+    """tool_choice allowed_tools: only the listed functions may be called (hosted entries
+    name tools we skip anyway)."""
+    if not isinstance(raw, dict) or raw.get("type") != "allowed_tools":
+        return tools
+    listed = raw.get("tools")
+    check(isinstance(listed, list), "tool_choice.tools")
+    names = set()
+    for i, entry in enumerate(listed):
+        check(isinstance(entry, dict), f"tool_choice.tools[{i}]", "expected an object")
+        if entry.get("type", "function") == "function":
+            check(isinstance(entry.get("name"), str), f"tool_choice.tools[{i}].name")
+            namespace = entry.get("namespace")
+            names.add(f"{namespace}.{entry['name']}" if namespace else entry["name"])
+    return [tool for tool in tools if tool.name in names]
+
+
+def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
+    """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
     if req.previous_response_id is not None:
         raise invalid(
             "previous_response_id is not supported: this server stores no responses; resend the full input.",
@@ -265,9 +298,23 @@ def decode_responses(body: Any) -> ResponsesGenerationRequest:
         raise invalid("conversation is not supported: this server stores no conversations.", "conversation")
     if req.background:
         raise invalid("background responses are not supported.", "background")
+    if req.prompt is not None:
+        raise unsupported("prompt", "stored prompt templates cannot be resolved; send 'instructions' and 'input'")
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        check(isinstance(fmt, dict), "text.format", "expected an object")
+        kind = fmt.get("type")
+        check(isinstance(kind, str), "text.format.type")
+        if kind != "text":
+            raise unsupported("text.format", f"{kind!r} output is not enforced; only 'text' is available")
+
+
+def decode_responses(body: Any) -> ResponsesGenerationRequest:
+    req = validate(ResponsesRequestIn, body)
+    _refuse_unhonoured(req)
     messages = _messages(req)
-    tools = _tools(req.tools)
     choice = _tool_choice(req.tool_choice)
+    tools = _allowed(req.tool_choice, _tools(req.tools))
     check_tool_choice(choice, tools, "tool_choice")
     effort = req.reasoning.effort if req.reasoning else None
     logprobs = LOGPROBS_INCLUDE in (req.include or []) or bool(req.top_logprobs)
@@ -295,6 +342,9 @@ def decode_responses(body: Any) -> ResponsesGenerationRequest:
 
 
 def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
+    sent = {key: value for key, value in (req.text or {}).items() if value is not None}
+    text = {"format": {"type": "text"}, "verbosity": "medium", **sent}
+    reasoning = req.reasoning
     return {
         "instructions": req.instructions,
         "tools": req.tools or [],
@@ -303,11 +353,20 @@ def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "max_output_tokens": req.max_output_tokens,
-        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "reasoning": {
+            "effort": reasoning.effort if reasoning else None,
+            "summary": reasoning.summary if reasoning else None,
+        },
         "metadata": req.metadata or {},
-        "text": req.text or {"format": {"type": "text"}},
+        "text": text,
         "top_logprobs": req.top_logprobs or 0,
         "include": req.include or [],
+        "truncation": req.truncation or "disabled",
+        "max_tool_calls": req.max_tool_calls,
+        "user": req.user,
+        "safety_identifier": req.safety_identifier,
+        "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
     }
 
 
