@@ -52,7 +52,7 @@ def test_sampling_and_flags() -> None:
 def test_unknown_fields_are_ignored() -> None:
     extra = {
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
-        "output_config": {"format": {"type": "json_schema", "schema": {}}},
+        "output_config": {"effort": "medium", "task_budget": 1000},
         "metadata": {"user_id": "u"}, "service_tier": "auto", "container": "c", "mcp_servers": [], "betas": ["x"],
         "brand_new_field": {"anything": [1, 2]},
     }

@@ -105,7 +105,10 @@ def test_text_message() -> None:
     assert body == {
         "id": "msg_req_abc123", "type": "message", "role": "assistant", "model": "demo-model",
         "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": None,
-        "usage": {"input_tokens": 8, "output_tokens": 3, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4},
+        "usage": {
+            "input_tokens": 8, "output_tokens": 3, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4,
+            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}, "service_tier": "standard",
+        },
     }
 
 

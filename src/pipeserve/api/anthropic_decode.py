@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from pipeserve.api import anthropic_schema as s
@@ -49,14 +50,22 @@ SKIPPED_ASSISTANT_BLOCKS = frozenset(
 IMAGES_UNSUPPORTED = "images are not supported by this model"
 
 
-def decode_body(body: Any, *, count_tokens: bool = False) -> GenerationRequest:
+@dataclass(slots=True)
+class AnthropicGenerationRequest(GenerationRequest):
+    """GenerationRequest plus the Anthropic-only facts its encoder needs."""
+
+    omit_thinking: bool = False  # thinking.display "omitted": blocks keep only a signature
+
+
+def decode_body(body: Any, *, count_tokens: bool = False) -> AnthropicGenerationRequest:
     model = s.CountTokensBody if count_tokens else s.MessagesBody
     req = s.check(model, body)
     if not req.messages:
         raise invalid("messages: at least one message is required", "messages")
+    refuse_structured_output(req)
     tools = decode_tools(req.tools or [])
     choice, parallel = decode_tool_choice(req.tool_choice, tools)
-    return GenerationRequest(
+    return AnthropicGenerationRequest(
         model=req.model,
         messages=decode_messages(req.messages, req.system),
         tools=tools,
@@ -68,7 +77,18 @@ def decode_body(body: Any, *, count_tokens: bool = False) -> GenerationRequest:
         stream=bool(req.stream),
         reasoning=decode_reasoning(req.thinking, req.output_config),
         mock_response=req.mock_response,
+        omit_thinking=req.thinking is not None and req.thinking.display == "omitted",
     )
+
+
+def refuse_structured_output(req: s.MessagesBody) -> None:
+    """A JSON-schema output format we do not enforce would silently give free text."""
+    for where, value in (
+        ("output_config.format", req.output_config.format if req.output_config else None),
+        ("output_format", req.output_format),
+    ):
+        if value is not None:
+            raise invalid(f"{where}: structured outputs are not supported by this server", where)
 
 
 # -- content blocks -------------------------------------------------------------------
@@ -278,8 +298,8 @@ def decode_stop(stops: list[str]) -> list[str]:
     return list(dict.fromkeys(stops))
 
 
-def decode_reasoning(thinking: s.ThinkingParam | None, output_config: Any) -> ReasoningOptions:
-    effort = output_config.get("effort") if isinstance(output_config, dict) else None
+def decode_reasoning(thinking: s.ThinkingParam | None, output_config: s.OutputConfigParam | None) -> ReasoningOptions:
+    effort = output_config.effort if output_config is not None else None
     options = ReasoningOptions(effort=EFFORTS.get(effort) if isinstance(effort, str) else None)
     if thinking is None:
         return options

@@ -173,7 +173,7 @@ class _MessageStream:
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": self.usage_dict(output_tokens=0),
+                "usage": self.start_usage(),
             },
         }
 
@@ -190,6 +190,12 @@ class _MessageStream:
         if self.usage is not None and self.usage.reasoning_tokens:
             usage["output_tokens_details"] = {"thinking_tokens": self.usage.reasoning_tokens}
         return usage
+
+    def start_usage(self) -> dict[str, Any]:
+        """message_start's usage also carries the fields only a Message's Usage has (the
+        delta usage merges into it: anthropic_messages.fold_message, the SDKs)."""
+        cache_creation = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+        return {**self.usage_dict(output_tokens=0), "cache_creation": cache_creation, "service_tier": "standard"}
 
     def open_block(self, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from self.start()
@@ -215,6 +221,8 @@ class _MessageStream:
             yield from self.open_block(dict(EMPTY_BLOCKS[kind]))
         if kind == "thinking":
             self.signature.update(text)
+            if getattr(self.ctx.request, "omit_thinking", False):
+                return  # thinking.display "omitted": the block keeps only its signature
             delta = {"type": "thinking_delta", "thinking": text}
         else:
             delta = {"type": "text_delta", "text": text}

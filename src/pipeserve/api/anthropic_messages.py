@@ -76,7 +76,7 @@ def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[
             message["content"][event["index"]]["input"] = parse_input(json_bufs.pop(event["index"]))
         elif kind == "message_delta":
             message.update(event["delta"])
-            message["usage"] = event["usage"]
+            message["usage"] = {**message["usage"], **event["usage"]}
         elif kind == "message_stop":
             return message
     reason = ctx.cancel_reason or "cancelled"

@@ -1,7 +1,7 @@
 """Pydantic models of the Anthropic Messages request body (the parts we read).
 
 Every model ignores unknown fields: clients add fields (context_management,
-output_config.format, container, mcp_servers, ...) faster than servers learn them.
+container, mcp_servers, ...) faster than servers learn them.
 Numbers are strict (no "5" -> 5). `content`, `system` and `tools` entries are kept as
 raw JSON here and checked block by block in anthropic_decode, so every error names the
 exact path (`messages.2.content.1.tool_use_id`).
@@ -83,6 +83,12 @@ class ThinkingParam(Lenient):
     # "adaptive" (Claude Code 2.1) and "between_tools" are newer than the budget form.
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None  # omitted: empty thinking text
+
+
+class OutputConfigParam(Lenient):
+    effort: Any = None  # read leniently: unknown efforts (newer clients) are ignored
+    format: Any = None  # structured outputs: not enforced here, refused in anthropic_decode
 
 
 class MessagesBody(Lenient):
@@ -93,7 +99,8 @@ class MessagesBody(Lenient):
     tools: list[Any] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
-    output_config: Any = None  # {"effort": ...} is read leniently; the rest is ignored
+    output_config: OutputConfigParam | None = None
+    output_format: Any = None  # the structured-outputs beta spelling of output_config.format
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
