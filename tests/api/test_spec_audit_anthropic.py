@@ -12,7 +12,10 @@ from typing import Any
 import anthropic
 import pytest
 from anthropic._streaming import SSEDecoder
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message as SdkMessage
 from tests.api.test_anthropic_client import Scripted, client
+from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
 
 from pipeserve.api.anthropic_messages import AnthropicMessages
 from pipeserve.api.base import RequestMeta
@@ -193,3 +196,35 @@ def test_error_body_shape_for_a_refused_field() -> None:
     assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": info.value.message}}
     assert PROTOCOL.error_status(info.value) == 400
     json.dumps(body)
+
+
+# ---------------------------------------------------------------- real pipeline (replay engine)
+
+
+def replay_message(runtime: Any, body: dict[str, Any]) -> tuple[dict[str, Any], SdkMessage]:
+    """(the JSON message, the SDK's accumulation of the streamed one) for one request."""
+    body = {"model": "replay-qwen3", "max_tokens": 256, "messages": HELLO, **body}
+    plain = PROTOCOL.encode_json(*replay_events(runtime, PROTOCOL, body, META.route))
+    raw = b"".join(PROTOCOL.encode_stream(*replay_events(runtime, PROTOCOL, {**body, "stream": True}, META.route)))
+    snapshot, bufs = None, {}
+    for item in SSEDecoder().iter_bytes(iter([raw])):
+        if item.event != "ping":
+            snapshot = accumulate_event(event=item.json(), current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
+    assert snapshot is not None
+    return plain, SdkMessage.model_validate(snapshot.model_dump())
+
+
+def test_replay_tool_use_and_stop_sequence(qwen3_runtime: Any) -> None:
+    plain, streamed = replay_message(qwen3_runtime, {"tools": [WEATHER], "mock_response": QWEN3_CALL})
+    plain_message = SdkMessage.model_validate(plain)
+    assert plain_message.usage == streamed.usage and plain_message.stop_reason == streamed.stop_reason
+    strip = [{k: v for k, v in b.model_dump().items() if k != "id"} for b in plain_message.content]
+    assert strip == [{k: v for k, v in b.model_dump().items() if k != "id"} for b in streamed.content]
+    assert [b.type for b in streamed.content] == ["thinking", "text", "tool_use"]
+    assert streamed.stop_reason == "tool_use" and streamed.content[2].input == {"city": "Paris"}  # type: ignore[union-attr]
+    assert streamed.usage.service_tier == "standard" and streamed.usage.output_tokens > 0
+    body = {"stop_sequences": ["END"], "mock_response": "Hello there END and more text"}
+    plain, streamed = replay_message(qwen3_runtime, body)
+    assert (plain["stop_reason"], plain["stop_sequence"]) == ("stop_sequence", "END")
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "END")
+    assert streamed.content[-1].text == "Hello there "  # type: ignore[union-attr]

@@ -8,6 +8,8 @@ its pydantic models and stream accumulator check the shapes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -16,8 +18,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tests.api.test_openai_common import Harness, make_ctx, parse_sse
 
-from pipeserve.api.base import RequestMeta
+from pipeserve.api.base import RequestMeta, WireProtocol
 from pipeserve.api.openai_chat import OpenAIChat
+from pipeserve.config import load_pipeline
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
@@ -32,6 +35,7 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.request import GenerationRequest
+from pipeserve.stages.base import BuildEnv, Chain, RequestContext
 
 PROTOCOL = OpenAIChat()
 META = RequestMeta(route="/v1/chat/completions")
@@ -242,3 +246,56 @@ def test_allowed_tools_required_with_nothing_allowed_is_a_400() -> None:
     with pytest.raises(ApiError) as info:
         decode(tools=[fn_tool("a")], tool_choice=choice)
     assert info.value.param == "tool_choice"
+
+
+# ---------------------------------------------------------------- real pipeline (replay engine)
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN3_CALL = (
+    "<think>\nPlan: call the tool.\n</think>\n\nSure.<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_runtime(demo_model_dir: Callable[[str], Path]) -> Iterator[Any]:
+    """The replay engine on the qwen3 demo model's real tokenizer: exact model output."""
+    from pipeserve.config.models import ModelEntry
+    from pipeserve.engine.runtime import build_runtime
+
+    demo_model_dir("qwen3")
+    runtime = build_runtime(ModelEntry(name="replay-qwen3", source="demo:qwen3", pipeline="qwen3", engine="replay"))
+    yield runtime
+    runtime.engine.close()
+
+
+def replay_events(runtime: Any, protocol: WireProtocol, body: dict[str, Any], route: str) -> tuple[Iterator[Event], RequestContext]:
+    """Decode `body` with `protocol`, then run the real qwen3 pipeline on the replay engine."""
+    pipeline = load_pipeline(REPO / "pipelines" / "qwen3.yaml")
+    env = BuildEnv(model_name="replay-qwen3", family="qwen3", runtime=runtime)
+    chain = Chain([s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages])
+    ctx = RequestContext(request=protocol.decode(body, RequestMeta(route=route)), request_id="req_e2e", model_name="replay-qwen3")
+    chain.prepare(ctx)
+    return chain.run(ctx), ctx
+
+
+def test_replay_pipeline_stream_and_json_agree_and_validate(qwen3_runtime: Any) -> None:
+    body = {"model": "replay-qwen3", "messages": USER, "tools": [fn_tool("get_weather")], "mock_response": QWEN3_CALL}
+    completion = ChatCompletion.model_validate(PROTOCOL.encode_json(*replay_events(qwen3_runtime, PROTOCOL, body, META.route)))
+    state = ChatCompletionStreamState()
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    raw = b"".join(PROTOCOL.encode_stream(*replay_events(qwen3_runtime, PROTOCOL, stream_body, META.route)))
+    frames = [f["data"] for f in parse_sse(raw) if f["data"] is not None]
+    assert frames[-1] == "[DONE]"
+    for frame in frames[:-1]:
+        state.handle_chunk(ChatCompletionChunk.model_validate_json(frame))
+    streamed = state.get_final_completion()
+    for result in (completion, streamed):
+        choice = result.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+        (call,) = choice.message.tool_calls or []
+        assert json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+        assert result.system_fingerprint and result.service_tier == "default"
+    usage = json.loads(frames[-2])["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] > 0
+    assert usage["prompt_tokens"] > 0 and usage["prompt_tokens_details"]["cached_tokens"] == 0

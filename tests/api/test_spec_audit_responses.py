@@ -15,6 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from tests.api.test_openai_common import Harness, make_ctx
 from tests.api.test_openai_responses import data_frames, final_via_sdk
+from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
 
 from pipeserve.api.base import RequestMeta
 from pipeserve.api.openai_responses import OpenAIResponses
@@ -183,6 +184,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"truncation": "sometimes"}, "truncation"),
+    ({"include": ["reasoning.encrypted_content", "message.everything"]}, "include[1]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}, {"role": "user", "content": "q"}]}, "input[0]"),
     ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
     (
@@ -235,3 +237,33 @@ def test_allowed_tools_restricts_the_tool_list() -> None:
     req = decode(tools=[fn("a"), fn("b")], tool_choice=auto)
     assert [t.name for t in req.tools] == ["a"] and req.tool_choice.mode == "auto"
     assert encode_json(TEXT, tools=[fn("a"), fn("b")], tool_choice=auto)["tool_choice"] == auto
+
+
+# ---------------------------------------------------------------- real pipeline (replay engine)
+
+
+def test_replay_pipeline_events_validate_and_echo(qwen3_runtime: Any) -> None:
+    body = {
+        "model": "replay-qwen3",
+        "input": "Weather in Paris?",
+        "tools": [fn("get_weather")],
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "include": ["reasoning.encrypted_content"],
+        "max_tool_calls": 1,
+        "mock_response": QWEN3_CALL,
+    }
+    plain = Response.model_validate(PROTOCOL.encode_json(*replay_events(qwen3_runtime, PROTOCOL, body, META.route)))
+    raw = b"".join(PROTOCOL.encode_stream(*replay_events(qwen3_runtime, PROTOCOL, {**body, "stream": True}, META.route)))
+    events = data_frames(raw)
+    for event in events:
+        EVENTS.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    streamed = final_via_sdk(raw)
+    for result in (plain, streamed):
+        assert [item.type for item in result.output] == ["reasoning", "message", "function_call"]
+        reasoning, message, call = result.output
+        assert reasoning.encrypted_content and message.content[0].text == "Sure."  # type: ignore[union-attr]
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_")  # type: ignore[union-attr]
+        assert call.arguments == '{"city": "Paris"}' and call.status == "completed"  # type: ignore[union-attr]
+        assert result.reasoning and result.reasoning.summary == "auto" and result.max_tool_calls == 1
+        assert result.usage and result.usage.output_tokens_details.reasoning_tokens > 0
