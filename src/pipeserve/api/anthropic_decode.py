@@ -11,6 +11,10 @@ Mapping rules (see also anthropic_schema for field validation):
 - Custom tools (no `type`, or `type: "custom"`) are kept; server tools are skipped.
 - `thinking.budget_tokens` must be >= 1024 (as the API enforces) but may exceed
   max_tokens (interleaved thinking, which Claude Code relies on).
+- Structured outputs (`output_config.format`, the beta `output_format`) are not enforced
+  here, so they are a 400 rather than silently free text; `output_config.effort` is read
+  leniently. metadata, service_tier, container, mcp_servers, context_management, speed
+  and inference_geo are accepted and ignored.
 """
 
 from __future__ import annotations

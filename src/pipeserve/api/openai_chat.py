@@ -1,7 +1,9 @@
 """OpenAI Chat Completions (`/v1/chat/completions`): the request decoder and the protocol.
 
 Encoders live in openai_chat_encode. Unknown body fields are accepted and ignored;
-malformed known fields are a 400 naming the field (`messages[2].content[0].text`).
+malformed known fields are a 400 naming the field (`messages[2].content[0].text`), and so
+are known fields we cannot honour when ignoring them would silently change the answer
+(n > 1, JSON response formats, logit_bias, audio, the legacy functions API).
 """
 
 from __future__ import annotations
