@@ -16,8 +16,8 @@ from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, Usage
 from pipeserve.request import GenerationRequest
-from pipeserve.server.body import read_json_body
-from pipeserve.server.disconnect import watch_disconnect
+from pipeserve.server.body import read_json_body, replace_lone_surrogates
+from pipeserve.server.disconnect import StalledWriteGuard, watch_disconnect
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.stages.base import RequestContext
@@ -25,6 +25,13 @@ from pipeserve.stages.generate import KEEPALIVE_KEY
 
 log = logging.getLogger("pipeserve.http")
 MOCK_HEADER = "x-mock-response"
+# Seen by a client that half-closed (shutdown(SHUT_WR)) after its body; a client that
+# really left never reads it. EOF is taken as "gone", as nginx does, so that nobody
+# decodes thousands of tokens for a client that timed out during a long prefill.
+CLIENT_CLOSED = (
+    "the client closed its side of the connection before the response was ready, so the "
+    "request was cancelled; keep the connection open (no half-close) until the response arrives"
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,13 @@ class HttpOptions:
     keepalive_interval: float = 5.0
     api_key: str | None = None
     body_read_timeout: float = 30.0
+    # Seconds one write of a stream may block on a client that does not read; None: the
+    # body_read_timeout (the server's patience with a stalled client in either direction).
+    write_timeout: float | None = None
+
+    @property
+    def stalled_write_timeout(self) -> float:
+        return self.write_timeout if self.write_timeout is not None else self.body_read_timeout
 
 
 class ProtocolErrors:
@@ -110,12 +124,15 @@ class GenerationResource:
             resp.content_type = "text/event-stream; charset=utf-8"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol)
+            body = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol)
+            resp.stream = StalledWriteGuard(body, req.env.get("gunicorn.socket"), self.options.stalled_write_timeout)
             self.metrics.count_request(self.route, served.name, 200)
             return
         try:
             body = self.protocol.encode_json(events, ctx)
         except ApiError as error:
+            if ctx.cancel_reason == "client_disconnected":
+                error = ApiError("invalid_request", CLIENT_CLOSED)
             self.metrics.count_request(self.route, served.name, self.errors.render(resp, error))
             return
         finally:
@@ -187,7 +204,7 @@ def decode_header_text(value: str) -> str:
         except json.JSONDecodeError:
             return value
         if isinstance(decoded, str):
-            return decoded
+            return str(replace_lone_surrogates(decoded))  # `"\ud800"` cannot be tokenized
     return value
 
 

@@ -57,7 +57,8 @@ class ModelTable:
             model = next((m for m in candidates for p in m.entry.aliases if fnmatch.fnmatchcase(name, p)), None)
         if model is None or (allowed is not None and model.name not in allowed):
             known = ", ".join(m.name for m in candidates) or "none"
-            raise ApiError("not_found", f"model {name!r} not found; this route serves: {known}", param="model")
+            shown = name if len(name) <= 200 else name[:200] + "..."
+            raise ApiError("not_found", f"model {shown!r} not found; this route serves: {known}", param="model")
         return model
 
     def stats(self) -> dict[str, dict[str, object]]:
