@@ -58,7 +58,12 @@ def gunicorn_options(config: Any, host: str, port: int, workers: int, log_level:
         "accesslog": "-",
         "errorlog": "-",
         "limit_request_line": 8190,
-        "limit_request_field_size": 65536,
+        # gunicorn's pure-Python parser rescans the whole header block on every 8 KB read,
+        # so its cost grows with the square of the block (fields x field size): at
+        # 100 x 64 KB one hostile client held the hub for 6.6 s. 64 x 8 KB bounds that to
+        # tens of ms; longer mock completions go in the body's `mock_response`.
+        "limit_request_fields": 64,
+        "limit_request_field_size": 8190,
         "proc_name": "pipeserve",
     }
 
