@@ -408,3 +408,19 @@ def test_cancel_storm_while_the_queue_is_full(server: str) -> None:
     assert wait_idle(server, "slow") == 0
     code, _, body = exchange(server, post(MESSAGES, body_for(MESSAGES, model="slow")))
     assert code == 200 and json.loads(body)["content"][0]["text"] == "ok"
+
+
+def tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]  # struct tcp_info.tcpi_state
+
+
+def test_a_large_json_answer_to_a_client_that_never_reads_is_reset(server: str) -> None:
+    # About 300 KB of JSON: more than the capped send buffer plus a 4 KB receive window.
+    body = {**body_for(CHAT), "max_tokens": 30_000, "mock_response": "<think>\n</think>\n\n" + "internationalization " * 20_000}
+    with connect(server, rcvbuf=4096) as sock:
+        sock.sendall(post(CHAT, body))
+        deadline = time.monotonic() + 60
+        while tcp_state(sock) != 7 and time.monotonic() < deadline:  # 7: TCP_CLOSE, the server reset it
+            time.sleep(0.2)
+        assert tcp_state(sock) == 7  # before: the server's write blocked forever
+    assert_serving(server)

@@ -125,7 +125,7 @@ class GenerationResource:
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
             body = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol)
-            resp.stream = StalledWriteGuard(body, req.env.get("gunicorn.socket"), self.options.stalled_write_timeout)
+            resp.stream = self.write_guard(req, body)
             self.metrics.count_request(self.route, served.name, 200)
             return
         try:
@@ -138,8 +138,17 @@ class GenerationResource:
         finally:
             stop_watching()
             ctx.cancel("response_complete")
+        # Rendered here so that its write, too, gives up on a client that never reads
+        # (a long answer with logprobs is larger than the socket buffers).
         resp.media = body
+        payload = resp.render_body() or b""
+        resp.media = None
+        resp.content_length = len(payload)
+        resp.stream = self.write_guard(req, iter([payload]))
         self.metrics.count_request(self.route, served.name, 200)
+
+    def write_guard(self, req: falcon.Request, body: Iterator[bytes]) -> StalledWriteGuard:
+        return StalledWriteGuard(body, req.env.get("gunicorn.socket"), self.options.stalled_write_timeout)
 
 
 def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> Iterator[Event]:
