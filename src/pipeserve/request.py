@@ -54,6 +54,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's additive penalties, -2..2
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
 

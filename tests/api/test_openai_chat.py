@@ -106,6 +106,7 @@ def test_decode_full_conversation() -> None:
         prompt_cache_key="abc",
         response_format={"type": "text"},  # json formats are refused: test_spec_audit_chat
         frequency_penalty=0.5,
+        presence_penalty=-0.25,
     )
     assert [(m.role, m.content) for m in req.messages] == [
         ("system", "be brief"),
@@ -126,6 +127,7 @@ def test_decode_full_conversation() -> None:
     assert (req.tool_choice.mode, req.tool_choice.name) == ("function", "get_weather")
     assert req.stop == ["END"]
     s = req.sampling
+    assert (s.frequency_penalty, s.presence_penalty) == (0.5, -0.25)
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed) == (
         0.2,
         0.9,

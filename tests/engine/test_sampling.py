@@ -19,6 +19,8 @@ def test_sampler_sharing():
     assert make_sampler(SamplingParams(temperature=0.7, seed=1)) is not make_sampler(SamplingParams(temperature=0.7, seed=1))
     assert make_processors(SamplingParams()) == []
     assert len(make_processors(SamplingParams(repetition_penalty=1.3))) == 1
+    assert len(make_processors(SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0))) == 2
+    assert make_processors(SamplingParams()) == []
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,19 @@ def test_repetition_penalty_changes_output(mlx_runtime):
     penalized = collect(runtime.engine.submit(job(prompt, 40, repetition_penalty=5.0))).ids
     assert penalized != plain
     assert len(set(penalized)) >= len(set(plain))
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_openai_penalties_change_output_of_that_request_only(mlx_runtime, penalty):
+    runtime = mlx_runtime("qwen3")
+    prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
+    plain = collect(runtime.engine.submit(job(prompt, 40))).ids
+    # Batched with an unpenalized request, which must stay greedy.
+    streams = [runtime.engine.submit(job(prompt, 40, **{penalty: 2.0})), runtime.engine.submit(job(prompt, 40))]
+    penalized, neighbour = (collect(s).ids for s in streams)
+    assert neighbour == plain
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain))
 
 
 @pytest.mark.parametrize("seed", [None, 3])

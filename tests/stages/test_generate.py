@@ -144,7 +144,8 @@ def test_ctx_cancel_stops_generation(runtime):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -1.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0)],
+    [("temperature", -1.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0),
+     ("presence_penalty", 2.5), ("frequency_penalty", -3.0)],
 )
 def test_bad_sampling_is_invalid_request(runtime, field, value):
     ctx = context(runtime)

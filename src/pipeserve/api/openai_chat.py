@@ -253,6 +253,8 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         top_k=max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         seed=seed_value(req.seed),
     )
     return ChatGenerationRequest(

@@ -24,13 +24,17 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 REPETITION_CONTEXT = 64
+# OpenAI's presence/frequency penalties count tokens "so far"; the window bounds the
+# per-step cost (mlx-lm counts within the last N tokens of the sequence).
+PENALTY_CONTEXT = 256
 
 
 def check(params: SamplingParams) -> None:
     """Reject values mlx-lm's samplers would raise on while being compiled: an exception
     inside mx.compile leaves tracers in the global random state and breaks later steps."""
     if not (params.temperature >= 0 and 0 <= params.top_p <= 1 and 0 <= params.min_p <= 1
-            and params.top_k >= 0 and params.repetition_penalty > 0):  # fmt: skip
+            and params.top_k >= 0 and params.repetition_penalty > 0
+            and -2 <= params.presence_penalty <= 2 and -2 <= params.frequency_penalty <= 2):  # fmt: skip
         raise ValueError(f"invalid sampling parameters: {params}")
 
 
@@ -79,9 +83,12 @@ def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
 
 
 def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    if params.repetition_penalty in (0.0, 1.0):
-        return []
+    """Penalty processors; none (the fast batched path) when every penalty is neutral."""
     return make_logits_processors(
-        repetition_penalty=params.repetition_penalty,
+        repetition_penalty=None if params.repetition_penalty in (0.0, 1.0) else params.repetition_penalty,
         repetition_context_size=REPETITION_CONTEXT,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT,
     )

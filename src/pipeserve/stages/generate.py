@@ -137,6 +137,8 @@ def check_sampling(sampling: SamplingParams) -> None:
         ("top_k", sampling.top_k < 0, "must be >= 0"),
         ("min_p", not 0 <= sampling.min_p <= 1, "must be in [0, 1]"),
         ("repetition_penalty", sampling.repetition_penalty <= 0, "must be > 0"),
+        ("presence_penalty", not -2 <= sampling.presence_penalty <= 2, "must be in [-2, 2]"),
+        ("frequency_penalty", not -2 <= sampling.frequency_penalty <= 2, "must be in [-2, 2]"),
     )
     for name, bad, rule in problems:
         if bad:
