@@ -13,7 +13,6 @@ import socket
 import time
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
