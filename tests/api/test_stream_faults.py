@@ -32,5 +32,22 @@ def test_encoder_fault_ends_with_an_error_event(protocol: WireProtocol) -> None:
     lines = dict(line.split(": ", 1) for line in last.split("\n"))
     assert lines["event"] == "error"
     error = ApiError("internal", "internal error while streaming: KeyError")
-    assert json.loads(lines["data"]) == protocol.error_body(error)
+    assert json.loads(lines["data"]) == protocol.stream_fault(error, 1)
     assert stopped == [True] and ctx.cancelled
+
+
+def test_responses_encoder_fault_is_a_typed_error_event() -> None:
+    from openai.types.responses import ResponseErrorEvent
+
+    ctx = RequestContext(request=GenerationRequest(model="m", messages=[]), request_id="req_1", model_name="m")
+    chunks = [b": keep-alive\n\n", b'event: response.created\ndata: {}\n\n']
+
+    def encoder() -> Iterator[bytes]:
+        yield from chunks
+        raise KeyError("bug")
+
+    body = b"".join(closing_stream(encoder(), ctx, lambda: None, OpenAIResponses()))
+    data = json.loads(body.decode().strip().split("\n\n")[-1].split("data: ", 1)[1])
+    event = ResponseErrorEvent.model_validate(data)
+    assert (event.type, event.sequence_number, event.code) == ("error", 1, "server_error")
+    assert "KeyError" in event.message

@@ -48,6 +48,11 @@ class WireProtocol(ABC):
     def error_body(self, error: ApiError) -> dict[str, Any]:
         """The protocol's own error JSON for `error`."""
 
+    def stream_fault(self, error: ApiError, events_sent: int) -> dict[str, Any]:
+        """The `error` SSE event's data when the encoder itself failed after
+        `events_sent` events; Chat and Anthropic send their usual error body."""
+        return self.error_body(error)
+
     def error_status(self, error: ApiError) -> int:
         if error.kind == "overloaded":
             return self.overload_status

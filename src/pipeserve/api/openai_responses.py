@@ -425,6 +425,13 @@ class OpenAIResponses(WireProtocol):
         finally:
             close_events(events)
 
+    def stream_fault(self, error: ApiError, events_sent: int) -> dict[str, Any]:
+        """Responses streams carry errors as a typed `error` event with the next
+        sequence number (the SDK's ResponseErrorEvent)."""
+        detail = self.error_body(error)["error"]
+        return {"type": "error", "code": detail["code"] or detail["type"], "message": detail["message"],
+                "param": detail["param"], "sequence_number": events_sent}  # fmt: skip
+
     def error_body(self, error: ApiError) -> dict[str, Any]:
         body = openai_error_body(error)
         if body["error"]["param"] == "messages":  # stages name the prompt as Chat does

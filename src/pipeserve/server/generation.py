@@ -174,13 +174,16 @@ def closing_stream(
     """The WSGI body: when the server closes it (client gone), generation stops. A fault
     in the encoder itself still ends the stream with an in-protocol `error` event (the
     SDKs raise on it) instead of a truncated body that looks like a normal end."""
+    events_sent = 0
     try:
-        yield from chunks
+        for chunk in chunks:
+            events_sent += not chunk.startswith(b":")  # keep-alive comments are not events
+            yield chunk
     except Exception as exc:
         log.exception("stream encoder failed")
         ctx.cancel("error")
         error = ApiError("internal", f"internal error while streaming: {type(exc).__name__}")
-        yield sse_event(protocol.error_body(error), "error")
+        yield sse_event(protocol.stream_fault(error, events_sent), "error")
     finally:
         stop_watching()
         ctx.cancel("response_closed")
