@@ -23,7 +23,13 @@ class ServerSection(Strict):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
     request_timeout: float = Field(600.0, gt=0, description="Seconds a request may take in queue plus generation.")
     keepalive_interval: float = Field(5.0, gt=0, description="Seconds of silence before an SSE keep-alive (ping).")
-    body_read_timeout: float = Field(30.0, gt=0, description="Seconds without request-body bytes before a 408.")
+    body_read_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Patience with a stalled client: seconds without request-body bytes before a 408, or with"
+        " one response write blocked (a client that stopped reading) before the connection is reset and its"
+        " generation cancelled.",
+    )
     graceful_timeout: float = Field(30.0, ge=0)
 
 

@@ -40,14 +40,10 @@ class HttpOptions:
     request_timeout: float
     keepalive_interval: float = 5.0
     api_key: str | None = None
+    # The server's patience with a stalled client in either direction: seconds without
+    # request-body bytes (408), or one response write blocked on a client that does not
+    # read (connection reset, generation cancelled).
     body_read_timeout: float = 30.0
-    # Seconds one write of a stream may block on a client that does not read; None: the
-    # body_read_timeout (the server's patience with a stalled client in either direction).
-    write_timeout: float | None = None
-
-    @property
-    def stalled_write_timeout(self) -> float:
-        return self.write_timeout if self.write_timeout is not None else self.body_read_timeout
 
 
 class ProtocolErrors:
@@ -148,7 +144,7 @@ class GenerationResource:
         self.metrics.count_request(self.route, served.name, 200)
 
     def write_guard(self, req: falcon.Request, body: Iterator[bytes]) -> StalledWriteGuard:
-        return StalledWriteGuard(body, req.env.get("gunicorn.socket"), self.options.stalled_write_timeout)
+        return StalledWriteGuard(body, req.env.get("gunicorn.socket"), self.options.body_read_timeout)
 
 
 def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> Iterator[Event]:
