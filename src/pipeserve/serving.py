@@ -47,7 +47,8 @@ def gunicorn_options(config: Any, host: str, port: int, workers: int, log_level:
     return {
         "bind": f"{host}:{port}",
         "workers": workers,
-        "worker_class": "gevent",
+        # gunicorn's gevent worker, minus the wait for idle keep-alive connections at stop.
+        "worker_class": "pipeserve.server.worker.PipeserveWorker",
         "worker_connections": 1000,
         # The engine runs on its own OS thread, so the hub keeps beating during decode;
         # the timeout still bounds a wedged worker. Model loading happens before it counts.

@@ -32,6 +32,15 @@ def pipeserve_command() -> list[str]:
 @contextmanager
 def running_server(config: Path, env: dict[str, str] | None = None, startup_timeout: float = 240.0) -> Iterator[str]:
     """Yield the base URL of a server started from `config`; stop it afterwards."""
+    with server_process(config, env, startup_timeout) as (base, _):
+        yield base
+
+
+@contextmanager
+def server_process(
+    config: Path, env: dict[str, str] | None = None, startup_timeout: float = 240.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Like running_server, also yielding the process (to signal it)."""
     port = free_port()
     log_path = Path(os.environ.get("PYTEST_SERVER_LOG_DIR", "/tmp")) / f"pipeserve-test-{port}.log"
     full_env = {**os.environ, **(env or {})}
@@ -43,7 +52,7 @@ def running_server(config: Path, env: dict[str, str] | None = None, startup_time
         base = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(base, proc, log_path, startup_timeout)
-            yield base
+            yield base, proc
         finally:
             stop(proc)
 

@@ -1,0 +1,60 @@
+"""gunicorn's gevent worker, letting idle keep-alive connections go at shutdown.
+
+gunicorn's graceful stop waits for every connection handler to return, and a handler
+sits in its keep-alive loop for up to 75 s after a response (SDK clients keep pooled
+connections open). A stop or restart then took the whole graceful_timeout. Here, once
+the worker is told to stop, connections between requests are shut down (their
+handler ends as if the client had left), while requests in progress finish normally
+(gunicorn closes those connections after their response).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import gevent
+from gunicorn.workers.ggevent import GeventWorker
+
+SHUTDOWN_POLL_SECONDS = 0.2
+
+
+class PipeserveWorker(GeventWorker):  # type: ignore[misc]
+    def init_process(self) -> None:
+        self._connections: dict[int, socket.socket] = {}
+        self._busy: set[int] = set()
+        super().init_process()
+
+    def run(self) -> None:
+        gevent.spawn(self._release_idle_at_shutdown)
+        super().run()
+
+    def handle(self, listener: Any, client: socket.socket, addr: Any) -> None:
+        self._connections[id(client)] = client
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            self._connections.pop(id(client), None)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: socket.socket, addr: Any) -> Any:
+        self._busy.add(id(sock))
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        finally:
+            self._busy.discard(id(sock))
+
+    def _release_idle_at_shutdown(self) -> None:
+        while self.alive:
+            gevent.sleep(SHUTDOWN_POLL_SECONDS)
+        while self._connections:  # new ones may still finish their handshake
+            for key, sock in list(self._connections.items()):
+                if key not in self._busy:
+                    _shut(sock)
+            gevent.sleep(SHUTDOWN_POLL_SECONDS)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already gone
+        pass
