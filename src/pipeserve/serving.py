@@ -8,8 +8,10 @@ and forks workers; each worker, after gevent's monkey patching, loads its models
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +107,23 @@ def serve(
 
 
 def fetch_sources(config: Any) -> bool:
-    """Build demo models and download hub models once, in the master, before forking:
-    a worker that spends minutes downloading would be killed by gunicorn's timeout."""
+    """Build demo models and download hub models once, before forking: a worker that
+    spends minutes downloading would be killed by gunicorn's timeout.
+
+    It runs in a spawned child, never in the master: building a demo model runs MLX, and
+    MLX's stream threads do not survive gunicorn's fork (a worker forked from a master
+    that ran MLX hung at its first `mx.clear_cache`, waiting on a thread it does not have).
+    """
     from pipeserve.engine.loader import resolve_source
 
-    for entry in config.models:
-        try:
-            path = resolve_source(entry.source)
-        except Exception as exc:  # report every kind of failure plainly, then refuse to start
-            print(f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}", file=sys.stderr)
-            return False
-        log.info("model %s: source %s is at %s", entry.name, entry.source, path)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        for entry in config.models:
+            try:
+                path = child.submit(resolve_source, entry.source).result()
+            except Exception as exc:  # report every kind of failure plainly, then refuse to start
+                print(f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}", file=sys.stderr)
+                return False
+            log.info("model %s: source %s is at %s", entry.name, entry.source, path)
     return True
 
 
