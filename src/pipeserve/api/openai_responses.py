@@ -39,20 +39,9 @@ from pipeserve.stages.base import RequestContext
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 IMAGE_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# The published `include` values. Ours are logprobs and reasoning.encrypted_content; the
-# others concern hosted tools and input images we never produce, so they add nothing.
-INCLUDABLE = frozenset(
-    {
-        "file_search_call.results",
-        "web_search_call.results",
-        "web_search_call.action.sources",
-        "message.input_image.image_url",
-        "computer_call_output.output.image_url",
-        "code_interpreter_call.outputs",
-        "reasoning.encrypted_content",
-        LOGPROBS_INCLUDE,
-    }
-)
+# `include` asks for extra output. Ours are logprobs and reasoning.encrypted_content; other
+# values (hosted tools, input images, and any an agent CLI adds later) add nothing here and
+# are ignored, so a newer client is not refused for asking for more.
 
 
 class ReasoningIn(Lenient):
@@ -312,8 +301,6 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
         raise invalid("conversation is not supported: this server stores no conversations.", "conversation")
     if req.background:
         raise invalid("background responses are not supported.", "background")
-    for i, value in enumerate(req.include or []):
-        check(value in INCLUDABLE, f"include[{i}]", f"{value!r} is not one of {', '.join(sorted(INCLUDABLE))}")
     if req.prompt is not None:
         raise unsupported("prompt", "stored prompt templates cannot be resolved; send 'instructions' and 'input'")
     fmt = (req.text or {}).get("format")
