@@ -24,6 +24,7 @@ from pipeserve.api.openai_common import (
     close_events,
     openai_error_body,
     reasoning_options,
+    refuse_structured_output,
     seed_value,
     text_of_parts,
     tool_choice_mode,
@@ -212,13 +213,7 @@ def _stop(raw: Any) -> list[str]:
 
 def _refuse_unhonoured(req: ChatRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
-    fmt = req.response_format
-    if fmt is not None:
-        check(isinstance(fmt, dict), "response_format", "expected an object")
-        kind = fmt.get("type")
-        check(isinstance(kind, str), "response_format.type")
-        if kind != "text":
-            raise unsupported("response_format", f"{kind!r} output is not enforced; only 'text' is available")
+    refuse_structured_output(req.response_format, "response_format")
     if req.logit_bias is not None:
         check(isinstance(req.logit_bias, dict), "logit_bias", "expected an object")
         if req.logit_bias:

@@ -23,6 +23,7 @@ from pipeserve.api.openai_common import (
     close_events,
     openai_error_body,
     reasoning_options,
+    refuse_structured_output,
     seed_value,
     text_of_parts,
     tool_choice_mode,
@@ -303,13 +304,7 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
         raise invalid("background responses are not supported.", "background")
     if req.prompt is not None:
         raise unsupported("prompt", "stored prompt templates cannot be resolved; send 'instructions' and 'input'")
-    fmt = (req.text or {}).get("format")
-    if fmt is not None:
-        check(isinstance(fmt, dict), "text.format", "expected an object")
-        kind = fmt.get("type")
-        check(isinstance(kind, str), "text.format.type")
-        if kind != "text":
-            raise unsupported("text.format", f"{kind!r} output is not enforced; only 'text' is available")
+    refuse_structured_output((req.text or {}).get("format"), "text.format")
 
 
 def decode_responses(body: Any) -> ResponsesGenerationRequest:
