@@ -56,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI's additive penalties, -2..2
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id of this model -> bias
     seed: int | None = None
 
 

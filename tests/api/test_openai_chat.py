@@ -107,6 +107,7 @@ def test_decode_full_conversation() -> None:
         response_format={"type": "text"},  # json formats are refused: test_spec_audit_chat
         frequency_penalty=0.5,
         presence_penalty=-0.25,
+        logit_bias={"42": 5, "7": -100},
     )
     assert [(m.role, m.content) for m in req.messages] == [
         ("system", "be brief"),
@@ -128,6 +129,7 @@ def test_decode_full_conversation() -> None:
     assert req.stop == ["END"]
     s = req.sampling
     assert (s.frequency_penalty, s.presence_penalty) == (0.5, -0.25)
+    assert s.logit_bias == {42: 5.0, 7: -100.0}
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed) == (
         0.2,
         0.9,

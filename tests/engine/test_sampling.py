@@ -64,6 +64,22 @@ def test_openai_penalties_change_output_of_that_request_only(mlx_runtime, penalt
     assert len(set(penalized)) > len(set(plain))
 
 
+def test_logit_bias_forces_and_bans_tokens(mlx_runtime):
+    runtime = mlx_runtime("qwen3")
+    prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
+    plain = collect(runtime.engine.submit(job(prompt, 8))).ids
+    forced_id = 13  # "."
+    streams = [
+        runtime.engine.submit(job(prompt, 8, logit_bias={forced_id: 100.0})),
+        runtime.engine.submit(job(prompt, 8, logit_bias={plain[0]: -100.0})),
+        runtime.engine.submit(job(prompt, 8)),  # batched neighbour without a bias
+    ]
+    forced, banned, neighbour = (collect(s).ids for s in streams)
+    assert forced == [forced_id] * 8
+    assert banned[0] != plain[0]
+    assert neighbour == plain
+
+
 @pytest.mark.parametrize("seed", [None, 3])
 def test_top_k_beyond_vocabulary_keeps_everything(mlx_runtime, seed):
     runtime = mlx_runtime("qwen3")

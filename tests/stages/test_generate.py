@@ -155,6 +155,15 @@ def test_bad_sampling_is_invalid_request(runtime, field, value):
     assert raised.value.kind == "invalid_request" and raised.value.param == field
 
 
+@pytest.mark.parametrize("bias", [{10**9: 1.0}, {-1: 1.0}, {5: 250.0}])
+def test_logit_bias_outside_the_vocabulary_or_range_is_invalid_request(runtime, bias):
+    ctx = context(runtime)
+    ctx.request.sampling.logit_bias = bias
+    with pytest.raises(ApiError) as raised:
+        stage(runtime).prepare(ctx)
+    assert raised.value.kind == "invalid_request" and raised.value.param == "logit_bias"
+
+
 def test_unloaded_model_is_unavailable(runtime):
     with pytest.raises(ApiError) as raised:
         stage(None).prepare(context(runtime))

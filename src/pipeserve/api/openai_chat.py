@@ -3,7 +3,9 @@
 Encoders live in openai_chat_encode. Unknown body fields are accepted and ignored;
 malformed known fields are a 400 naming the field (`messages[2].content[0].text`), and so
 are known fields we cannot honour when ignoring them would silently change the answer
-(n > 1, JSON response formats, logit_bias, audio, the legacy functions API).
+(n > 1, JSON response formats, audio, the legacy functions API). `logit_bias` is applied
+with this model's token ids (as other open-model servers do; ids outside its vocabulary
+are a 400).
 """
 
 from __future__ import annotations
@@ -96,12 +98,12 @@ class ChatRequestIn(Lenient):
     reasoning_effort: str | None = None
     parallel_tool_calls: bool | None = None
     mock_response: str | None = None
+    logit_bias: Any = None  # checked by _logit_bias
     # Known fields this server cannot honour: refused when set to anything but a no-op
     # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
     # prediction, verbosity, prompt_cache_key, safety_identifier, web_search_options --
     # only affect billing, storage, latency or hosted tools and are accepted and ignored.
     response_format: Any = None
-    logit_bias: Any = None
     modalities: Any = None
     audio: Any = None
     functions: Any = None
@@ -211,13 +213,23 @@ def _stop(raw: Any) -> list[str]:
     return [s for s in values if s]
 
 
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """`{"token id": bias}` in this model's vocabulary (ids are checked against it later)."""
+    if raw is None:
+        return {}
+    check(isinstance(raw, dict), "logit_bias", "expected an object mapping token ids to biases")
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        check(isinstance(key, str) and key.isdigit(), "logit_bias", f"{key!r} is not a token id")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        check(number and -100 <= value <= 100, "logit_bias", f"the bias of {key} must be a number in [-100, 100]")
+        bias[int(key)] = float(value)
+    return bias
+
+
 def _refuse_unhonoured(req: ChatRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
     refuse_structured_output(req.response_format, "response_format")
-    if req.logit_bias is not None:
-        check(isinstance(req.logit_bias, dict), "logit_bias", "expected an object")
-        if req.logit_bias:
-            raise unsupported("logit_bias", "token biases are not applied")
     if req.modalities is not None:
         check(isinstance(req.modalities, list), "modalities", "expected an array")
         if any(m != "text" for m in req.modalities):
@@ -250,6 +262,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         repetition_penalty=req.repetition_penalty or 1.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(req.logit_bias),
         seed=seed_value(req.seed),
     )
     return ChatGenerationRequest(

@@ -34,7 +34,8 @@ def check(params: SamplingParams) -> None:
     inside mx.compile leaves tracers in the global random state and breaks later steps."""
     if not (params.temperature >= 0 and 0 <= params.top_p <= 1 and 0 <= params.min_p <= 1
             and params.top_k >= 0 and params.repetition_penalty > 0
-            and -2 <= params.presence_penalty <= 2 and -2 <= params.frequency_penalty <= 2):  # fmt: skip
+            and -2 <= params.presence_penalty <= 2 and -2 <= params.frequency_penalty <= 2
+            and all(-100 <= bias <= 100 for bias in params.logit_bias.values())):  # fmt: skip
         raise ValueError(f"invalid sampling parameters: {params}")
 
 
@@ -83,8 +84,9 @@ def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
 
 
 def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """Penalty processors; none (the fast batched path) when every penalty is neutral."""
+    """Bias and penalty processors; none (the fast batched path) when all are neutral."""
     return make_logits_processors(
+        logit_bias=params.logit_bias or None,
         repetition_penalty=None if params.repetition_penalty in (0.0, 1.0) else params.repetition_penalty,
         repetition_context_size=REPETITION_CONTEXT,
         presence_penalty=params.presence_penalty or None,

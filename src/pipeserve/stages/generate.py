@@ -57,6 +57,7 @@ class GenerateStage:
         if limit is not None and len(prompt) >= limit:
             raise ContextLengthError(len(prompt), limit)
         check_sampling(request.sampling)
+        check_logit_bias(request.sampling.logit_bias, runtime.tokenizer)
         accepts_mock = bool(getattr(runtime.engine, "accepts_mock_response", False))
         if request.mock_response is not None and not accepts_mock:
             raise ApiError(
@@ -128,6 +129,19 @@ class GenerateStage:
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of text that continues a rendered prompt (special tokens recognized)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_logit_bias(bias: dict[int, float], tokenizer: Any) -> None:
+    """Biased ids must be tokens of this model's vocabulary (not another model's)."""
+    if not bias:
+        return
+    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    outside = sorted(token for token in bias if not 0 <= token < size)
+    if outside:
+        message = f"logit_bias: token ids {outside[:5]} are outside this model's vocabulary (0-{size - 1})."
+        raise ApiError("invalid_request", message, "logit_bias")
+    if any(not -100 <= value <= 100 for value in bias.values()):
+        raise ApiError("invalid_request", "logit_bias: biases must be between -100 and 100.", "logit_bias")
 
 
 def check_sampling(sampling: SamplingParams) -> None:
