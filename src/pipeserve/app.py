@@ -14,7 +14,7 @@ import falcon
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import WireProtocol
-from pipeserve.config.models import EndpointEntry, ServerConfig
+from pipeserve.config.models import EndpointEntry, ServerConfig, ServerSection
 from pipeserve.server.generation import GenerationResource, HttpOptions
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.misc import (
@@ -32,7 +32,7 @@ log = logging.getLogger("pipeserve.app")
 
 def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str | None = None) -> falcon.App:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading)."""
-    app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=[RequestIdMiddleware()])
+    app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
     table = ModelTable(list(models))
@@ -54,6 +54,17 @@ def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/", RootResource())
     return app
+
+
+def middleware(server: ServerSection) -> list[object]:
+    """Request ids always; CORS (with preflight answers) only for configured origins."""
+    chain: list[object] = [RequestIdMiddleware()]
+    origins = server.cors_allow_origins
+    if origins:
+        allow = "*" if "*" in origins else origins
+        # Browser code may read these: the request id, and when to retry after a 429/529.
+        chain.append(falcon.CORSMiddleware(allow_origins=allow, expose_headers=["request-id", "x-request-id", "retry-after"]))
+    return chain
 
 
 def add_endpoint(

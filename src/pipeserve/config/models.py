@@ -31,6 +31,11 @@ class ServerSection(Strict):
         " generation cancelled.",
     )
     graceful_timeout: float = Field(30.0, ge=0)
+    cors_allow_origins: list[str] = Field(
+        default_factory=list,
+        description='Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"];'
+        ' ["*"] allows any origin; empty (the default) sends no CORS headers.',
+    )
 
 
 class PrefixCacheOptions(Strict):
