@@ -129,6 +129,7 @@ class _MessageStream:
         self.held_tool: ToolCallStart | None = None  # the call being buffered
         self.held_fragments = 0
         self.signature = _Signature()
+        self.omit_thinking = bool(getattr(ctx.request, "omit_thinking", False))
         self.prompt_tokens = len(ctx.prompt_token_ids or [])
         self.cached_tokens = 0
         self.finish: Finish | None = None
@@ -221,7 +222,7 @@ class _MessageStream:
             yield from self.open_block(dict(EMPTY_BLOCKS[kind]))
         if kind == "thinking":
             self.signature.update(text)
-            if getattr(self.ctx.request, "omit_thinking", False):
+            if self.omit_thinking:
                 return  # thinking.display "omitted": the block keeps only its signature
             delta = {"type": "thinking_delta", "thinking": text}
         else:

@@ -64,8 +64,11 @@ class StalledWriteGuard:
         self._body = body
         self._sock = sock if timeout and gevent_patched("socket") else None
         self._timeout = timeout or 0.0
-        self._timer: Any = None
+        self._timer: Any = None  # one hub timer per response, restarted for every write
         if self._sock is not None:
+            import gevent
+
+            self._timer = gevent.get_hub().loop.timer(self._timeout)
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
             except OSError:
@@ -82,26 +85,22 @@ class StalledWriteGuard:
             self._arm()  # covers the write of this chunk, or the server's closing chunk
 
     def close(self) -> None:
-        self._disarm()
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
         close = getattr(self._body, "close", None)
         if close is not None:
             close()
 
     def _arm(self) -> None:
-        if self._sock is None:
-            return
-        import gevent
-
-        self._timer = gevent.get_hub().loop.timer(self._timeout)
-        self._timer.start(self._hang_up)
+        if self._timer is not None:
+            self._timer.start(self._hang_up)
 
     def _disarm(self) -> None:
         if self._timer is not None:
-            self._timer.close()
-            self._timer = None
+            self._timer.stop()
 
     def _hang_up(self) -> None:
-        self._timer = None
         log.warning("client stopped reading its stream for %g s; closing the connection", self._timeout)
         # On the OS socket: gevent's own shutdown() would fail the blocked write with
         # EBADF, which gunicorn logs as an error; EPIPE it drops quietly. Linger 0 makes

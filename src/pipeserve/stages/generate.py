@@ -140,8 +140,6 @@ def check_logit_bias(bias: dict[int, float], tokenizer: Any) -> None:
     if outside:
         message = f"logit_bias: token ids {outside[:5]} are outside this model's vocabulary (0-{size - 1})."
         raise ApiError("invalid_request", message, "logit_bias")
-    if any(not -100 <= value <= 100 for value in bias.values()):
-        raise ApiError("invalid_request", "logit_bias: biases must be between -100 and 100.", "logit_bias")
 
 
 def check_sampling(sampling: SamplingParams) -> None:
@@ -153,6 +151,7 @@ def check_sampling(sampling: SamplingParams) -> None:
         ("repetition_penalty", sampling.repetition_penalty <= 0, "must be > 0"),
         ("presence_penalty", not -2 <= sampling.presence_penalty <= 2, "must be in [-2, 2]"),
         ("frequency_penalty", not -2 <= sampling.frequency_penalty <= 2, "must be in [-2, 2]"),
+        ("logit_bias", any(not -100 <= v <= 100 for v in sampling.logit_bias.values()), "biases must be in [-100, 100]"),
     )
     for name, bad, rule in problems:
         if bad:
