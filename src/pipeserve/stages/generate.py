@@ -151,7 +151,7 @@ def check_sampling(sampling: SamplingParams) -> None:
         ("repetition_penalty", sampling.repetition_penalty <= 0, "must be > 0"),
         ("presence_penalty", not -2 <= sampling.presence_penalty <= 2, "must be in [-2, 2]"),
         ("frequency_penalty", not -2 <= sampling.frequency_penalty <= 2, "must be in [-2, 2]"),
-        ("logit_bias", any(abs(v) > 100 for v in sampling.logit_bias.values()), "biases must be in [-100, 100]"),
+        ("logit_bias", not all(-100 <= v <= 100 for v in sampling.logit_bias.values()), "must map to [-100, 100]"),
     )
     for name, bad, rule in problems:
         if bad:
