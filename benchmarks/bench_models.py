@@ -17,13 +17,31 @@ from pipeserve.engine.demo import ensure_demo_model
 
 SHAPES: dict[str, dict[str, int]] = {
     # ~116M parameters: the shape DESIGN.md section 7 measured mlx_lm.server on.
-    "small": {"hidden_size": 512, "num_hidden_layers": 12, "intermediate_size": 1536,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64},
+    "small": {
+        "hidden_size": 512,
+        "num_hidden_layers": 12,
+        "intermediate_size": 1536,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
     # Qwen3-0.6B's shape.
-    "qwen3-0.6b": {"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-0.6b": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def build_bench_model(shape: str, out_dir: Path) -> Path:

@@ -40,8 +40,14 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
 def stream_once(base: str, model: str, max_tokens: int, prompt: str = PROMPT) -> dict[str, float]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     first = last = None
     chunks = 0
@@ -64,12 +70,22 @@ def stream_once(base: str, model: str, max_tokens: int, prompt: str = PROMPT) ->
     first = first or time.perf_counter()
     last = last or first
     decode = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
-    return {"ttft": first - started, "decode": decode, "tokens": tokens, "total": time.perf_counter() - started}
+    return {
+        "ttft": first - started,
+        "decode": decode,
+        "tokens": tokens,
+        "total": time.perf_counter() - started,
+    }
 
 
 def aggregate(base: str, model: str, streams: int, max_tokens: int) -> float:
     results: list[dict[str, float]] = []
-    threads = [threading.Thread(target=lambda: results.append(stream_once(base, model, max_tokens, f"{PROMPT} #{i}"))) for i in range(streams)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(stream_once(base, model, max_tokens, f"{PROMPT} #{i}"))
+        )
+        for i in range(streams)
+    ]
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -79,7 +95,14 @@ def aggregate(base: str, model: str, streams: int, max_tokens: int) -> float:
 
 
 def start(cmd: list[str], env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=REPO,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -101,14 +124,41 @@ def pipeserve_cmd(model_dir: Path, port: int, work: Path, max_batch: int = 8) ->
         f"    options: {{max_batch: {max_batch}, queue_size: 64}}\n"
         "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
     )
-    return [sys.executable, "-m", "pipeserve.cli", "serve", "--config", str(config), "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "pipeserve.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+    ]
 
 
 def mlx_lm_cmd(model_dir: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "mlx_lm.server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
-def measure_server(name: str, cmd: list[str], env: dict[str, str], port: int, model: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
+def measure_server(
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    port: int,
+    model: str,
+    args: argparse.Namespace,
+    work: Path,
+) -> dict[str, float]:
     proc = start(cmd, env, port, work / f"{name}.log")
     base = f"http://127.0.0.1:{port}"
     try:
@@ -130,7 +180,9 @@ def measure_server(name: str, cmd: list[str], env: dict[str, str], port: int, mo
         stop(proc)
 
 
-def in_process_decode(model_dir: Path, tokens: int, env: dict[str, str], pretranspose: bool = False) -> float:
+def in_process_decode(
+    model_dir: Path, tokens: int, env: dict[str, str], pretranspose: bool = False
+) -> float:
     """mlx_lm.stream_generate's decode rate; with `pretranspose`, on the weight layout
     pipeserve's engine uses (so served/in-process is the HTTP + pipeline overhead)."""
     code = (
@@ -146,12 +198,16 @@ def in_process_decode(model_dir: Path, tokens: int, env: dict[str, str], pretran
         "    rates.append(last.generation_tps)\n"
         "print(sorted(rates)[1])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", default="small", choices=["small", "qwen3-0.6b"])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
@@ -165,13 +221,19 @@ def main() -> int:
     settings = [("same BLAS (OpenBLAS)", openblas_env, openblas_env)]
     if not args.skip_out_of_box:
         settings.append(("as installed", base_env, base_env))
-    print(f"model: random-weight Qwen3 fp32, shape {args.shape}; {args.tokens} tokens per stream; median of {args.rounds}")
+    print(
+        f"model: random-weight Qwen3 fp32, shape {args.shape}; {args.tokens} tokens per stream; median of {args.rounds}"
+    )
     for label, pipe_env, peer_env in settings:
         rows = {}
         port = free_port()
-        rows["pipeserve"] = measure_server("pipeserve", pipeserve_cmd(model_dir, port, work), pipe_env, port, "bench", args, work)
+        rows["pipeserve"] = measure_server(
+            "pipeserve", pipeserve_cmd(model_dir, port, work), pipe_env, port, "bench", args, work
+        )
         port = free_port()
-        rows["mlx_lm.server"] = measure_server("mlx_lm", mlx_lm_cmd(model_dir, port), peer_env, port, str(model_dir), args, work)
+        rows["mlx_lm.server"] = measure_server(
+            "mlx_lm", mlx_lm_cmd(model_dir, port), peer_env, port, str(model_dir), args, work
+        )
         print_table(label, rows)
     rate = in_process_decode(model_dir, args.tokens * 2, openblas_env)
     print(f"\nin-process mlx_lm.stream_generate decode (OpenBLAS): {rate:.1f} tok/s")
@@ -187,7 +249,10 @@ def print_table(label: str, rows: dict[str, dict[str, float]]) -> None:
     for name, row in rows.items():
         print(f"{name:<16}" + "".join(f"{row[c]:>10.3f}" for c in cols))
     p, m = rows["pipeserve"], rows["mlx_lm.server"]
-    print(f"{'ratio p/m':<16}" + "".join(f"{(p[c] / m[c] if m[c] else float('nan')):>10.2f}" for c in cols))
+    print(
+        f"{'ratio p/m':<16}"
+        + "".join(f"{(p[c] / m[c] if m[c] else float('nan')):>10.2f}" for c in cols)
+    )
     if "prefix_ratio" in p:
         print(f"pipeserve repeated long prompt TTFT / first TTFT: {p['prefix_ratio']:.2f}")
 

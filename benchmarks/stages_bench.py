@@ -25,31 +25,93 @@ from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, RequestContext
 ROOT = Path(__file__).resolve().parent.parent
 TRANSFORMS = ("thinking", "tool_calls", "stop_sequences")
 TOOLS = [
-    ToolSpec("get_weather", "", {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}}),
+    ToolSpec(
+        "get_weather",
+        "",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "metric": {"type": "boolean"},
+            },
+        },
+    ),
 ]
 STOP = ["<<NEVER>>", "\n\nUser:"]
-PROSE = ("The quick brown fox jumps over the lazy dog while the committee deliberates "
-         "about the weather in Zürich, 東京 and São Paulo; prices rose 3.5% overnight. ")
+PROSE = (
+    "The quick brown fox jumps over the lazy dog while the committee deliberates "
+    "about the weather in Zürich, 東京 and São Paulo; prices rose 3.5% overnight. "
+)
 ARGS = '{"city": "Paris", "days": "3", "metric": "true"}'
 
 # One block of raw model output per text format; repeated to the wanted length.
 BLOCKS = {
-    "qwen3": ["<think>", *PROSE, "</think>", *PROSE[:40], "<tool_call>",
-              *('\n{"name": "get_weather", "arguments": ' + ARGS + "}\n"), "</tool_call>", *PROSE[40:]],
-    "chatml": [*PROSE, "<tool_call>", *('\n{"name": "get_weather", "arguments": ' + ARGS + "}\n"),
-               "</tool_call>", *PROSE],
-    "glm": ["<think>", *PROSE, "</think>", *PROSE[:40], "<tool_call>", "get", "_weather", "<arg_key>", "city",
-            "</arg_key>", "<arg_value>", "Paris", "</arg_value>", "<arg_key>", "days", "</arg_key>",
-            "<arg_value>", "3", "</arg_value>", "</tool_call>", *PROSE[40:]],
-    "kimi": ["<think>", *PROSE, "</think>", *PROSE[:40], "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-             "functions", ".get", "_weather", ":0", "<|tool_call_argument_begin|>", *ARGS, "<|tool_call_end|>",
-             "<|tool_calls_section_end|>", *PROSE[40:]],
+    "qwen3": [
+        "<think>",
+        *PROSE,
+        "</think>",
+        *PROSE[:40],
+        "<tool_call>",
+        *('\n{"name": "get_weather", "arguments": ' + ARGS + "}\n"),
+        "</tool_call>",
+        *PROSE[40:],
+    ],
+    "chatml": [
+        *PROSE,
+        "<tool_call>",
+        *('\n{"name": "get_weather", "arguments": ' + ARGS + "}\n"),
+        "</tool_call>",
+        *PROSE,
+    ],
+    "glm": [
+        "<think>",
+        *PROSE,
+        "</think>",
+        *PROSE[:40],
+        "<tool_call>",
+        "get",
+        "_weather",
+        "<arg_key>",
+        "city",
+        "</arg_key>",
+        "<arg_value>",
+        "Paris",
+        "</arg_value>",
+        "<arg_key>",
+        "days",
+        "</arg_key>",
+        "<arg_value>",
+        "3",
+        "</arg_value>",
+        "</tool_call>",
+        *PROSE[40:],
+    ],
+    "kimi": [
+        "<think>",
+        *PROSE,
+        "</think>",
+        *PROSE[:40],
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions",
+        ".get",
+        "_weather",
+        ":0",
+        "<|tool_call_argument_begin|>",
+        *ARGS,
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        *PROSE[40:],
+    ],
 }
 HARMONY_BLOCK = (
     "<|channel|>analysis<|message|>" + PROSE + "<|end|>"
-    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + ARGS
-    + "<|call|><|start|>assistant<|channel|>final<|message|>" + PROSE + "<|end|><|start|>assistant"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    + ARGS
+    + "<|call|><|start|>assistant<|channel|>final<|message|>"
+    + PROSE
+    + "<|end|><|start|>assistant"
 )
 
 
@@ -97,7 +159,9 @@ def build(family: str) -> list[tuple[str, Any]]:
 
 
 def context() -> RequestContext:
-    request = GenerationRequest(model="bench", messages=[Message("user", "hi")], tools=TOOLS, stop=STOP)
+    request = GenerationRequest(
+        model="bench", messages=[Message("user", "hi")], tools=TOOLS, stop=STOP
+    )
     return RequestContext(request=request, request_id="bench", model_name="bench")
 
 
@@ -130,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     for module in ("thinking", "tool_calls", "stop_sequences"):
         __import__(f"pipeserve.stages.{module}")
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"{'pipeline':<9} {'tokens':>7}  " + "  ".join(f"{k:>14}" for k in TRANSFORMS) + "   total  (us/token)")
+    print(
+        f"{'pipeline':<9} {'tokens':>7}  "
+        + "  ".join(f"{k:>14}" for k in TRANSFORMS)
+        + "   total  (us/token)"
+    )
     for family in args.families.split(","):
         for n in sizes:
             r = bench(family, n, args.repeat)

@@ -27,13 +27,17 @@ def test_openblas_environment_loads_and_computes(tmp_path: Path) -> None:
     extra = blas.openblas_environment(tmp_path)
     assert extra is not None, "cmeel-openblas or mlx_cpu.libs missing"
     env = {**os.environ, **extra}
-    result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "openblas"
 
 
 def test_without_preload_reports_bundled_blas() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARKER)}
-    result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() in {"reference", "unknown"}

@@ -30,7 +30,9 @@ from pipeserve.server.routing import RequestIdMiddleware, RoutingErrors
 log = logging.getLogger("pipeserve.app")
 
 
-def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str | None = None) -> falcon.App:
+def create_app(
+    config: ServerConfig, models: Sequence[ServedModel], api_key: str | None = None
+) -> falcon.App:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading)."""
     app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
@@ -39,7 +41,11 @@ def create_app(config: ServerConfig, models: Sequence[ServedModel], api_key: str
     metrics = Metrics(table.stats)
     server = config.server
     options = HttpOptions(
-        server.max_body_bytes, server.request_timeout, server.keepalive_interval, api_key, server.body_read_timeout
+        server.max_body_bytes,
+        server.request_timeout,
+        server.keepalive_interval,
+        api_key,
+        server.body_read_timeout,
     )
     protocols = load_builtin_protocols()
     served: dict[str, WireProtocol] = {}
@@ -63,7 +69,11 @@ def middleware(server: ServerSection) -> list[object]:
     if origins:
         allow = "*" if "*" in origins else origins
         # Browser code may read these: the request id, and when to retry after a 429/529.
-        chain.append(falcon.CORSMiddleware(allow_origins=allow, expose_headers=["request-id", "x-request-id", "retry-after"]))
+        chain.append(
+            falcon.CORSMiddleware(
+                allow_origins=allow, expose_headers=["request-id", "x-request-id", "retry-after"]
+            )
+        )
     return chain
 
 
@@ -76,7 +86,10 @@ def add_endpoint(
     metrics: Metrics,
 ) -> None:
     allowed = set(endpoint.models) if endpoint.models else None
-    app.add_route(endpoint.route, GenerationResource(endpoint.route, protocol, table, allowed, options, metrics))
+    app.add_route(
+        endpoint.route,
+        GenerationResource(endpoint.route, protocol, table, allowed, options, metrics),
+    )
     if hasattr(protocol, "count_tokens_body"):
         route = endpoint.route + "/count_tokens"
         app.add_route(route, CountTokensResource(route, protocol, table, allowed, options))
@@ -86,4 +99,6 @@ def compact_json_handler() -> falcon.media.JSONHandler:
     import json
     from functools import partial
 
-    return falcon.media.JSONHandler(dumps=partial(json.dumps, ensure_ascii=False, separators=(",", ":")))
+    return falcon.media.JSONHandler(
+        dumps=partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+    )

@@ -60,7 +60,9 @@ def openblas_environment(home: Path) -> dict[str, str] | None:
     preload = " ".join(p for p in (str(openblas), os.environ.get("LD_PRELOAD", "")) if p)
     # mlx_cpu.libs too: the shipped libgfortran asks for libquadmath by its hashed name.
     shipped = site_packages() / "mlx_cpu.libs"
-    library_path = ":".join(p for p in (str(libs), str(shipped), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    library_path = ":".join(
+        p for p in (str(libs), str(shipped), os.environ.get("LD_LIBRARY_PATH", "")) if p
+    )
     return {"LD_PRELOAD": preload, "LD_LIBRARY_PATH": library_path, MARKER: "1"}
 
 
@@ -76,7 +78,9 @@ def probe(extra: dict[str, str]) -> bool:
     """Run a matmul in a child with the preload: the build may not suit this CPU (SIGILL)."""
     env = {**os.environ, **extra}
     try:
-        result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return result.returncode == 0 and result.stdout.strip() == "openblas"

@@ -41,13 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeserve", description="An LLM server declared in YAML.")
+    parser = argparse.ArgumentParser(
+        prog="pipeserve", description="An LLM server declared in YAML."
+    )
     parser.add_argument("--version", action="version", version=f"pipeserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     validate = commands.add_parser("validate", help="check server configs and pipeline YAML")
     validate.add_argument(
-        "paths", nargs="*", metavar="PATH",
+        "paths",
+        nargs="*",
+        metavar="PATH",
         help="files or folders (default: configs/*.yaml and pipelines/*.yaml here)",
     )
     validate.set_defaults(handler=cmd_validate)
@@ -57,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(handler=cmd_schema)
 
     serve = commands.add_parser("serve", help="serve the models of a server config")
-    serve.add_argument("--config", type=Path, help="server config (default: $PIPESERVE_CONFIG or configs/default.yaml)")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        help="server config (default: $PIPESERVE_CONFIG or configs/default.yaml)",
+    )
     serve.add_argument("--host", help="bind address (default: the config's server.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: the config's server.port)")
     serve.add_argument("--workers", type=int, help="gunicorn worker processes")
@@ -65,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo-models", help="build the tiny offline demo models")
     demo.add_argument("--out", type=Path, help="output folder (default: the pipeserve cache)")
-    demo.add_argument("--family", action="append", dest="families", metavar="F", help="only this family (repeatable)")
+    demo.add_argument(
+        "--family",
+        action="append",
+        dest="families",
+        metavar="F",
+        help="only this family (repeatable)",
+    )
     demo.set_defaults(handler=cmd_demo_models)
     return parser
 
@@ -94,7 +108,9 @@ def collect_files(paths: Sequence[str]) -> list[Path]:
     if not paths:
         files = [f for folder in DEFAULT_FOLDERS for f in _yaml_in(Path(folder))]
         if not files:
-            raise UsageError("nothing to validate: no configs/*.yaml or pipelines/*.yaml here (pass PATHs)")
+            raise UsageError(
+                "nothing to validate: no configs/*.yaml or pipelines/*.yaml here (pass PATHs)"
+            )
         return files
     files: list[Path] = []
     for text in paths:

@@ -29,8 +29,16 @@ def build_app_from_config(path: Path | str, api_key: str | None = None) -> falco
         runtime = build_runtime(entry)
         env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
         chain = build_chain(stage_decls(pipeline), env)
-        served.append(ServedModel(entry=entry, family=pipeline.family, runtime=runtime, chain=chain))
-        log.info("model %s ready: %s via %s engine, pipeline %s", entry.name, entry.source, entry.engine, entry.pipeline)
+        served.append(
+            ServedModel(entry=entry, family=pipeline.family, runtime=runtime, chain=chain)
+        )
+        log.info(
+            "model %s ready: %s via %s engine, pipeline %s",
+            entry.name,
+            entry.source,
+            entry.engine,
+            entry.pipeline,
+        )
     return create_app(loaded.config, served, api_key=api_key)
 
 

@@ -44,7 +44,9 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         return build_app_from_config(self.config_path, api_key=self.api_key)
 
 
-def gunicorn_options(config: Any, host: str, port: int, workers: int, log_level: str) -> dict[str, Any]:
+def gunicorn_options(
+    config: Any, host: str, port: int, workers: int, log_level: str
+) -> dict[str, Any]:
     server = config.server
     return {
         "bind": f"{host}:{port}",
@@ -91,14 +93,18 @@ def serve(
     config = loaded.config
     home = settings.home or default_home()
     not_used = blas.reexec_with_openblas(settings.blas, home)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     log.info("BLAS: %s", describe_blas(not_used))
     if not fetch_sources(config):
         return 1
     options = gunicorn_options(
         config,
         host or settings.host or config.server.host,
-        port if port is not None else (settings.port if settings.port is not None else config.server.port),
+        port
+        if port is not None
+        else (settings.port if settings.port is not None else config.server.port),
         workers or settings.workers or config.server.workers,
         settings.log_level,
     )
@@ -116,12 +122,17 @@ def fetch_sources(config: Any) -> bool:
     """
     from pipeserve.engine.loader import resolve_source
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+    with ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn")
+    ) as child:
         for entry in config.models:
             try:
                 path = child.submit(resolve_source, entry.source).result()
             except Exception as exc:  # report every kind of failure plainly, then refuse to start
-                print(f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}", file=sys.stderr)
+                print(
+                    f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}",
+                    file=sys.stderr,
+                )
                 return False
             log.info("model %s: source %s is at %s", entry.name, entry.source, path)
     return True

@@ -17,9 +17,17 @@ class Settings(BaseSettings):
 
     config: Path = Field(Path("configs/default.yaml"), description="Server config YAML.")
     host: str | None = Field(None, description="Overrides server.host of the config.")
-    port: int | None = Field(None, ge=0, le=65535, description="Overrides server.port (0: any free port).")
+    port: int | None = Field(
+        None, ge=0, le=65535, description="Overrides server.port (0: any free port)."
+    )
     workers: int | None = Field(None, ge=1, description="Overrides server.workers.")
-    home: Path | None = Field(None, description="Cache folder for demo models (default ~/.cache/pipeserve).")
-    blas: str = Field("auto", description="auto: OpenBLAS on Linux when available; off: the bundled BLAS.")
+    home: Path | None = Field(
+        None, description="Cache folder for demo models (default ~/.cache/pipeserve)."
+    )
+    blas: str = Field(
+        "auto", description="auto: OpenBLAS on Linux when available; off: the bundled BLAS."
+    )
     log_level: str = Field("info")
-    api_key: str | None = Field(None, description="When set, requests must carry it (Bearer or x-api-key).")
+    api_key: str | None = Field(
+        None, description="When set, requests must carry it (Bearer or x-api-key)."
+    )

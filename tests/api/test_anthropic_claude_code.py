@@ -38,13 +38,31 @@ from pipeserve.stages.base import RequestContext
 PROTOCOL = AnthropicMessages()
 META = RequestMeta(
     route="/v1/messages",
-    headers={"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"},
+    headers={
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+    },
     query={"beta": "true"},
 )
 CACHE = {"type": "ephemeral"}
 TOOL_NAMES = [
-    "Task", "Bash", "Glob", "Grep", "ExitPlanMode", "Read", "Edit", "Write", "NotebookEdit", "WebFetch",
-    "TodoWrite", "WebSearch", "BashOutput", "KillShell", "Skill", "SlashCommand", "AskUserQuestion",
+    "Task",
+    "Bash",
+    "Glob",
+    "Grep",
+    "ExitPlanMode",
+    "Read",
+    "Edit",
+    "Write",
+    "NotebookEdit",
+    "WebFetch",
+    "TodoWrite",
+    "WebSearch",
+    "BashOutput",
+    "KillShell",
+    "Skill",
+    "SlashCommand",
+    "AskUserQuestion",
 ]
 PROSE = (
     "Use this tool when you need to act on the user's codebase. Always prefer specialised tools over shell "
@@ -57,8 +75,14 @@ def tool(name: str) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "command": {"type": "string", "description": "The command to execute"},
-            "timeout": {"type": "number", "description": "Optional timeout in milliseconds (max 600000)"},
-            "description": {"type": "string", "description": "Clear, concise description of what this does"},
+            "timeout": {
+                "type": "number",
+                "description": "Optional timeout in milliseconds (max 600000)",
+            },
+            "description": {
+                "type": "string",
+                "description": "Clear, concise description of what this does",
+            },
         },
         "required": ["command"],
         "additionalProperties": False,
@@ -71,19 +95,37 @@ def claude_code_body() -> dict[str, Any]:
     return {
         "model": "demo",
         "messages": [
-            {"role": "system", "content": "The user's working directory is /work/project. Today is 2026-11-02."},
+            {
+                "role": "system",
+                "content": "The user's working directory is /work/project. Today is 2026-11-02.",
+            },
             {
                 "role": "user",
                 "content": [
-                    {"type": "text", "text": "<system-reminder>\nAs you answer, use this context: CLAUDE.md says run tests with pytest.\n</system-reminder>"},
+                    {
+                        "type": "text",
+                        "text": "<system-reminder>\nAs you answer, use this context: CLAUDE.md says run tests with pytest.\n</system-reminder>",
+                    },
                     {"type": "text", "text": "say hi in one line", "cache_control": CACHE},
                 ],
             },
         ],
         "system": [
-            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli"},
-            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.", "cache_control": CACHE},
-            {"type": "text", "text": "You are an interactive CLI tool that helps users with software engineering tasks. " * 120, "cache_control": CACHE},
+            {
+                "type": "text",
+                "text": "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli",
+            },
+            {
+                "type": "text",
+                "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+                "cache_control": CACHE,
+            },
+            {
+                "type": "text",
+                "text": "You are an interactive CLI tool that helps users with software engineering tasks. "
+                * 120,
+                "cache_control": CACHE,
+            },
         ],
         "tools": [tool(name) for name in TOOL_NAMES],
         "metadata": {"user_id": "user_0f3a_account_9c1e_session_5d2b7e"},
@@ -102,11 +144,17 @@ def test_recorded_body_decodes() -> None:
     assert req.stream and req.max_tokens == 32000 and req.model == "demo"
     assert [m.role for m in req.messages] == ["system", "user"]
     system = req.messages[0].content
-    assert system.startswith("x-anthropic-billing-header") and system.endswith("Today is 2026-11-02.")
+    assert system.startswith("x-anthropic-billing-header") and system.endswith(
+        "Today is 2026-11-02."
+    )
     assert req.messages[1].content.endswith("</system-reminder>\nsay hi in one line")
     assert [t.name for t in req.tools] == TOOL_NAMES
     assert req.tools[1].parameters["required"] == ["command"]
-    assert (req.reasoning.enabled, req.reasoning.effort, req.reasoning.budget_tokens) == (True, "medium", None)
+    assert (req.reasoning.enabled, req.reasoning.effort, req.reasoning.budget_tokens) == (
+        True,
+        "medium",
+        None,
+    )
 
 
 def test_count_tokens_accepts_the_same_body() -> None:
@@ -119,10 +167,16 @@ def test_count_tokens_accepts_the_same_body() -> None:
 
 def test_beta_stream_accumulates_our_answer() -> None:
     script = [
-        KeepAlive(), PromptReady(18_000, 16_384), ReasoningDelta("The user wants a greeting."),
-        ContentDelta("Hi"), ContentDelta("!"), ToolCallStart(0, "call_7", "TodoWrite"),
-        ToolCallArgsDelta(0, '{"command": '), ToolCallEnd(0, '{"command": "echo hi"}'),
-        Finish("tool_calls"), Usage(18_000, 25, 16_384, reasoning_tokens=6),
+        KeepAlive(),
+        PromptReady(18_000, 16_384),
+        ReasoningDelta("The user wants a greeting."),
+        ContentDelta("Hi"),
+        ContentDelta("!"),
+        ToolCallStart(0, "call_7", "TodoWrite"),
+        ToolCallArgsDelta(0, '{"command": '),
+        ToolCallEnd(0, '{"command": "echo hi"}'),
+        Finish("tool_calls"),
+        Usage(18_000, 25, 16_384, reasoning_tokens=6),
     ]
     seen: list[httpx.Request] = []
 
@@ -133,26 +187,44 @@ def test_beta_stream_accumulates_our_answer() -> None:
         stream = PROTOCOL.encode_stream(iter(script), ctx)
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
 
-    sdk = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    sdk = anthropic.Anthropic(
+        api_key="k",
+        base_url="http://test",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
     body = claude_code_body()
     del body["stream"]
-    betas = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27"]
+    betas = [
+        "claude-code-20250219",
+        "interleaved-thinking-2025-05-14",
+        "context-management-2025-06-27",
+    ]
     with sdk.beta.messages.stream(**body, betas=betas, extra_query={"beta": "true"}) as stream:
         final = stream.get_final_message()
-    assert seen[0].url.params.get("beta") == "true" and "interleaved" in seen[0].headers["anthropic-beta"]
+    assert (
+        seen[0].url.params.get("beta") == "true"
+        and "interleaved" in seen[0].headers["anthropic-beta"]
+    )
     assert [block.type for block in final.content] == ["thinking", "text", "tool_use"]
     assert final.content[1].text == "Hi!"  # type: ignore[union-attr]
     assert final.content[2].input == {"command": "echo hi"}  # type: ignore[union-attr]
     assert final.stop_reason == "tool_use"
     usage = final.usage
-    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (18_000 - 16_384, 16_384, 25)
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (
+        18_000 - 16_384,
+        16_384,
+        25,
+    )
 
 
 # -- through the real app (in-process WSGI, replay engine, real qwen3 pipeline) ---------
 
 REPO = Path(__file__).resolve().parents[2]
 REPLAY = "<think>\nA greeting.\n</think>\n\nHi!"
-TOOL_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", "timeout": "5"}}\n</tool_call>'
+TOOL_CALL = (
+    '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", "timeout": "5"}}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -175,34 +247,58 @@ def app_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Clien
 
 
 def test_app_streams_claude_code_request(app_client: httpx.Client) -> None:
-    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": META.headers["anthropic-beta"], "x-api-key": "k"}
+    headers = {
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": META.headers["anthropic-beta"],
+        "x-api-key": "k",
+    }
     response = app_client.post("/v1/messages?beta=true", json=claude_code_body(), headers=headers)
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert response.status_code == 200 and response.headers["content-type"].startswith(
+        "text/event-stream"
+    )
     events = [(sse.event, sse.json()) for sse in SSEDecoder().iter_bytes(iter([response.content]))]
     names = [name for name, _ in events if name != "ping"]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert all(name == data["type"] for name, data in events)
     input_tokens = events[0][1]["message"]["usage"]["input_tokens"]
     assert input_tokens > 10_000  # the ~75 KB prompt, really rendered and counted
-    counted = app_client.post("/v1/messages/count_tokens?beta=true", json=claude_code_body(), headers=headers)
+    counted = app_client.post(
+        "/v1/messages/count_tokens?beta=true", json=claude_code_body(), headers=headers
+    )
     assert counted.status_code == 200 and counted.json() == {"input_tokens": input_tokens}
-    blocks = [data["content_block"]["type"] for name, data in events if name == "content_block_start"]
+    blocks = [
+        data["content_block"]["type"] for name, data in events if name == "content_block_start"
+    ]
     assert blocks == ["thinking", "text"]
 
 
 def test_app_sdk_tool_round_trip_on_a_route_from_yaml(app_client: httpx.Client) -> None:
-    sdk = anthropic.Anthropic(api_key="k", base_url="http://test/anthropic", max_retries=0, http_client=app_client)
+    sdk = anthropic.Anthropic(
+        api_key="k", base_url="http://test/anthropic", max_retries=0, http_client=app_client
+    )
     tools = [tool("Bash")]
     ask = [{"role": "user", "content": "list files"}]
-    with sdk.messages.stream(model="demo", max_tokens=200, messages=ask, tools=tools, extra_body={"mock_response": TOOL_CALL}) as stream:
+    with sdk.messages.stream(
+        model="demo",
+        max_tokens=200,
+        messages=ask,
+        tools=tools,
+        extra_body={"mock_response": TOOL_CALL},
+    ) as stream:
         first = stream.get_final_message()
     use = first.content[-1]
     assert first.stop_reason == "tool_use" and use.type == "tool_use"
-    assert use.name == "Bash" and use.input == {"command": "ls", "timeout": 5}  # coerced to the schema
+    assert use.name == "Bash" and use.input == {
+        "command": "ls",
+        "timeout": 5,
+    }  # coerced to the schema
     history = [
         *ask,
         {"role": "assistant", "content": first.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.txt"}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "a.txt"}],
+        },
     ]
     second = sdk.messages.create(model="demo", max_tokens=64, messages=history, tools=tools)  # type: ignore[arg-type]
     assert [block.type for block in second.content] == ["thinking", "text"]
@@ -212,15 +308,30 @@ def test_app_sdk_tool_round_trip_on_a_route_from_yaml(app_client: httpx.Client) 
 @pytest.mark.parametrize(
     ("body", "status", "error_type"),
     [
-        ({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error"),
-        ({"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error"),
         (
-            {"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            400, "invalid_request_error",
+            {"model": "demo", "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "not_found_error",
+        ),
+        (
+            {
+                "model": "demo",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+            },
+            400,
+            "invalid_request_error",
         ),
     ],
 )
-def test_app_errors_in_anthropic_shape(app_client: httpx.Client, body: dict[str, Any], status: int, error_type: str) -> None:
+def test_app_errors_in_anthropic_shape(
+    app_client: httpx.Client, body: dict[str, Any], status: int, error_type: str
+) -> None:
     response = app_client.post("/v1/messages", json=body)
     assert response.status_code == status
     assert response.json()["type"] == "error" and response.json()["error"]["type"] == error_type

@@ -38,15 +38,38 @@ PROTOCOL = AnthropicMessages()
 WEATHER = {
     "name": "get_weather",
     "description": "Weather for a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
 }
 HELLO = [{"role": "user", "content": "Say hello"}]
-TEXT = [KeepAlive(), PromptReady(9), ContentDelta("Hello"), ContentDelta(" there!"), Finish("stop"), Usage(9, 3)]
-THINK = [PromptReady(9), ReasoningDelta("Let me "), ReasoningDelta("think."), ContentDelta("Hi!"), Finish("stop"), Usage(9, 6)]
+TEXT = [
+    KeepAlive(),
+    PromptReady(9),
+    ContentDelta("Hello"),
+    ContentDelta(" there!"),
+    Finish("stop"),
+    Usage(9, 3),
+]
+THINK = [
+    PromptReady(9),
+    ReasoningDelta("Let me "),
+    ReasoningDelta("think."),
+    ContentDelta("Hi!"),
+    Finish("stop"),
+    Usage(9, 6),
+]
 TOOL = [
-    PromptReady(20), ReasoningDelta("Need weather."), ToolCallStart(0, "call_1", "get_weather"),
-    ToolCallArgsDelta(0, '{"city": "Pa'), ToolCallArgsDelta(0, 'ris"}'), ToolCallEnd(0, '{"city": "Paris"}'),
-    Finish("tool_calls"), Usage(20, 12),
+    PromptReady(20),
+    ReasoningDelta("Need weather."),
+    ToolCallStart(0, "call_1", "get_weather"),
+    ToolCallArgsDelta(0, '{"city": "Pa'),
+    ToolCallArgsDelta(0, 'ris"}'),
+    ToolCallEnd(0, '{"city": "Paris"}'),
+    Finish("tool_calls"),
+    Usage(20, 12),
 ]
 
 
@@ -61,7 +84,9 @@ class Scripted:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.bodies.append(body)
-        meta = RequestMeta(route=request.url.path, headers=dict(request.headers), query=dict(request.url.params))
+        meta = RequestMeta(
+            route=request.url.path, headers=dict(request.headers), query=dict(request.url.params)
+        )
         try:
             if request.url.path.endswith("/count_tokens"):
                 self.requests.append(PROTOCOL.count_tokens_body(body, meta))
@@ -71,7 +96,9 @@ class Scripted:
             ctx = RequestContext(request=gen, request_id="req_test", model_name=gen.model)
             if gen.stream:
                 stream = PROTOCOL.encode_stream(iter(self.script), ctx)
-                return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+                return httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, content=stream
+                )
             return httpx.Response(200, json=PROTOCOL.encode_json(iter(self.script), ctx))
         except ApiError as err:
             return httpx.Response(PROTOCOL.error_status(err), json=PROTOCOL.error_body(err))
@@ -79,7 +106,12 @@ class Scripted:
 
 def client(handler: Scripted) -> anthropic.Anthropic:
     transport = httpx.MockTransport(handler)
-    return anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0, http_client=httpx.Client(transport=transport))
+    return anthropic.Anthropic(
+        api_key="k",
+        base_url="http://test",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport),
+    )
 
 
 @pytest.mark.parametrize("script", [TEXT, THINK, TOOL], ids=["text", "thinking", "tool"])
@@ -87,7 +119,9 @@ def test_stream_final_message_equals_create(script: list[Event]) -> None:
     handler = Scripted(script)
     sdk = client(handler)
     created = sdk.messages.create(model="demo", max_tokens=64, messages=HELLO, tools=[WEATHER])
-    with sdk.messages.stream(model="demo", max_tokens=64, messages=HELLO, tools=[WEATHER]) as stream:
+    with sdk.messages.stream(
+        model="demo", max_tokens=64, messages=HELLO, tools=[WEATHER]
+    ) as stream:
         events = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.model_dump() == created.model_dump()
@@ -106,7 +140,12 @@ def test_text_stream_and_usage() -> None:
 
 def test_thinking_events_and_signature() -> None:
     sdk = client(Scripted(THINK))
-    with sdk.messages.stream(model="demo", max_tokens=4096, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+    with sdk.messages.stream(
+        model="demo",
+        max_tokens=4096,
+        messages=HELLO,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert "thinking" in kinds and "signature" in kinds
@@ -117,43 +156,81 @@ def test_thinking_events_and_signature() -> None:
 def test_tool_round_trip_through_the_sdk() -> None:
     handler = Scripted(TOOL)
     sdk = client(handler)
-    first = sdk.messages.create(model="demo", max_tokens=256, messages=HELLO, tools=[WEATHER], tool_choice={"type": "any"})
+    first = sdk.messages.create(
+        model="demo", max_tokens=256, messages=HELLO, tools=[WEATHER], tool_choice={"type": "any"}
+    )
     use = first.content[1]
     assert first.stop_reason == "tool_use" and use.type == "tool_use"
     assert use.id.startswith("toolu_") and use.input == {"city": "Paris"}
     history = [
         *HELLO,
         {"role": "assistant", "content": first.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+        },
     ]
     handler.script = TEXT
     second = sdk.messages.create(model="demo", max_tokens=64, messages=history, tools=[WEATHER])  # type: ignore[arg-type]
     assert second.content[0].text == "Hello there!"  # type: ignore[union-attr]
     replayed = handler.requests[1].messages
-    assert replayed[1] == Message("assistant", "", reasoning="Need weather.", tool_calls=[ToolCall(use.id, "get_weather", '{"city": "Paris"}')])
+    assert replayed[1] == Message(
+        "assistant",
+        "",
+        reasoning="Need weather.",
+        tool_calls=[ToolCall(use.id, "get_weather", '{"city": "Paris"}')],
+    )
     assert replayed[2] == Message("tool", "sunny", tool_call_id=use.id, name="get_weather")
 
 
 def test_error_mid_stream_raises_in_the_sdk() -> None:
-    sdk = client(Scripted([PromptReady(3), ContentDelta("par"), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 1)]))
+    sdk = client(
+        Scripted(
+            [
+                PromptReady(3),
+                ContentDelta("par"),
+                ErrorEvent("internal", "engine fault"),
+                Finish("error"),
+                Usage(3, 1),
+            ]
+        )
+    )
     with pytest.raises(anthropic.APIStatusError) as exc:
         with sdk.messages.stream(model="demo", max_tokens=64, messages=HELLO) as stream:
             stream.get_final_message()
-    assert exc.value.body == {"type": "error", "error": {"type": "api_error", "message": "engine fault"}}
+    assert exc.value.body == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "engine fault"},
+    }
 
 
 def test_bad_request_is_a_400_with_anthropic_shape() -> None:
     sdk = client(Scripted(TEXT))
     with pytest.raises(anthropic.BadRequestError) as exc:
         # this SDK version no longer has a temperature argument; older clients still send it
-        sdk.messages.create(model="demo", max_tokens=64, messages=HELLO, extra_body={"temperature": 3.0})
-    assert exc.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": "temperature: Input should be less than or equal to 1"}}
+        sdk.messages.create(
+            model="demo", max_tokens=64, messages=HELLO, extra_body={"temperature": 3.0}
+        )
+    assert exc.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "temperature: Input should be less than or equal to 1",
+        },
+    }
 
 
 def test_overloaded_is_529() -> None:
     error = ApiError("overloaded", "queue is full")
-    handler = httpx.MockTransport(lambda _: httpx.Response(PROTOCOL.error_status(error), json=PROTOCOL.error_body(error)))
-    sdk = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0, http_client=httpx.Client(transport=handler))
+    handler = httpx.MockTransport(
+        lambda _: httpx.Response(PROTOCOL.error_status(error), json=PROTOCOL.error_body(error))
+    )
+    sdk = anthropic.Anthropic(
+        api_key="k",
+        base_url="http://test",
+        max_retries=0,
+        http_client=httpx.Client(transport=handler),
+    )
     with pytest.raises(anthropic.OverloadedError) as exc:
         sdk.messages.create(model="demo", max_tokens=64, messages=HELLO)
     assert exc.value.status_code == 529 and exc.value.type == "overloaded_error"  # type: ignore[attr-defined]
@@ -161,7 +238,12 @@ def test_overloaded_is_529() -> None:
 
 def test_count_tokens() -> None:
     handler = Scripted(TEXT)
-    result = client(handler).messages.count_tokens(model="demo", messages=HELLO, system="Be brief.", tools=[WEATHER])
+    result = client(handler).messages.count_tokens(
+        model="demo", messages=HELLO, system="Be brief.", tools=[WEATHER]
+    )
     assert result.input_tokens == 42
-    assert handler.requests[0].messages == [Message("system", "Be brief."), Message("user", "Say hello")]
+    assert handler.requests[0].messages == [
+        Message("system", "Be brief."),
+        Message("user", "Say hello"),
+    ]
     assert [tool.name for tool in handler.requests[0].tools] == ["get_weather"]

@@ -38,7 +38,9 @@ PROTOCOL = AnthropicMessages()
 
 def make_ctx(request_id: str = "req_abc123") -> RequestContext:
     request = GenerationRequest(model="demo", messages=[Message("user", "hi")])
-    return RequestContext(request=request, request_id=request_id, model_name="demo-model", prompt_token_ids=[1] * 12)
+    return RequestContext(
+        request=request, request_id=request_id, model_name="demo-model", prompt_token_ids=[1] * 12
+    )
 
 
 def sse(events: Sequence[Event]) -> list[tuple[str | None, dict[str, Any]]]:
@@ -86,28 +88,55 @@ def encode_both(events: Sequence[Event]) -> dict[str, Any]:
     return body
 
 
-TEXT = [PromptReady(12, 4), ContentDelta("Hel"), ContentDelta(""), ContentDelta("lo"), Finish("stop"), Usage(12, 3, 4)]
+TEXT = [
+    PromptReady(12, 4),
+    ContentDelta("Hel"),
+    ContentDelta(""),
+    ContentDelta("lo"),
+    Finish("stop"),
+    Usage(12, 3, 4),
+]
 THINK = [
-    KeepAlive(), PromptReady(12), KeepAlive(), ReasoningDelta("Let me "), ReasoningDelta("think."), ContentDelta("Hi!"),
-    Finish("stop"), Usage(12, 5, 0, reasoning_tokens=3),
+    KeepAlive(),
+    PromptReady(12),
+    KeepAlive(),
+    ReasoningDelta("Let me "),
+    ReasoningDelta("think."),
+    ContentDelta("Hi!"),
+    Finish("stop"),
+    Usage(12, 5, 0, reasoning_tokens=3),
 ]
 TOOLS = [
-    PromptReady(30), ContentDelta("Checking."),
-    ToolCallStart(0, "call_abc", "get_weather"), ToolCallArgsDelta(0, '{"city": '), ToolCallArgsDelta(0, '"Paris"'),
+    PromptReady(30),
+    ContentDelta("Checking."),
+    ToolCallStart(0, "call_abc", "get_weather"),
+    ToolCallArgsDelta(0, '{"city": '),
+    ToolCallArgsDelta(0, '"Paris"'),
     ToolCallEnd(0, '{"city": "Paris"}'),
-    ToolCallStart(1, "call_def", "get_weather"), ToolCallEnd(1, '{"city": "Nice", "days": 3}'),
-    Finish("tool_calls"), Usage(30, 20),
+    ToolCallStart(1, "call_def", "get_weather"),
+    ToolCallEnd(1, '{"city": "Nice", "days": 3}'),
+    Finish("tool_calls"),
+    Usage(30, 20),
 ]
 
 
 def test_text_message() -> None:
     body = encode_both(TEXT)
     assert body == {
-        "id": "msg_req_abc123", "type": "message", "role": "assistant", "model": "demo-model",
-        "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": None,
+        "id": "msg_req_abc123",
+        "type": "message",
+        "role": "assistant",
+        "model": "demo-model",
+        "content": [{"type": "text", "text": "Hello"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
         "usage": {
-            "input_tokens": 8, "output_tokens": 3, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4,
-            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}, "service_tier": "standard",
+            "input_tokens": 8,
+            "output_tokens": 3,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 4,
+            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+            "service_tier": "standard",
         },
     }
 
@@ -119,7 +148,9 @@ def test_thinking_then_text_has_signature() -> None:
     assert thinking["signature"].startswith("pssig1_") and len(thinking["signature"]) > 20
     assert text == {"type": "text", "text": "Hi!"}
     assert body["usage"]["output_tokens_details"] == {"thinking_tokens": 3}
-    other = PROTOCOL.encode_json(iter([PromptReady(1), ReasoningDelta("Other."), Finish("stop"), Usage(1, 1)]), make_ctx())
+    other = PROTOCOL.encode_json(
+        iter([PromptReady(1), ReasoningDelta("Other."), Finish("stop"), Usage(1, 1)]), make_ctx()
+    )
     assert other["content"][0]["signature"] != thinking["signature"]
 
 
@@ -128,7 +159,12 @@ def test_tool_calls() -> None:
     assert body["content"] == [
         {"type": "text", "text": "Checking."},
         {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}},
-        {"type": "tool_use", "id": "toolu_def", "name": "get_weather", "input": {"city": "Nice", "days": 3}},
+        {
+            "type": "tool_use",
+            "id": "toolu_def",
+            "name": "get_weather",
+            "input": {"city": "Nice", "days": 3},
+        },
     ]
     assert body["stop_reason"] == "tool_use"
 
@@ -139,16 +175,26 @@ def test_tool_input_is_sent_once_validated() -> None:
     frames = sse(TOOLS)
     deltas = [d["delta"] for name, d in frames if name == "content_block_delta"]
     assert [d.get("partial_json") for d in deltas if d["type"] == "input_json_delta"] == [
-        '{"city": "Paris"}', '{"city": "Nice", "days": 3}',
+        '{"city": "Paris"}',
+        '{"city": "Nice", "days": 3}',
     ]
     starts = [d["content_block"] for name, d in frames if name == "content_block_start"]
     assert starts[1] == {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {}}
 
 
 def test_long_held_call_keeps_the_stream_alive() -> None:
-    fragments = [ToolCallArgsDelta(0, '{"text": "') ] + [ToolCallArgsDelta(0, "x") for _ in range(200)]
-    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), *fragments, ToolCallArgsDelta(0, '"}'),
-              ToolCallEnd(0, '{"text": "' + "x" * 200 + '"}'), Finish("tool_calls"), Usage(5, 9)]
+    fragments = [ToolCallArgsDelta(0, '{"text": "')] + [
+        ToolCallArgsDelta(0, "x") for _ in range(200)
+    ]
+    events = [
+        PromptReady(5),
+        ToolCallStart(0, "call_x", "f"),
+        *fragments,
+        ToolCallArgsDelta(0, '"}'),
+        ToolCallEnd(0, '{"text": "' + "x" * 200 + '"}'),
+        Finish("tool_calls"),
+        Usage(5, 9),
+    ]
     frames = sse(events)
     assert sum(name == "ping" for name, _ in frames) >= 2
     assert encode_both(events)["content"][0]["input"] == {"text": "x" * 200}
@@ -156,19 +202,32 @@ def test_long_held_call_keeps_the_stream_alive() -> None:
 
 def test_text_after_tool_call_and_remaining_arguments() -> None:
     events = [
-        PromptReady(5), ToolCallStart(0, "toolu_x", "f"), ToolCallArgsDelta(0, '{"a"'), ToolCallEnd(0, '{"a": 1}'),
-        ContentDelta("done"), Finish("tool_calls"), Usage(5, 9),
+        PromptReady(5),
+        ToolCallStart(0, "toolu_x", "f"),
+        ToolCallArgsDelta(0, '{"a"'),
+        ToolCallEnd(0, '{"a": 1}'),
+        ContentDelta("done"),
+        Finish("tool_calls"),
+        Usage(5, 9),
     ]
     body = encode_both(events)
-    assert body["content"] == [{"type": "tool_use", "id": "toolu_x", "name": "f", "input": {"a": 1}}, {"type": "text", "text": "done"}]
+    assert body["content"] == [
+        {"type": "tool_use", "id": "toolu_x", "name": "f", "input": {"a": 1}},
+        {"type": "text", "text": "done"},
+    ]
 
 
 def test_call_cut_at_max_tokens_is_text_not_a_tool_use() -> None:
     """A cut call never becomes a tool_use block whose input the SDK would repair into a
     plausible but wrong object ({"city": "Pa"}); its text is kept and stop_reason says why."""
     events = [
-        PromptReady(5), ContentDelta("Sure."), ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"city": "Pa'),
-        ToolCallEnd(0, '{"city": "Pa'), Finish("length"), Usage(5, 4),
+        PromptReady(5),
+        ContentDelta("Sure."),
+        ToolCallStart(0, "call_x", "f"),
+        ToolCallArgsDelta(0, '{"city": "Pa'),
+        ToolCallEnd(0, '{"city": "Pa'),
+        Finish("length"),
+        Usage(5, 4),
     ]
     body = encode_both(events)
     assert body["content"] == [{"type": "text", "text": 'Sure.{"city": "Pa'}]
@@ -176,26 +235,45 @@ def test_call_cut_at_max_tokens_is_text_not_a_tool_use() -> None:
 
 
 def test_malformed_call_is_text_and_ends_the_turn() -> None:
-    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"a" 1'),
-              ToolCallEnd(0, '{"a" 1'), Finish("stop"), Usage(5, 4)]
+    events = [
+        PromptReady(5),
+        ToolCallStart(0, "call_x", "f"),
+        ToolCallArgsDelta(0, '{"a" 1'),
+        ToolCallEnd(0, '{"a" 1'),
+        Finish("stop"),
+        Usage(5, 4),
+    ]
     body = encode_both(events)
     assert body["content"] == [{"type": "text", "text": '{"a" 1'}]
     assert body["stop_reason"] == "end_turn"
 
 
 def test_valid_call_after_a_malformed_one() -> None:
-    events = [PromptReady(5), ToolCallStart(0, "call_x", "f"), ToolCallEnd(0, "city=Paris"),
-              ToolCallStart(1, "call_y", "f"), ToolCallArgsDelta(1, '{"a": 1}'), ToolCallEnd(1, '{"a": 1}'),
-              Finish("tool_calls"), Usage(5, 4)]
+    events = [
+        PromptReady(5),
+        ToolCallStart(0, "call_x", "f"),
+        ToolCallEnd(0, "city=Paris"),
+        ToolCallStart(1, "call_y", "f"),
+        ToolCallArgsDelta(1, '{"a": 1}'),
+        ToolCallEnd(1, '{"a": 1}'),
+        Finish("tool_calls"),
+        Usage(5, 4),
+    ]
     body = encode_both(events)
-    assert body["content"] == [{"type": "text", "text": "city=Paris"},
-                               {"type": "tool_use", "id": "toolu_y", "name": "f", "input": {"a": 1}}]
+    assert body["content"] == [
+        {"type": "text", "text": "city=Paris"},
+        {"type": "tool_use", "id": "toolu_y", "name": "f", "input": {"a": 1}},
+    ]
     assert body["stop_reason"] == "tool_use"
 
 
 @pytest.mark.parametrize(
     ("finish", "stop_reason", "stop_sequence"),
-    [(Finish("length"), "max_tokens", None), (Finish("stop", stop_sequence="END"), "stop_sequence", "END"), (Finish("stop"), "end_turn", None)],
+    [
+        (Finish("length"), "max_tokens", None),
+        (Finish("stop", stop_sequence="END"), "stop_sequence", "END"),
+        (Finish("stop"), "end_turn", None),
+    ],
 )
 def test_stop_reasons(finish: Finish, stop_reason: str, stop_sequence: str | None) -> None:
     body = encode_both([PromptReady(3), ContentDelta("x"), finish, Usage(3, 1)])
@@ -208,11 +286,24 @@ def test_empty_output_has_no_empty_blocks() -> None:
 
 
 def test_message_start_waits_for_prompt_ready_and_carries_input_tokens() -> None:
-    frames = sse([KeepAlive(), KeepAlive(), PromptReady(40, 32), ContentDelta("a"), Finish("stop"), Usage(40, 1, 32)])
+    frames = sse(
+        [
+            KeepAlive(),
+            KeepAlive(),
+            PromptReady(40, 32),
+            ContentDelta("a"),
+            Finish("stop"),
+            Usage(40, 1, 32),
+        ]
+    )
     assert [name for name, _ in frames[:3]] == ["ping", "ping", "message_start"]
     assert frames[0][1] == {"type": "ping"}
     usage = frames[2][1]["message"]["usage"]
-    assert (usage["input_tokens"], usage["cache_read_input_tokens"], usage["output_tokens"]) == (8, 32, 0)
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"], usage["output_tokens"]) == (
+        8,
+        32,
+        0,
+    )
     assert frames[-2][1]["usage"]["output_tokens"] == 1
 
 
@@ -222,8 +313,19 @@ def test_missing_usage_still_finishes() -> None:
 
 
 def test_error_mid_stream_is_an_error_event() -> None:
-    frames = sse([PromptReady(3), ContentDelta("partial"), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 1)])
-    assert frames[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine fault"}})
+    frames = sse(
+        [
+            PromptReady(3),
+            ContentDelta("partial"),
+            ErrorEvent("internal", "engine fault"),
+            Finish("error"),
+            Usage(3, 1),
+        ]
+    )
+    assert frames[-1] == (
+        "error",
+        {"type": "error", "error": {"type": "api_error", "message": "engine fault"}},
+    )
     assert "message_stop" not in [name for name, _ in frames]
 
 
@@ -243,7 +345,12 @@ def test_rest_of_the_stream_is_drained_and_generation_cancelled_after_an_error()
 
 def test_error_before_output_raises_in_json_mode() -> None:
     with pytest.raises(ApiError) as exc:
-        PROTOCOL.encode_json(iter([KeepAlive(), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(0, 0)]), make_ctx())
+        PROTOCOL.encode_json(
+            iter(
+                [KeepAlive(), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(0, 0)]
+            ),
+            make_ctx(),
+        )
     assert (exc.value.kind, exc.value.message) == ("internal", "engine fault")
     assert PROTOCOL.error_status(exc.value) == 500
 
@@ -262,23 +369,34 @@ def test_stream_without_finish_is_an_error() -> None:
 @pytest.mark.parametrize(
     ("kind", "status", "anthropic_type"),
     [
-        ("invalid_request", 400, "invalid_request_error"), ("authentication", 401, "authentication_error"),
-        ("permission", 403, "permission_error"), ("not_found", 404, "not_found_error"),
-        ("too_large", 413, "request_too_large"), ("rate_limit", 429, "rate_limit_error"),
-        ("overloaded", 529, "overloaded_error"), ("timeout", 504, "timeout_error"),
-        ("internal", 500, "api_error"), ("unavailable", 503, "api_error"),
+        ("invalid_request", 400, "invalid_request_error"),
+        ("authentication", 401, "authentication_error"),
+        ("permission", 403, "permission_error"),
+        ("not_found", 404, "not_found_error"),
+        ("too_large", 413, "request_too_large"),
+        ("rate_limit", 429, "rate_limit_error"),
+        ("overloaded", 529, "overloaded_error"),
+        ("timeout", 504, "timeout_error"),
+        ("internal", 500, "api_error"),
+        ("unavailable", 503, "api_error"),
     ],
 )
 def test_error_bodies(kind: Any, status: int, anthropic_type: str) -> None:
     error = ApiError(kind, "what happened")
     assert PROTOCOL.error_status(error) == status
-    assert PROTOCOL.error_body(error) == {"type": "error", "error": {"type": anthropic_type, "message": "what happened"}}
+    assert PROTOCOL.error_body(error) == {
+        "type": "error",
+        "error": {"type": anthropic_type, "message": "what happened"},
+    }
 
 
 def test_sse_framing_helpers() -> None:
     from pipeserve.api.sse import sse_comment, sse_event
 
-    assert sse_event({"type": "ping", "text": "a\nb é"}, "ping") == 'event: ping\ndata: {"type":"ping","text":"a\\nb é"}\n\n'.encode()
+    assert (
+        sse_event({"type": "ping", "text": "a\nb é"}, "ping")
+        == 'event: ping\ndata: {"type":"ping","text":"a\\nb é"}\n\n'.encode()
+    )
     assert sse_event("[DONE]") == b"data: [DONE]\n\n"
     assert sse_comment("keep-alive") == b": keep-alive\n\n"
     assert sse_comment() == b":\n\n"

@@ -87,12 +87,20 @@ def run(body: dict[str, Any], text: str, size: int, stream: bool) -> dict[str, A
 
 def without_ids(message: dict[str, Any]) -> dict[str, Any]:
     """Call ids are random per generation (the tool stage's call_ ids)."""
-    content = [{**block, "id": "-"} if block["type"] == "tool_use" else block for block in message["content"]]
+    content = [
+        {**block, "id": "-"} if block["type"] == "tool_use" else block
+        for block in message["content"]
+    ]
     return {**message, "content": content}
 
 
 def body(**fields: Any) -> dict[str, Any]:
-    return {"model": "demo", "max_tokens": 256, "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
+    return {
+        "model": "demo",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        **fields,
+    }
 
 
 TOOL_TEXT = (
@@ -104,14 +112,22 @@ TOOL_TEXT = (
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
 def test_thinking_text_and_tool_call(size: int) -> None:
     streamed = run(body(tools=[WEATHER]), TOOL_TEXT, size, stream=True)
-    assert without_ids(streamed) == without_ids(run(body(tools=[WEATHER]), TOOL_TEXT, size, stream=False))
+    assert without_ids(streamed) == without_ids(
+        run(body(tools=[WEATHER]), TOOL_TEXT, size, stream=False)
+    )
     thinking, text, use = streamed["content"]
     assert thinking["thinking"] == "The user wants weather." and thinking["signature"]
     assert text == {"type": "text", "text": "Let me check.", "citations": None}
-    assert (use["name"], use["input"]) == ("get_weather", {"city": "Paris", "days": 3})  # coerced to the schema
+    assert (use["name"], use["input"]) == (
+        "get_weather",
+        {"city": "Paris", "days": 3},
+    )  # coerced to the schema
     assert use["id"].startswith("toolu_")
     assert streamed["stop_reason"] == "tool_use"
-    assert (streamed["usage"]["input_tokens"], streamed["usage"]["cache_read_input_tokens"]) == (34, 16)
+    assert (streamed["usage"]["input_tokens"], streamed["usage"]["cache_read_input_tokens"]) == (
+        34,
+        16,
+    )
 
 
 @pytest.mark.parametrize("size", [1, 2, 5])
@@ -129,11 +145,26 @@ def test_round_trip_history_decodes_our_own_output() -> None:
     use = first["content"][2]
     history = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [{k: v for k, v in block.items() if v is not None} for block in first["content"]]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {k: v for k, v in block.items() if v is not None} for block in first["content"]
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}],
+        },
     ]
-    request = PROTOCOL.decode(body(tools=[WEATHER], messages=history), RequestMeta(route="/v1/messages"))
+    request = PROTOCOL.decode(
+        body(tools=[WEATHER], messages=history), RequestMeta(route="/v1/messages")
+    )
     assistant, tool = request.messages[1], request.messages[2]
     assert assistant.reasoning == "The user wants weather." and assistant.content == "Let me check."
     assert json.loads(assistant.tool_calls[0].arguments) == {"city": "Paris", "days": 3}
-    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", use["id"], "get_weather", "sunny")
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == (
+        "tool",
+        use["id"],
+        "get_weather",
+        "sunny",
+    )

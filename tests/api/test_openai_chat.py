@@ -63,7 +63,10 @@ def test_decode_full_conversation() -> None:
     req = decode(
         messages=[
             {"role": "developer", "content": "be brief"},
-            {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
             {"role": "user", "content": "weather?", "name": "bob"},
             {
                 "role": "assistant",
@@ -77,7 +80,11 @@ def test_decode_full_conversation() -> None:
                     }
                 ],
             },
-            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": [{"type": "text", "text": "sunny"}],
+            },
             {"role": "assistant", "content": "It is sunny."},
         ],
         tools=[WEATHER, {"type": "custom", "custom": {"name": "grammar_tool"}}],
@@ -163,13 +170,25 @@ def test_decode_defaults() -> None:
         ({"stop": ["a", "", "b", "c", "d", "e"]}, lambda r: r.stop == ["a", "b", "c", "d", "e"]),
         ({"stop": None}, lambda r: r.stop == []),
         ({"max_tokens": 5}, lambda r: r.max_tokens == 5),
-        ({"temperature": 0, "top_p": 1}, lambda r: (r.sampling.temperature, r.sampling.top_p) == (0, 1)),
+        (
+            {"temperature": 0, "top_p": 1},
+            lambda r: (r.sampling.temperature, r.sampling.top_p) == (0, 1),
+        ),
         ({"top_k": -1}, lambda r: r.sampling.top_k == 0),
         ({"n": 1}, lambda r: True),
-        ({"messages": [{"role": "assistant", "content": "a", "reasoning": "r"}]}, lambda r: r.messages[0].reasoning == "r"),
+        (
+            {"messages": [{"role": "assistant", "content": "a", "reasoning": "r"}]},
+            lambda r: r.messages[0].reasoning == "r",
+        ),
         ({"tool_choice": "none", "tools": [WEATHER]}, lambda r: r.tool_choice.mode == "none"),
-        ({"tool_choice": "required", "tools": [WEATHER]}, lambda r: r.tool_choice.mode == "required"),
-        ({"tools": [{"function": WEATHER["function"]}]}, lambda r: r.tools[0].name == "get_weather"),
+        (
+            {"tool_choice": "required", "tools": [WEATHER]},
+            lambda r: r.tool_choice.mode == "required",
+        ),
+        (
+            {"tools": [{"function": WEATHER["function"]}]},
+            lambda r: r.tools[0].name == "get_weather",
+        ),
         (
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             lambda r: r.tools[0].parameters["type"] == "object",
@@ -179,7 +198,9 @@ def test_decode_defaults() -> None:
                 "messages": [
                     {
                         "role": "assistant",
-                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"x": 1}}}],
+                        "tool_calls": [
+                            {"id": "c", "function": {"name": "f", "arguments": {"x": 1}}}
+                        ],
                     }
                 ]
             },
@@ -246,7 +267,11 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "messages": USER, "tools": {"a": 1}}, "tools"),
     ({"model": "demo", "messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
     (
-        {"model": "demo", "messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]},
+        {
+            "model": "demo",
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": ""}}],
+        },
         "tools[0].function.name",
     ),
     (
@@ -257,10 +282,18 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
         },
         "tools[0].function.parameters",
     ),
-    ({"model": "demo", "messages": USER, "tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
+    (
+        {"model": "demo", "messages": USER, "tool_choice": "sometimes", "tools": [WEATHER]},
+        "tool_choice",
+    ),
     ({"model": "demo", "messages": USER, "tool_choice": "required"}, "tool_choice"),
     (
-        {"model": "demo", "messages": USER, "tool_choice": {"type": "function"}, "tools": [WEATHER]},
+        {
+            "model": "demo",
+            "messages": USER,
+            "tool_choice": {"type": "function"},
+            "tools": [WEATHER],
+        },
         "tool_choice.function.name",
     ),
     (
@@ -340,7 +373,10 @@ def test_json_text_completion() -> None:
         "Hello world",
         "stop",
     )
-    assert choice.message.tool_calls is None and "reasoning_content" not in body["choices"][0]["message"]
+    assert (
+        choice.message.tool_calls is None
+        and "reasoning_content" not in body["choices"][0]["message"]
+    )
     assert completion.usage is not None
     assert (
         completion.usage.prompt_tokens,
@@ -348,7 +384,8 @@ def test_json_text_completion() -> None:
         completion.usage.total_tokens,
     ) == (12, 3, 15)
     assert (
-        completion.usage.prompt_tokens_details and completion.usage.prompt_tokens_details.cached_tokens == 4
+        completion.usage.prompt_tokens_details
+        and completion.usage.prompt_tokens_details.cached_tokens == 4
     )
     assert body["choices"][0]["logprobs"] is None
 
@@ -414,14 +451,19 @@ def test_json_logprobs_from_scratch_skip_reasoning() -> None:
     body = PROTOCOL.encode_json(iter(logprob_script(ctx)), ctx)
     content = body["choices"][0]["logprobs"]["content"]
     assert [(e["token"], e["logprob"]) for e in content] == [("Yes", -0.3), (".", -0.4)]
-    assert content[0]["top_logprobs"] == [{"token": "Yes", "logprob": -0.3, "bytes": [89, 101, 115]}]
+    assert content[0]["top_logprobs"] == [
+        {"token": "Yes", "logprob": -0.3, "bytes": [89, 101, 115]}
+    ]
     ChatCompletion.model_validate(body)
 
 
 @pytest.mark.parametrize(
     ("events", "kind"),
     [
-        ([PromptReady(3), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 0)], "internal"),
+        (
+            [PromptReady(3), ErrorEvent("internal", "engine fault"), Finish("error"), Usage(3, 0)],
+            "internal",
+        ),
         ([ErrorEvent("timeout", "too slow"), Finish("error"), Usage(3, 0)], "timeout"),
         ([ErrorEvent("weird-kind", "?"), Finish("error"), Usage(3, 0)], "internal"),
         ([ContentDelta("par"), Finish("cancelled"), Usage(3, 1)], "internal"),
@@ -508,7 +550,9 @@ def test_stream_logprobs_per_chunk() -> None:
     req = decode(stream=True, logprobs=True, top_logprobs=1)
     ctx = make_ctx(req)
     chunks = chunks_of(parse_sse(b"".join(PROTOCOL.encode_stream(iter(logprob_script(ctx)), ctx))))
-    with_logprobs = [c["choices"][0]["logprobs"]["content"] for c in chunks if c["choices"][0]["logprobs"]]
+    with_logprobs = [
+        c["choices"][0]["logprobs"]["content"] for c in chunks if c["choices"][0]["logprobs"]
+    ]
     assert [[e["token"] for e in lp] for lp in with_logprobs] == [["Yes"], ["."]]
     final = accumulate(chunks)
     assert [t.token for t in final.choices[0].logprobs.content] == ["Yes", "."]
@@ -561,14 +605,21 @@ def weather_script(ctx: RequestContext) -> list[Event]:
     """A model that calls get_weather, then answers from the tool result."""
     last = ctx.request.messages[-1]
     if last.role == "tool":
-        return [PromptReady(40), ContentDelta(f"It is {last.content} in Oslo."), Finish("stop"), Usage(40, 6)]
+        return [
+            PromptReady(40),
+            ContentDelta(f"It is {last.content} in Oslo."),
+            Finish("stop"),
+            Usage(40, 6),
+        ]
     return REASONING_TOOL_RUN[:8] + [Finish("tool_calls"), Usage(30, 20, 0, 4)]
 
 
 def test_sdk_plain_and_stream() -> None:
     harness = Harness(PROTOCOL, lambda ctx: list(TEXT_RUN))
     client = harness.client
-    completion = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+    completion = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}]
+    )
     assert completion.choices[0].message.content == "Hello world"
     stream = client.chat.completions.create(
         model="demo",
@@ -579,7 +630,9 @@ def test_sdk_plain_and_stream() -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world"
     assert chunks[-1].usage and chunks[-1].usage.total_tokens == 15
-    with client.chat.completions.stream(model="demo", messages=[{"role": "user", "content": "hi"}]) as helper:
+    with client.chat.completions.stream(
+        model="demo", messages=[{"role": "user", "content": "hi"}]
+    ) as helper:
         final = helper.get_final_completion()
     assert final.choices[0].message.content == "Hello world"
 
@@ -600,8 +653,15 @@ def test_sdk_tool_round_trip() -> None:
         answer = stream.get_final_completion()
     assert answer.choices[0].message.content == "It is sunny in Oslo."
     replayed = harness.requests[-1].messages
-    assert replayed[1].tool_calls[0].name == "get_weather" and replayed[1].reasoning == "Need the weather."
-    assert (replayed[2].role, replayed[2].tool_call_id, replayed[2].name) == ("tool", call.id, "get_weather")
+    assert (
+        replayed[1].tool_calls[0].name == "get_weather"
+        and replayed[1].reasoning == "Need the weather."
+    )
+    assert (replayed[2].role, replayed[2].tool_call_id, replayed[2].name) == (
+        "tool",
+        call.id,
+        "get_weather",
+    )
 
 
 def test_sdk_bad_request_names_param() -> None:
@@ -624,7 +684,11 @@ def test_sdk_internal_error_is_500() -> None:
 
 # A call whose arguments never became a JSON object (malformed, or cut at max tokens)
 # does not make the turn a tool call: the finish reason keeps what generation said.
-BROKEN_CALL = [ToolCallStart(0, "call_b", "get_weather"), ToolCallArgsDelta(0, '{"city" 1'), ToolCallEnd(0, '{"city" 1')]
+BROKEN_CALL = [
+    ToolCallStart(0, "call_b", "get_weather"),
+    ToolCallArgsDelta(0, '{"city" 1'),
+    ToolCallEnd(0, '{"city" 1'),
+]
 
 
 @pytest.mark.parametrize(("reason", "expected"), [("stop", "stop"), ("length", "length")])
@@ -636,5 +700,11 @@ def test_broken_call_does_not_finish_tool_calls(reason: Any, expected: str) -> N
 
 
 def test_valid_call_still_upgrades_stop_to_tool_calls() -> None:
-    events = [ToolCallStart(0, "call_a", "f"), ToolCallEnd(0, '{"a": 1}'), *BROKEN_CALL[:0], Finish("stop"), Usage(3, 4)]
+    events = [
+        ToolCallStart(0, "call_a", "f"),
+        ToolCallEnd(0, '{"a": 1}'),
+        *BROKEN_CALL[:0],
+        Finish("stop"),
+        Usage(3, 4),
+    ]
     assert encode_json(events)["choices"][0]["finish_reason"] == "tool_calls"

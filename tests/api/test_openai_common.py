@@ -83,7 +83,9 @@ class Harness:
             body = json.loads(request.content)
             req = self.protocol.decode(body, RequestMeta(route=request.url.path))
         except ApiError as err:
-            return httpx2.Response(self.protocol.error_status(err), json=self.protocol.error_body(err))
+            return httpx2.Response(
+                self.protocol.error_status(err), json=self.protocol.error_body(err)
+            )
         self.requests.append(req)
         ctx = make_ctx(req)
         events: Iterator[Event] = iter(self.script(ctx))
@@ -93,7 +95,9 @@ class Harness:
         try:
             return httpx2.Response(200, json=self.protocol.encode_json(events, ctx))
         except ApiError as err:
-            return httpx2.Response(self.protocol.error_status(err), json=self.protocol.error_body(err))
+            return httpx2.Response(
+                self.protocol.error_status(err), json=self.protocol.error_body(err)
+            )
 
 
 # ---------------------------------------------------------------- tests of the helpers
@@ -150,7 +154,9 @@ def test_reasoning_effort_unknown_is_400() -> None:
 
 
 def test_logprob_cursor_hands_out_records_once() -> None:
-    req = GenerationRequest(model="m", messages=[Message("user", "x")], logprobs=True, top_logprobs=1)
+    req = GenerationRequest(
+        model="m", messages=[Message("user", "x")], logprobs=True, top_logprobs=1
+    )
     ctx = make_ctx(req)
     tops = (TopLogprob("a", -0.1, 1), TopLogprob("b", -2.0, 2))
     records = ctx.scratch.setdefault(LOGPROBS_SCRATCH_KEY, [])
@@ -169,9 +175,15 @@ def test_logprob_cursor_hands_out_records_once() -> None:
 
 @pytest.mark.parametrize("part_type", [[], {}, ["text"], None, 5])
 @pytest.mark.parametrize("protocol", [OpenAIChat(), OpenAIResponses()], ids=lambda p: p.name)
-def test_content_part_type_of_any_json_type_is_a_400(protocol: WireProtocol, part_type: Any) -> None:
+def test_content_part_type_of_any_json_type_is_a_400(
+    protocol: WireProtocol, part_type: Any
+) -> None:
     parts = [{"type": part_type, "text": "hi"}]
-    body = {"model": "m", "messages": [{"role": "user", "content": parts}], "input": [{"role": "user", "content": parts}]}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": parts}],
+        "input": [{"role": "user", "content": parts}],
+    }
     with pytest.raises(ApiError) as exc:
         protocol.decode(body, RequestMeta(route="/"))
     assert exc.value.kind == "invalid_request" and exc.value.param is not None

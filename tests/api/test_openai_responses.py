@@ -42,7 +42,11 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
     "strict": False,
 }
 BASE_PROMPT = "You are Codex, a coding agent. " * 700  # ~20 KB, like the real one
@@ -51,14 +55,24 @@ BASE_PROMPT = "You are Codex, a coding agent. " * 700  # ~20 KB, like the real o
 CODEX_REQUEST: dict[str, Any] = {
     "model": "demo",
     "input": [
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": BASE_PROMPT}]},
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": BASE_PROMPT}],
+        },
         {
             "type": "message",
             "role": "user",
             "id": "msg_env",
-            "content": [{"type": "input_text", "text": "<environment_context>cwd=/w</environment_context>"}],
+            "content": [
+                {"type": "input_text", "text": "<environment_context>cwd=/w</environment_context>"}
+            ],
         },
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "list the files"}],
+        },
         {
             "type": "reasoning",
             "id": "rs_1",
@@ -174,7 +188,9 @@ def test_decode_codex_request() -> None:
     roles = [m.role for m in req.messages]
     assert roles == ["system", "user", "user"] + ["assistant", "tool"] * 3 + ["assistant", "user"]
     assert req.messages[0].content == BASE_PROMPT
-    assert req.messages[3].reasoning == "I should run ls."  # reasoning content preferred over summary
+    assert (
+        req.messages[3].reasoning == "I should run ls."
+    )  # reasoning content preferred over summary
     calls = [m.tool_calls[0] for m in req.messages[3:9:2]]
     assert [(c.id, c.name) for c in calls] == [
         ("call_1", "shell"),
@@ -209,7 +225,8 @@ def test_decode_instructions_and_string_input() -> None:
 
 def test_decode_instructions_merge_with_leading_developer() -> None:
     req = decode(
-        instructions="A", input=[{"role": "developer", "content": "B"}, {"role": "user", "content": "C"}]
+        instructions="A",
+        input=[{"role": "developer", "content": "B"}, {"role": "user", "content": "C"}],
     )
     assert [(m.role, m.content) for m in req.messages] == [("system", "A\n\nB"), ("user", "C")]
 
@@ -221,7 +238,11 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
         (
             {
                 "input": [
-                    {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s"}]},
+                    {
+                        "type": "message",
+                        "role": "system",
+                        "content": [{"type": "input_text", "text": "s"}],
+                    },
                     {"role": "user", "content": "u"},
                 ]
             },
@@ -245,9 +266,11 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
                     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                 ]
             },
-            lambda r: len(r.messages) == 2
-            and r.messages[1].content == "A"
-            and r.messages[1].tool_calls[0].id == "c",
+            lambda r: (
+                len(r.messages) == 2
+                and r.messages[1].content == "A"
+                and r.messages[1].tool_calls[0].id == "c"
+            ),
         ),
         (
             {
@@ -262,7 +285,10 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
             {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},
             lambda r: (r.tool_choice.mode, r.tool_choice.name) == ("function", "get_weather"),
         ),
-        ({"tools": [WEATHER], "tool_choice": "required"}, lambda r: r.tool_choice.mode == "required"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required"},
+            lambda r: r.tool_choice.mode == "required",
+        ),
         (
             {
                 "tools": [WEATHER],
@@ -287,13 +313,19 @@ def test_decode_instructions_merge_with_leading_developer() -> None:
             {"include": ["message.output_text.logprobs"], "top_logprobs": 2},
             lambda r: (r.logprobs, r.top_logprobs) == (True, 2),
         ),
-        ({"reasoning": {"effort": "xhigh", "summary": "detailed"}}, lambda r: r.reasoning.effort == "high"),
+        (
+            {"reasoning": {"effort": "xhigh", "summary": "detailed"}},
+            lambda r: r.reasoning.effort == "high",
+        ),
         (
             {"text": {"format": {"type": "text"}, "verbosity": "low"}},
             lambda r: r.messages[0].content == "hi",
         ),
         ({"mock_response": "canned"}, lambda r: r.mock_response == "canned"),
-        ({"metadata": {"a": "b"}, "user": "u", "store": True, "truncation": "auto"}, lambda r: True),
+        (
+            {"metadata": {"a": "b"}, "user": "u", "store": True, "truncation": "auto"},
+            lambda r: True,
+        ),
     ],
 )
 def test_decode_variants(body: dict[str, Any], check: Any) -> None:
@@ -326,7 +358,10 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
         {"model": "demo", "input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
         "input[0].name",
     ),
-    ({"model": "demo", "input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    (
+        {"model": "demo", "input": [{"type": "function_call_output", "output": "x"}]},
+        "input[0].call_id",
+    ),
     ({"model": "demo", "input": [{"type": "reasoning", "summary": "text"}]}, "input[0].summary"),
     ({"model": "demo", "input": "hi", "instructions": 3}, "instructions"),
     ({"model": "demo", "input": "hi", "temperature": 9}, "temperature"),
@@ -343,10 +378,17 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "input": "hi", "tools": "all"}, "tools"),
     ({"model": "demo", "input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
     (
-        {"model": "demo", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+        {
+            "model": "demo",
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": []}],
+        },
         "tools[0].parameters",
     ),
-    ({"model": "demo", "input": "hi", "tools": [{"type": "namespace", "tools": []}]}, "tools[0].name"),
+    (
+        {"model": "demo", "input": "hi", "tools": [{"type": "namespace", "tools": []}]},
+        "tools[0].name",
+    ),
     ({"model": "demo", "input": "hi", "tools": [WEATHER], "tool_choice": "maybe"}, "tool_choice"),
     (
         {"model": "demo", "input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function"}},
@@ -433,14 +475,22 @@ def test_json_text_response() -> None:
     assert response.status == "completed" and response.model == "demo"
     assert response.output_text == "Hello there"
     (message,) = response.output
-    assert message.type == "message" and message.id.startswith("msg_") and message.status == "completed"
+    assert (
+        message.type == "message"
+        and message.id.startswith("msg_")
+        and message.status == "completed"
+    )
     assert response.usage and (
         response.usage.input_tokens,
         response.usage.output_tokens,
         response.usage.total_tokens,
     ) == (9, 2, 11)
     assert response.usage.input_tokens_details.cached_tokens == 2
-    assert (response.instructions, response.temperature, response.tool_choice) == ("Be nice", 0.5, "auto")
+    assert (response.instructions, response.temperature, response.tool_choice) == (
+        "Be nice",
+        0.5,
+        "auto",
+    )
     assert [t.type for t in response.tools] == ["function", "web_search"]
 
 
@@ -458,8 +508,16 @@ def test_json_reasoning_message_and_calls_in_order() -> None:
     assert reasoning.summary == []
     assert message.content[0].text == "Checking."  # type: ignore[union-attr]
     assert call1.id and call1.id.startswith("fc_") and call1.call_id == "call_w1"  # type: ignore[union-attr]
-    assert (call1.name, call1.arguments, call1.status) == ("get_weather", '{"city": "Oslo"}', "completed")  # type: ignore[union-attr]
-    assert (call2.namespace, call2.name, call2.arguments) == ("mcp__files__", "read", '{"path": "a"}')  # type: ignore[union-attr]
+    assert (call1.name, call1.arguments, call1.status) == (
+        "get_weather",
+        '{"city": "Oslo"}',
+        "completed",
+    )  # type: ignore[union-attr]
+    assert (call2.namespace, call2.name, call2.arguments) == (
+        "mcp__files__",
+        "read",
+        '{"path": "a"}',
+    )  # type: ignore[union-attr]
     assert response.usage and response.usage.output_tokens_details.reasoning_tokens == 5
 
 
@@ -510,7 +568,9 @@ def stream_raw(events: list[Event], **body: Any) -> bytes:
 def data_frames(raw: bytes) -> list[dict[str, Any]]:
     frames = [f for f in parse_sse(raw) if f["data"] is not None]
     for frame in frames:
-        assert frame["event"] == json.loads(frame["data"])["type"]  # `event:` line matches the payload
+        assert (
+            frame["event"] == json.loads(frame["data"])["type"]
+        )  # `event:` line matches the payload
     return [json.loads(f["data"]) for f in frames]
 
 
@@ -532,8 +592,13 @@ def test_stream_event_grammar() -> None:
         EVENT_ADAPTER.validate_python(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     types = [e["type"] for e in events]
-    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
-    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    assert (
+        types[:2] == ["response.created", "response.in_progress"]
+        and types[-1] == "response.completed"
+    )
+    assert (
+        events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    )
     # items strictly sequential: each added item is done before the next one is added
     open_index = None
     for event in events:
@@ -547,12 +612,20 @@ def test_stream_event_grammar() -> None:
             assert event["output_index"] == open_index
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message", "function_call", "function_call"]
-    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2, 3]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [
+        0,
+        1,
+        2,
+        3,
+    ]
     assert "response.reasoning_text.delta" in types and "response.output_text.delta" in types
     args = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
     assert args == ['{"city": ', '"Oslo"}', '{"path": "a"}']
     done_items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
-    assert done_items[1]["content"][0]["text"] == "Checking." and done_items[1]["status"] == "completed"
+    assert (
+        done_items[1]["content"][0]["text"] == "Checking."
+        and done_items[1]["status"] == "completed"
+    )
     assert done_items[2]["id"].startswith("fc_") and done_items[2]["call_id"] == "call_w1"
     assert events[-1]["response"]["output"] == done_items
 
@@ -560,7 +633,9 @@ def test_stream_event_grammar() -> None:
 def _strip(value: Any) -> Any:
     """Drop random ids and the SDK's parse-helper keys, to compare two runs."""
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in ("id", "parsed", "parsed_arguments")}
+        return {
+            k: _strip(v) for k, v in value.items() if k not in ("id", "parsed", "parsed_arguments")
+        }
     if isinstance(value, list):
         return [_strip(v) for v in value]
     return value
@@ -570,7 +645,9 @@ def test_stream_sdk_accumulator_matches_json() -> None:
     final = final_via_sdk(stream_raw(FULL_RUN, tools=[WEATHER]), tools=[WEATHER])
     body = Response.model_validate(encode_json(FULL_RUN, tools=[WEATHER]))
     assert final.output_text == body.output_text == "Checking."
-    assert _strip([i.model_dump() for i in final.output]) == _strip([i.model_dump() for i in body.output])
+    assert _strip([i.model_dump() for i in final.output]) == _strip(
+        [i.model_dump() for i in body.output]
+    )
     assert final.usage == body.usage
 
 
@@ -660,7 +737,10 @@ def test_sdk_tool_round_trip() -> None:
     assert answer.output_text == "It is sunny."
     replayed = harness.requests[-1].messages
     assert [m.role for m in replayed] == ["user", "assistant", "tool"]
-    assert replayed[1].reasoning == "Use the tool." and replayed[1].tool_calls[0].id == calls[0].call_id
+    assert (
+        replayed[1].reasoning == "Use the tool."
+        and replayed[1].tool_calls[0].id == calls[0].call_id
+    )
     assert replayed[2].name == "get_weather"
 
 
@@ -702,15 +782,28 @@ def test_sealed_reasoning_round_trip() -> None:
     body = encode_json(FULL_RUN, include=["reasoning.encrypted_content"])
     reasoning = Response.model_validate(body).output[0]
     assert reasoning.type == "reasoning" and reasoning.encrypted_content
-    echoed = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
-    req = decode(input=[{"role": "user", "content": "q"}, echoed, {"role": "assistant", "content": "A"}])
+    echoed = {
+        "type": "reasoning",
+        "id": reasoning.id,
+        "summary": [],
+        "encrypted_content": reasoning.encrypted_content,
+    }
+    req = decode(
+        input=[{"role": "user", "content": "q"}, echoed, {"role": "assistant", "content": "A"}]
+    )
     assert req.messages[1].reasoning == "The user wants weather."
     assert "encrypted_content" not in encode_json(FULL_RUN)["output"][0]
 
 
 def test_foreign_encrypted_reasoning_is_ignored() -> None:
-    item = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}], "encrypted_content": "gAAAAB..."}
-    req = decode(input=[{"role": "user", "content": "q"}, item, {"role": "assistant", "content": "A"}])
+    item = {
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": "S"}],
+        "encrypted_content": "gAAAAB...",
+    }
+    req = decode(
+        input=[{"role": "user", "content": "q"}, item, {"role": "assistant", "content": "A"}]
+    )
     assert req.messages[1].reasoning == "S"
 
 
@@ -723,12 +816,21 @@ def test_empty_generation_still_has_a_message_item() -> None:
 
 @pytest.mark.parametrize("reason", ["stop", "length"])
 def test_broken_call_item_is_incomplete(reason: Any) -> None:
-    events = [ToolCallStart(0, "call_b", "get_weather"), ToolCallArgsDelta(0, '{"city": "Pa'),
-              ToolCallEnd(0, '{"city": "Pa'), Finish(reason), Usage(3, 4)]
+    events = [
+        ToolCallStart(0, "call_b", "get_weather"),
+        ToolCallArgsDelta(0, '{"city": "Pa'),
+        ToolCallEnd(0, '{"city": "Pa'),
+        Finish(reason),
+        Usage(3, 4),
+    ]
     response = Response.model_validate(encode_json(events, tools=[WEATHER]))
     (call,) = response.output
     assert call.type == "function_call" and call.status == "incomplete"  # type: ignore[union-attr]
     assert call.arguments == '{"city": "Pa'  # type: ignore[union-attr]
     assert response.status == ("incomplete" if reason == "length" else "completed")
-    done = [f["item"] for f in data_frames(stream_raw(events, tools=[WEATHER])) if f["type"] == "response.output_item.done"]
+    done = [
+        f["item"]
+        for f in data_frames(stream_raw(events, tools=[WEATHER]))
+        if f["type"] == "response.output_item.done"
+    ]
     assert [item["status"] for item in done] == ["incomplete"]

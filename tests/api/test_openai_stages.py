@@ -22,16 +22,35 @@ STAGES = [
     ("tool_calls", {"format": "json", "start": "<tool_call>", "end": "</tool_call>"}),
     ("stop_sequences", {}),
 ]
-WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+}
 # qwen3-style output, split into the pieces a tokenizer would produce (markers are single tokens)
-PIECES = ["<think>", "\n", "Need", " weather", ".\n", "</think>", "\n\n", "<tool_call>", "\n", '{"name": "get',
-          '_weather", "arguments": {"city": "Os', 'lo", "days": "3"}}', "\n", "</tool_call>"]
+PIECES = [
+    "<think>",
+    "\n",
+    "Need",
+    " weather",
+    ".\n",
+    "</think>",
+    "\n\n",
+    "<tool_call>",
+    "\n",
+    '{"name": "get',
+    '_weather", "arguments": {"city": "Os',
+    'lo", "days": "3"}}',
+    "\n",
+    "</tool_call>",
+]
 
 
 def run_chain(ctx: RequestContext) -> Iterator[Event]:
     load_builtin_stages()
     stages = [STAGE_REGISTRY[kind] for kind, _ in STAGES]
-    built = [spec.factory(spec.params_model(**params), ENV) for spec, (_, params) in zip(stages, STAGES)]
+    built = [
+        spec.factory(spec.params_model(**params), ENV) for spec, (_, params) in zip(stages, STAGES)
+    ]
     for stage in built:
         stage.prepare(ctx)
 
@@ -52,14 +71,19 @@ def test_chat_over_real_stages() -> None:
     body: dict[str, Any] = {
         "model": "demo",
         "messages": [{"role": "user", "content": "weather?"}],
-        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}}],
+        "tools": [
+            {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}}
+        ],
     }
     protocol = OpenAIChat()
     ctx = make_ctx(protocol.decode(body, RequestMeta("/v1/chat/completions")))
     choice = ChatCompletion.model_validate(protocol.encode_json(run_chain(ctx), ctx)).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls or []
-    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Oslo", "days": 3}')  # type: ignore[union-attr]
+    assert (call.function.name, call.function.arguments) == (
+        "get_weather",
+        '{"city": "Oslo", "days": 3}',
+    )  # type: ignore[union-attr]
     assert call.id.startswith("call_")
 
 

@@ -37,8 +37,17 @@ from pipeserve.stages.base import RequestContext
 PROTOCOL = AnthropicMessages()
 META = RequestMeta(route="/v1/messages")
 HELLO = [{"role": "user", "content": "hi"}]
-WEATHER = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
-THINK: list[Event] = [PromptReady(9, 3), ReasoningDelta("Let me think."), ContentDelta("Hi!"), Finish("stop"), Usage(9, 6, 3, 4)]
+WEATHER = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+THINK: list[Event] = [
+    PromptReady(9, 3),
+    ReasoningDelta("Let me think."),
+    ContentDelta("Hi!"),
+    Finish("stop"),
+    Usage(9, 6, 3, 4),
+]
 
 
 def decode(**body: Any) -> GenerationRequest:
@@ -63,9 +72,16 @@ def test_usage_carries_cache_creation_and_service_tier() -> None:
     start = frames(THINK)[0][1]
     assert start["type"] == "message_start"
     usage = start["message"]["usage"]
-    assert usage["cache_creation"] == {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    assert usage["cache_creation"] == {
+        "ephemeral_5m_input_tokens": 0,
+        "ephemeral_1h_input_tokens": 0,
+    }
     assert usage["service_tier"] == "standard"
-    assert (usage["input_tokens"], usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (6, 3, 0)
+    assert (
+        usage["input_tokens"],
+        usage["cache_read_input_tokens"],
+        usage["cache_creation_input_tokens"],
+    ) == (6, 3, 0)
     body = message_json(THINK)
     anthropic.types.Message.model_validate(body)
     # message_delta's usage merges into message_start's (as the SDK does), nothing is lost
@@ -89,7 +105,11 @@ def test_sdk_stream_and_create_agree_on_usage() -> None:
     assert created.usage.service_tier == "standard" and created.usage.cache_creation is not None
 
 
-CALL: list[Event] = [ToolCallStart(0, "call_1", "get_weather"), ToolCallEnd(0, '{"city": "Oslo"}'), Finish("tool_calls")]
+CALL: list[Event] = [
+    ToolCallStart(0, "call_1", "get_weather"),
+    ToolCallEnd(0, '{"city": "Oslo"}'),
+    Finish("tool_calls"),
+]
 
 
 @pytest.mark.parametrize(
@@ -112,9 +132,18 @@ def test_stop_reason_for_each_cause(events: list[Event], reason: str, sequence: 
 
 
 def test_engine_error_is_an_error_event_and_no_message_stop() -> None:
-    run = [PromptReady(3), ContentDelta("x"), ErrorEvent("internal", "boom"), Finish("error"), Usage(3, 1)]
+    run = [
+        PromptReady(3),
+        ContentDelta("x"),
+        ErrorEvent("internal", "boom"),
+        Finish("error"),
+        Usage(3, 1),
+    ]
     stream = frames(run)
-    assert stream[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})
+    assert stream[-1] == (
+        "error",
+        {"type": "error", "error": {"type": "api_error", "message": "boom"}},
+    )
     assert all(name != "message_stop" for name, _ in stream)
     with pytest.raises(ApiError):
         message_json(run)
@@ -126,16 +155,23 @@ def test_engine_error_is_an_error_event_and_no_message_stop() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format"),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+            "output_config.format",
+        ),
         ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, "output_format"),
         ({"output_config": "high"}, "output_config"),
         ({"thinking": {"type": "adaptive", "display": "verbose"}}, "thinking.display"),
     ],
 )
-def test_unhonoured_or_malformed_fields_are_a_400_naming_them(fields: dict[str, Any], param: str) -> None:
+def test_unhonoured_or_malformed_fields_are_a_400_naming_them(
+    fields: dict[str, Any], param: str
+) -> None:
     handler = Scripted(THINK)
     with pytest.raises(anthropic.BadRequestError) as info:
-        client(handler).messages.create(model="demo", max_tokens=64, messages=HELLO, extra_body=fields)  # type: ignore[arg-type]
+        client(handler).messages.create(
+            model="demo", max_tokens=64, messages=HELLO, extra_body=fields
+        )  # type: ignore[arg-type]
     error = info.value.body["error"]  # type: ignore[index]
     assert error["type"] == "invalid_request_error" and param in error["message"]
     assert handler.requests == []
@@ -193,7 +229,10 @@ def test_error_body_shape_for_a_refused_field() -> None:
     with pytest.raises(ApiError) as info:
         decode(output_config={"format": {"type": "json_schema", "schema": {}}})
     body = PROTOCOL.error_body(info.value)
-    assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": info.value.message}}
+    assert body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": info.value.message},
+    }
     assert PROTOCOL.error_status(info.value) == 400
     json.dumps(body)
 
@@ -205,21 +244,33 @@ def replay_message(runtime: Any, body: dict[str, Any]) -> tuple[dict[str, Any], 
     """(the JSON message, the SDK's accumulation of the streamed one) for one request."""
     body = {"model": "replay-qwen3", "max_tokens": 256, "messages": HELLO, **body}
     plain = PROTOCOL.encode_json(*replay_events(runtime, PROTOCOL, body, META.route))
-    raw = b"".join(PROTOCOL.encode_stream(*replay_events(runtime, PROTOCOL, {**body, "stream": True}, META.route)))
+    raw = b"".join(
+        PROTOCOL.encode_stream(
+            *replay_events(runtime, PROTOCOL, {**body, "stream": True}, META.route)
+        )
+    )
     snapshot, bufs = None, {}
     for item in SSEDecoder().iter_bytes(iter([raw])):
         if item.event != "ping":
-            snapshot = accumulate_event(event=item.json(), current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
+            snapshot = accumulate_event(
+                event=item.json(), current_snapshot=snapshot, json_bufs=bufs
+            )  # type: ignore[arg-type]
     assert snapshot is not None
     return plain, SdkMessage.model_validate(snapshot.model_dump())
 
 
 def test_replay_tool_use_and_stop_sequence(qwen3_runtime: Any) -> None:
-    plain, streamed = replay_message(qwen3_runtime, {"tools": [WEATHER], "mock_response": QWEN3_CALL})
+    plain, streamed = replay_message(
+        qwen3_runtime, {"tools": [WEATHER], "mock_response": QWEN3_CALL}
+    )
     plain_message = SdkMessage.model_validate(plain)
-    assert plain_message.usage == streamed.usage and plain_message.stop_reason == streamed.stop_reason
+    assert (
+        plain_message.usage == streamed.usage and plain_message.stop_reason == streamed.stop_reason
+    )
     strip = [{k: v for k, v in b.model_dump().items() if k != "id"} for b in plain_message.content]
-    assert strip == [{k: v for k, v in b.model_dump().items() if k != "id"} for b in streamed.content]
+    assert strip == [
+        {k: v for k, v in b.model_dump().items() if k != "id"} for b in streamed.content
+    ]
     assert [b.type for b in streamed.content] == ["thinking", "text", "tool_use"]
     assert streamed.stop_reason == "tool_use" and streamed.content[2].input == {"city": "Paris"}  # type: ignore[union-attr]
     assert streamed.usage.service_tier == "standard" and streamed.usage.output_tokens > 0

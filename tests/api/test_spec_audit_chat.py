@@ -43,10 +43,19 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def fn_tool(name: str) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": {}}},
+    }
 
 
-TEXT: list[Event] = [PromptReady(9, 4), ReasoningDelta("Think."), ContentDelta("Hello"), Finish("stop"), Usage(9, 5, 4, 2)]
+TEXT: list[Event] = [
+    PromptReady(9, 4),
+    ReasoningDelta("Think."),
+    ContentDelta("Hello"),
+    Finish("stop"),
+    Usage(9, 5, 4, 2),
+]
 CALL: list[Event] = [
     PromptReady(9),
     ToolCallStart(0, "call_1", "get_weather"),
@@ -164,14 +173,21 @@ def test_error_and_cancel_are_in_protocol_errors(events: list[Event]) -> None:
 
 
 def sdk() -> tuple[Harness, Any]:
-    harness = Harness(PROTOCOL, lambda ctx: [PromptReady(3), ContentDelta("ok"), Finish("stop"), Usage(3, 1)])
+    harness = Harness(
+        PROTOCOL, lambda ctx: [PromptReady(3), ContentDelta("ok"), Finish("stop"), Usage(3, 1)]
+    )
     return harness, harness.client.chat.completions
 
 
 REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            }
+        },
         "response_format",
     ),
     ({"logit_bias": {"token": 5}}, "logit_bias"),
@@ -183,7 +199,13 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "custom", "custom": {"name": "patch"}}], "tool_choice": {"type": "custom", "custom": {"name": "patch"}}}, "tool_choice"),
+    (
+        {
+            "tools": [{"type": "custom", "custom": {"name": "patch"}}],
+            "tool_choice": {"type": "custom", "custom": {"name": "patch"}},
+        },
+        "tool_choice",
+    ),
 ]
 
 
@@ -235,7 +257,10 @@ def test_harmless_parameters_are_accepted() -> None:
 def test_allowed_tools_restricts_the_tool_list() -> None:
     choice = {
         "type": "allowed_tools",
-        "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "b"}}]},
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "b"}}],
+        },
     }
     req = decode(tools=[fn_tool("a"), fn_tool("b")], tool_choice=choice)
     assert [t.name for t in req.tools] == ["b"]
@@ -267,27 +292,46 @@ def qwen3_runtime(demo_model_dir: Callable[[str], Path]) -> Iterator[Any]:
     from pipeserve.engine.runtime import build_runtime
 
     demo_model_dir("qwen3")
-    runtime = build_runtime(ModelEntry(name="replay-qwen3", source="demo:qwen3", pipeline="qwen3", engine="replay"))
+    runtime = build_runtime(
+        ModelEntry(name="replay-qwen3", source="demo:qwen3", pipeline="qwen3", engine="replay")
+    )
     yield runtime
     runtime.engine.close()
 
 
-def replay_events(runtime: Any, protocol: WireProtocol, body: dict[str, Any], route: str) -> tuple[Iterator[Event], RequestContext]:
+def replay_events(
+    runtime: Any, protocol: WireProtocol, body: dict[str, Any], route: str
+) -> tuple[Iterator[Event], RequestContext]:
     """Decode `body` with `protocol`, then run the real qwen3 pipeline on the replay engine."""
     pipeline = load_pipeline(REPO / "pipelines" / "qwen3.yaml")
     env = BuildEnv(model_name="replay-qwen3", family="qwen3", runtime=runtime)
-    chain = Chain([s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages])
-    ctx = RequestContext(request=protocol.decode(body, RequestMeta(route=route)), request_id="req_e2e", model_name="replay-qwen3")
+    chain = Chain(
+        [s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages]
+    )
+    ctx = RequestContext(
+        request=protocol.decode(body, RequestMeta(route=route)),
+        request_id="req_e2e",
+        model_name="replay-qwen3",
+    )
     chain.prepare(ctx)
     return chain.run(ctx), ctx
 
 
 def test_replay_pipeline_stream_and_json_agree_and_validate(qwen3_runtime: Any) -> None:
-    body = {"model": "replay-qwen3", "messages": USER, "tools": [fn_tool("get_weather")], "mock_response": QWEN3_CALL}
-    completion = ChatCompletion.model_validate(PROTOCOL.encode_json(*replay_events(qwen3_runtime, PROTOCOL, body, META.route)))
+    body = {
+        "model": "replay-qwen3",
+        "messages": USER,
+        "tools": [fn_tool("get_weather")],
+        "mock_response": QWEN3_CALL,
+    }
+    completion = ChatCompletion.model_validate(
+        PROTOCOL.encode_json(*replay_events(qwen3_runtime, PROTOCOL, body, META.route))
+    )
     state = ChatCompletionStreamState()
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    raw = b"".join(PROTOCOL.encode_stream(*replay_events(qwen3_runtime, PROTOCOL, stream_body, META.route)))
+    raw = b"".join(
+        PROTOCOL.encode_stream(*replay_events(qwen3_runtime, PROTOCOL, stream_body, META.route))
+    )
     frames = [f["data"] for f in parse_sse(raw) if f["data"] is not None]
     assert frames[-1] == "[DONE]"
     for frame in frames[:-1]:

@@ -36,7 +36,13 @@ from pipeserve.request import GenerationRequest
 PROTOCOL = OpenAIResponses()
 META = RequestMeta(route="/v1/responses")
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
-TEXT: list[Event] = [PromptReady(9, 2), ReasoningDelta("Hm."), ContentDelta("Hello"), Finish("stop"), Usage(9, 4, 2, 1)]
+TEXT: list[Event] = [
+    PromptReady(9, 2),
+    ReasoningDelta("Hm."),
+    ContentDelta("Hello"),
+    Finish("stop"),
+    Usage(9, 4, 2, 1),
+]
 
 
 def fn(name: str) -> dict[str, Any]:
@@ -83,7 +89,9 @@ def test_response_echoes_the_request_parameters() -> None:
     Response.model_validate(body)
     for key, value in ECHOED.items():
         assert body[key] == value, key
-    assert body["store"] is False and body["background"] is False  # nothing is stored or backgrounded
+    assert (
+        body["store"] is False and body["background"] is False
+    )  # nothing is stored or backgrounded
     for key in ("previous_response_id", "conversation", "prompt", "error", "incomplete_details"):
         assert key in body and body[key] is None, key
     assert body["service_tier"] == "default"
@@ -94,7 +102,12 @@ def test_defaults_are_spelled_out() -> None:
     body = encode_json(TEXT)
     assert body["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
     assert body["reasoning"] == {"effort": None, "summary": None}
-    assert (body["truncation"], body["tool_choice"], body["tools"], body["metadata"]) == ("disabled", "auto", [], {})
+    assert (body["truncation"], body["tool_choice"], body["tools"], body["metadata"]) == (
+        "disabled",
+        "auto",
+        [],
+        {},
+    )
     assert body["max_tool_calls"] is None and body["user"] is None
 
 
@@ -110,7 +123,9 @@ def test_usage_details_and_item_fields() -> None:
     reasoning, message = body["output"]
     assert reasoning["id"].startswith("rs_") and reasoning["summary"] == []
     assert message["id"].startswith("msg_") and message["status"] == "completed"
-    assert message["content"] == [{"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}]
+    assert message["content"] == [
+        {"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}
+    ]
 
 
 def test_stream_snapshots_are_valid_and_only_completion_has_completed_at() -> None:
@@ -121,18 +136,30 @@ def test_stream_snapshots_are_valid_and_only_completion_has_completed_at() -> No
     created, in_progress, completed = events[0], events[1], events[-1]
     assert created["type"] == "response.created" and in_progress["type"] == "response.in_progress"
     assert created["response"]["completed_at"] is None and created["response"]["usage"] is None
-    assert completed["type"] == "response.completed" and completed["response"]["completed_at"] is not None
+    assert (
+        completed["type"] == "response.completed"
+        and completed["response"]["completed_at"] is not None
+    )
     assert completed["response"]["max_tool_calls"] == 3 and completed["response"]["user"] == "u-1"
 
 
-CALL: list[Event] = [ToolCallStart(0, "call_1", "get_weather"), ToolCallEnd(0, '{"city": "Oslo"}'), Finish("tool_calls")]
+CALL: list[Event] = [
+    ToolCallStart(0, "call_1", "get_weather"),
+    ToolCallEnd(0, '{"city": "Oslo"}'),
+    Finish("tool_calls"),
+]
 
 
 @pytest.mark.parametrize(
     ("events", "status", "details", "last_item_status"),
     [
         ([ContentDelta("x"), Finish("stop")], "completed", None, "completed"),
-        ([ContentDelta("x"), Finish("length")], "incomplete", {"reason": "max_output_tokens"}, "incomplete"),
+        (
+            [ContentDelta("x"), Finish("length")],
+            "incomplete",
+            {"reason": "max_output_tokens"},
+            "incomplete",
+        ),
         (CALL, "completed", None, "completed"),
     ],
 )
@@ -145,14 +172,19 @@ def test_status_for_each_finish_cause(
     assert body["output"][-1]["status"] == last_item_status
     last = data_frames(stream(run, tools=[fn("get_weather")]))[-1]
     assert last["type"] == f"response.{status}"
-    assert last["response"]["status"] == status and last["response"]["output"][-1]["status"] == last_item_status
+    assert (
+        last["response"]["status"] == status
+        and last["response"]["output"][-1]["status"] == last_item_status
+    )
     if status == "completed":  # the SDK accumulator only finishes on response.completed
         final = final_via_sdk(stream(run, tools=[fn("get_weather")]))
         assert final.output[-1].status == last_item_status
 
 
 @pytest.mark.parametrize(
-    "events", [[ErrorEvent("internal", "boom"), Finish("error")], [Finish("cancelled")]], ids=["error", "cancelled"]
+    "events",
+    [[ErrorEvent("internal", "boom"), Finish("error")], [Finish("cancelled")]],
+    ids=["error", "cancelled"],
 )
 def test_error_and_cancel_end_with_response_failed(events: list[Event]) -> None:
     run = [PromptReady(3), ContentDelta("x"), *events, Usage(3, 1)]
@@ -169,7 +201,9 @@ def test_error_and_cancel_end_with_response_failed(events: list[Event]) -> None:
 
 
 def sdk() -> tuple[Harness, Any]:
-    harness = Harness(PROTOCOL, lambda ctx: [PromptReady(3), ContentDelta("ok"), Finish("stop"), Usage(3, 1)])
+    harness = Harness(
+        PROTOCOL, lambda ctx: [PromptReady(3), ContentDelta("ok"), Finish("stop"), Usage(3, 1)]
+    )
     return harness, harness.client.responses
 
 
@@ -184,17 +218,25 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"truncation": "sometimes"}, "truncation"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}, {"role": "user", "content": "q"}]}, "input[0]"),
+    (
+        {"input": [{"type": "item_reference", "id": "msg_1"}, {"role": "user", "content": "q"}]},
+        "input[0]",
+    ),
     ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
     (
-        {"tools": [fn("a")], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}},
+        {
+            "tools": [fn("a")],
+            "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []},
+        },
         "tool_choice",
     ),
 ]
 
 
 @pytest.mark.parametrize(("fields", "param"), REFUSED)
-def test_unhonoured_or_malformed_parameters_are_a_400_naming_them(fields: dict[str, Any], param: str) -> None:
+def test_unhonoured_or_malformed_parameters_are_a_400_naming_them(
+    fields: dict[str, Any], param: str
+) -> None:
     harness, responses = sdk()
     with pytest.raises(openai.BadRequestError) as info:
         responses.create(model="demo", input="hi", extra_body=fields)
@@ -211,7 +253,11 @@ def test_harmless_parameters_are_accepted() -> None:
         input="hi",
         store=True,
         # A value from a newer client asks for more output; it is not a reason to refuse.
-        include=["reasoning.encrypted_content", "message.output_text.logprobs", "some.future.value"],
+        include=[
+            "reasoning.encrypted_content",
+            "message.output_text.logprobs",
+            "some.future.value",
+        ],
         stream_options=None,
         service_tier="auto",
         prompt_cache_key="k",
@@ -230,7 +276,11 @@ def test_harmless_parameters_are_accepted() -> None:
 
 
 def test_allowed_tools_restricts_the_tool_list() -> None:
-    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "b"}]}
+    choice = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "b"}],
+    }
     req = decode(tools=[fn("a"), fn("b")], tool_choice=choice)
     assert [t.name for t in req.tools] == ["b"] and req.tool_choice.mode == "required"
     auto = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "a"}]}
@@ -252,8 +302,14 @@ def test_replay_pipeline_events_validate_and_echo(qwen3_runtime: Any) -> None:
         "max_tool_calls": 1,
         "mock_response": QWEN3_CALL,
     }
-    plain = Response.model_validate(PROTOCOL.encode_json(*replay_events(qwen3_runtime, PROTOCOL, body, META.route)))
-    raw = b"".join(PROTOCOL.encode_stream(*replay_events(qwen3_runtime, PROTOCOL, {**body, "stream": True}, META.route)))
+    plain = Response.model_validate(
+        PROTOCOL.encode_json(*replay_events(qwen3_runtime, PROTOCOL, body, META.route))
+    )
+    raw = b"".join(
+        PROTOCOL.encode_stream(
+            *replay_events(qwen3_runtime, PROTOCOL, {**body, "stream": True}, META.route)
+        )
+    )
     events = data_frames(raw)
     for event in events:
         EVENTS.validate_python(event)
@@ -265,5 +321,7 @@ def test_replay_pipeline_events_validate_and_echo(qwen3_runtime: Any) -> None:
         assert reasoning.encrypted_content and message.content[0].text == "Sure."  # type: ignore[union-attr]
         assert call.call_id.startswith("call_") and call.id.startswith("fc_")  # type: ignore[union-attr]
         assert call.arguments == '{"city": "Paris"}' and call.status == "completed"  # type: ignore[union-attr]
-        assert result.reasoning and result.reasoning.summary == "auto" and result.max_tool_calls == 1
+        assert (
+            result.reasoning and result.reasoning.summary == "auto" and result.max_tool_calls == 1
+        )
         assert result.usage and result.usage.output_tokens_details.reasoning_tokens > 0

@@ -23,9 +23,13 @@ def faulty_encoder() -> Iterator[bytes]:
     raise KeyError("bug in an encoder")
 
 
-@pytest.mark.parametrize("protocol", [OpenAIChat(), AnthropicMessages(), OpenAIResponses()], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "protocol", [OpenAIChat(), AnthropicMessages(), OpenAIResponses()], ids=lambda p: p.name
+)
 def test_encoder_fault_ends_with_an_error_event(protocol: WireProtocol) -> None:
-    ctx = RequestContext(request=GenerationRequest(model="m", messages=[]), request_id="req_1", model_name="m")
+    ctx = RequestContext(
+        request=GenerationRequest(model="m", messages=[]), request_id="req_1", model_name="m"
+    )
     stopped: list[bool] = []
     body = b"".join(closing_stream(faulty_encoder(), ctx, lambda: stopped.append(True), protocol))
     last = body.decode().strip().split("\n\n")[-1]
@@ -39,8 +43,10 @@ def test_encoder_fault_ends_with_an_error_event(protocol: WireProtocol) -> None:
 def test_responses_encoder_fault_is_a_typed_error_event() -> None:
     from openai.types.responses import ResponseErrorEvent
 
-    ctx = RequestContext(request=GenerationRequest(model="m", messages=[]), request_id="req_1", model_name="m")
-    chunks = [b": keep-alive\n\n", b'event: response.created\ndata: {}\n\n']
+    ctx = RequestContext(
+        request=GenerationRequest(model="m", messages=[]), request_id="req_1", model_name="m"
+    )
+    chunks = [b": keep-alive\n\n", b"event: response.created\ndata: {}\n\n"]
 
     def encoder() -> Iterator[bytes]:
         yield from chunks

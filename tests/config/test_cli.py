@@ -37,48 +37,57 @@ def test_validate_paths_files_and_folders(tree: Tree, capsys: pytest.CaptureFixt
     ("pipeline", "config", "expected"),
     [
         pytest.param(
-            "family: qwen3\nstages:\n  - test_generate: {\n", GOOD_CONFIG,
+            "family: qwen3\nstages:\n  - test_generate: {\n",
+            GOOD_CONFIG,
             "pipelines/qwen3.yaml:4:1: (yaml): YAML syntax error: expected the node content, but found '<stream end>'",
             id="yaml-syntax",
         ),
         pytest.param(
-            GOOD_PIPELINE, GOOD_CONFIG + "modles: []\n",
+            GOOD_PIPELINE,
+            GOOD_CONFIG + "modles: []\n",
             "configs/default.yaml:9:1: modles: unknown key 'modles'; did you mean 'models'?",
             id="unknown-top-level-key",
         ),
         pytest.param(
-            GOOD_PIPELINE.replace("test_stop:", "test_sotp:"), GOOD_CONFIG,
+            GOOD_PIPELINE.replace("test_stop:", "test_sotp:"),
+            GOOD_CONFIG,
             "pipelines/qwen3.yaml:7:5: stages[4].test_sotp: unknown stage kind 'test_sotp'; did you mean 'test_stop'?",
             id="unknown-stage",
         ),
         pytest.param(
-            GOOD_PIPELINE.replace('start: "<think>", ', ""), GOOD_CONFIG,
+            GOOD_PIPELINE.replace('start: "<think>", ', ""),
+            GOOD_CONFIG,
             "pipelines/qwen3.yaml:5:20: stages[2].test_thinking.start: Field required",
             id="missing-stage-param",
         ),
         pytest.param(
-            GOOD_PIPELINE, GOOD_CONFIG.replace("port: 8080", "port: [8080]"),
+            GOOD_PIPELINE,
+            GOOD_CONFIG.replace("port: 8080", "port: [8080]"),
             "configs/default.yaml:1:33: server.port: Input should be a valid integer, got a list",
             id="wrong-type",
         ),
         pytest.param(
-            GOOD_PIPELINE, GOOD_CONFIG.replace("pipeline: qwen3", "pipeline: glm"),
+            GOOD_PIPELINE,
+            GOOD_CONFIG.replace("pipeline: qwen3", "pipeline: glm"),
             "configs/default.yaml:5:15: models[0].pipeline: no pipeline 'glm' in pipelines (known: qwen3)",
             id="missing-pipeline",
         ),
         pytest.param(
-            GOOD_PIPELINE, GOOD_CONFIG.replace("/v1/messages", "/v1/chat/completions"),
+            GOOD_PIPELINE,
+            GOOD_CONFIG.replace("/v1/messages", "/v1/chat/completions"),
             "configs/default.yaml:8:13: endpoints[1].route: duplicate route '/v1/chat/completions' "
             "(also endpoints[0].route at line 7)",
             id="duplicate-route",
         ),
         pytest.param(
-            GOOD_PIPELINE.replace("  - test_generate: {}\n", ""), GOOD_CONFIG,
+            GOOD_PIPELINE.replace("  - test_generate: {}\n", ""),
+            GOOD_CONFIG,
             "pipelines/qwen3.yaml:2:1: stages: the pipeline needs exactly one generation stage (e.g. '- generate: {}')",
             id="no-generate-stage",
         ),
         pytest.param(
-            GOOD_PIPELINE + "family: again\n", GOOD_CONFIG,
+            GOOD_PIPELINE + "family: again\n",
+            GOOD_CONFIG,
             "pipelines/qwen3.yaml:8:1: family: duplicate key 'family' (first defined at line 1, column 1)",
             id="duplicate-key",
         ),
@@ -101,7 +110,10 @@ def test_validate_usage_errors_exit_2(tree: Tree, capsys: pytest.CaptureFixture[
     assert main(["validate"]) == 2  # nothing here to validate
     assert "nothing to validate" in capsys.readouterr().err
     assert main(["validate", "missing.yaml"]) == 2
-    assert capsys.readouterr().err == "pipeserve validate: error: no such file or folder: missing.yaml\n"
+    assert (
+        capsys.readouterr().err
+        == "pipeserve validate: error: no such file or folder: missing.yaml\n"
+    )
     assert main(["validate", "--bogus"]) == 2
     assert main([]) == 2
     assert main(["--help"]) == 0
@@ -109,11 +121,16 @@ def test_validate_usage_errors_exit_2(tree: Tree, capsys: pytest.CaptureFixture[
 
 def test_serve_refuses_an_invalid_config(tree: Tree, capsys: pytest.CaptureFixture[str]) -> None:
     tree.write("pipelines/qwen3.yaml", GOOD_PIPELINE)
-    config = tree.write("configs/bad.yaml", GOOD_CONFIG.replace("api: openai-chat}", "api: openai}"))
+    config = tree.write(
+        "configs/bad.yaml", GOOD_CONFIG.replace("api: openai-chat}", "api: openai}")
+    )
     assert main(["serve", "--config", str(config)]) == 1
-    assert capsys.readouterr().err == (  # files inside the working directory are named relative to it
-        "configs/bad.yaml:7:40: endpoints[0].api: unknown api 'openai'; did you mean 'openai-chat'?\n"
-        f"pipeserve: refusing to start: {config} is invalid\n"
+    assert (
+        capsys.readouterr().err
+        == (  # files inside the working directory are named relative to it
+            "configs/bad.yaml:7:40: endpoints[0].api: unknown api 'openai'; did you mean 'openai-chat'?\n"
+            f"pipeserve: refusing to start: {config} is invalid\n"
+        )
     )
 
 
@@ -124,7 +141,9 @@ def test_serve_default_config_comes_from_the_environment(
     tree.write("configs/env.yaml", GOOD_CONFIG.replace("port: 8080", "port: 0"))
     monkeypatch.setenv("PIPESERVE_CONFIG", "configs/env.yaml")
     assert main(["serve"]) == 1
-    assert capsys.readouterr().err.startswith("configs/env.yaml:1:33: server.port: Input should be greater than or equal to 1")
+    assert capsys.readouterr().err.startswith(
+        "configs/env.yaml:1:33: server.port: Input should be greater than or equal to 1"
+    )
     monkeypatch.delenv("PIPESERVE_CONFIG")
     assert main(["serve"]) == 2  # no configs/default.yaml here
     assert "no such config file: configs/default.yaml" in capsys.readouterr().err
@@ -133,7 +152,13 @@ def test_serve_default_config_comes_from_the_environment(
 def run_console(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPESERVE_")}
     return subprocess.run(
-        [str(CONSOLE_SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
+        [str(CONSOLE_SCRIPT), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -166,7 +191,9 @@ def test_console_script_accepts_the_shipped_files() -> None:
     assert result.stdout == f"ok: {len(files)} files\n"
 
 
-def test_shipped_files_are_valid_in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_shipped_files_are_valid_in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     require_shipped_and_real_stages()
     monkeypatch.chdir(REPO)
     assert main(["validate"]) == 0, capsys.readouterr().err
@@ -179,7 +206,11 @@ def test_pre_commit_hook_definition() -> None:
 
     (hook,) = yaml.safe_load((REPO / ".pre-commit-hooks.yaml").read_text())
     assert hook["id"] == "pipeserve-validate"
-    assert (hook["entry"], hook["language"], hook["pass_filenames"]) == ("pipeserve validate", "python", True)
+    assert (hook["entry"], hook["language"], hook["pass_filenames"]) == (
+        "pipeserve validate",
+        "python",
+        True,
+    )
     pattern = re.compile(hook["files"])
     for path in ("configs/default.yaml", "pipelines/qwen3.yml", "deploy/pipelines/glm.yaml"):
         assert pattern.search(path), path
@@ -187,14 +218,18 @@ def test_pre_commit_hook_definition() -> None:
         assert not pattern.search(path), path
 
 
-def test_demo_models_unknown_family_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_demo_models_unknown_family_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     pytest.importorskip("pipeserve.engine.demo")
     assert main(["demo-models", "--out", str(tmp_path), "--family", "nope"]) == 2
     assert capsys.readouterr().err.startswith("pipeserve demo-models: error: unknown demo ")
 
 
 @pytest.mark.mlx
-def test_demo_models_builds_and_prints_the_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_demo_models_builds_and_prints_the_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     pytest.importorskip("pipeserve.engine.demo")
     assert main(["demo-models", "--out", str(tmp_path), "--family", "qwen3"]) == 0
     (line,) = capsys.readouterr().out.splitlines()

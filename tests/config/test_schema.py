@@ -38,7 +38,9 @@ def test_stage_items_are_one_of_the_registered_kinds(capsys: pytest.CaptureFixtu
     params = schema["$defs"][thinking["properties"]["test_thinking"]["$ref"].split("/")[-1]]
     assert params["required"] == ["start", "end"]
     generate = next(i for i in stage_items if i["title"] == "test_generate")
-    assert {"type": "null"} in generate["properties"]["test_generate"]["anyOf"]  # `- generate:` is fine
+    assert {"type": "null"} in generate["properties"]["test_generate"][
+        "anyOf"
+    ]  # `- generate:` is fine
 
 
 def errors(schema: dict[str, Any], text: str) -> list[str]:
@@ -64,5 +66,8 @@ def test_shipped_yaml_validates_against_the_schema() -> None:
     files = require_shipped_and_real_stages()
     validator = Draft202012Validator(json_schema("all"))
     for path in files:
-        problems = [f"{path.name}: {e.message}" for e in validator.iter_errors(yaml.safe_load(path.read_text()))]
+        problems = [
+            f"{path.name}: {e.message}"
+            for e in validator.iter_errors(yaml.safe_load(path.read_text()))
+        ]
         assert problems == []

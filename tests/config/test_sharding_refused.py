@@ -11,7 +11,9 @@ from pipeserve.cli import main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_sharding_block_is_a_positioned_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sharding_block_is_a_positioned_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "sharded.yaml"
     config.write_text(
         f"pipelines_dir: {REPO / 'pipelines'}\n"
@@ -21,5 +23,8 @@ def test_sharding_block_is_a_positioned_error(tmp_path: Path, capsys: pytest.Cap
     )
     assert main(["validate", str(config)]) == 1
     err = capsys.readouterr().err
-    assert f"{config}:7:17: models[0].options.sharding:" in err or "sharded.yaml:7:17: models[0].options.sharding:" in err
+    assert (
+        f"{config}:7:17: models[0].options.sharding:" in err
+        or "sharded.yaml:7:17: models[0].options.sharding:" in err
+    )
     assert "sharding is not implemented" in err

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.config import ConfigError, LoadedConfig, load_pipeline, load_server_config, validate_paths
+from pipeserve.config import (
+    ConfigError,
+    LoadedConfig,
+    load_pipeline,
+    load_server_config,
+    validate_paths,
+)
 from pipeserve.config.config_checks import KNOWN_APIS
 from pipeserve.config.loader import load_yaml
 from pipeserve.config.validate import detect_kind
@@ -44,17 +50,23 @@ def test_good_files_load(tree: Tree) -> None:
 def test_unknown_top_level_key_in_config(tree: Tree) -> None:
     with_pipeline(tree, GOOD_PIPELINE)
     config = tree.write("configs/default.yaml", GOOD_CONFIG + "endpoint: []\n")
-    assert messages(config) == ["configs/default.yaml:9:1: endpoint: unknown key 'endpoint'; did you mean 'endpoints'?"]
+    assert messages(config) == [
+        "configs/default.yaml:9:1: endpoint: unknown key 'endpoint'; did you mean 'endpoints'?"
+    ]
 
 
 def test_unknown_top_level_key_in_pipeline(tree: Tree) -> None:
     path = with_pipeline(tree, "famly: qwen3\n" + GOOD_PIPELINE)
-    assert messages(path) == ["pipelines/qwen3.yaml:1:1: famly: unknown key 'famly'; did you mean 'family'?"]
+    assert messages(path) == [
+        "pipelines/qwen3.yaml:1:1: famly: unknown key 'famly'; did you mean 'family'?"
+    ]
 
 
 def test_unknown_nested_key_without_close_match_lists_the_known_keys(tree: Tree) -> None:
     with_pipeline(tree, GOOD_PIPELINE)
-    config = tree.write("configs/default.yaml", GOOD_CONFIG.replace("port: 8080", "port: 8080, zzz: 1"))
+    config = tree.write(
+        "configs/default.yaml", GOOD_CONFIG.replace("port: 8080", "port: 8080, zzz: 1")
+    )
     (message,) = messages(config)
     assert message.startswith("configs/default.yaml:1:39: server.zzz: unknown key 'zzz' (known: ")
     assert "graceful_timeout, host" in message
@@ -69,11 +81,18 @@ def test_unknown_stage_kind_with_suggestion(tree: Tree) -> None:
 
 def test_missing_required_stage_parameter(tree: Tree) -> None:
     path = with_pipeline(tree, GOOD_PIPELINE.replace(', end: "</think>"', ""))
-    assert messages(path) == ["pipelines/qwen3.yaml:5:20: stages[2].test_thinking.end: Field required"]
+    assert messages(path) == [
+        "pipelines/qwen3.yaml:5:20: stages[2].test_thinking.end: Field required"
+    ]
 
 
 def test_missing_parameters_of_a_stage_without_params_point_at_its_name(tree: Tree) -> None:
-    path = with_pipeline(tree, GOOD_PIPELINE.replace('test_thinking: {start: "<think>", end: "</think>"}', "test_thinking:"))
+    path = with_pipeline(
+        tree,
+        GOOD_PIPELINE.replace(
+            'test_thinking: {start: "<think>", end: "</think>"}', "test_thinking:"
+        ),
+    )
     assert messages(path) == [
         "pipelines/qwen3.yaml:5:5: stages[2].test_thinking.start: Field required",
         "pipelines/qwen3.yaml:5:5: stages[2].test_thinking.end: Field required",
@@ -81,7 +100,9 @@ def test_missing_parameters_of_a_stage_without_params_point_at_its_name(tree: Tr
 
 
 def test_wrong_type(tree: Tree) -> None:
-    path = with_pipeline(tree, GOOD_PIPELINE.replace("{format: json}", "{format: json, max_calls: [1]}"))
+    path = with_pipeline(
+        tree, GOOD_PIPELINE.replace("{format: json}", "{format: json, max_calls: [1]}")
+    )
     assert messages(path) == [
         "pipelines/qwen3.yaml:6:48: stages[3].test_tool_calls.max_calls: Input should be a valid integer, got a list"
     ]
@@ -104,7 +125,9 @@ def test_unknown_stage_parameter(tree: Tree) -> None:
 
 
 def test_stage_item_must_be_a_single_key_mapping(tree: Tree) -> None:
-    text = GOOD_PIPELINE.replace("  - test_stop:\n", "  - test_stop\n  - {test_stop: {}, test_render: {}}\n")
+    text = GOOD_PIPELINE.replace(
+        "  - test_stop:\n", "  - test_stop\n  - {test_stop: {}, test_render: {}}\n"
+    )
     path = with_pipeline(tree, text)
     assert messages(path) == [
         "pipelines/qwen3.yaml:7:5: stages[4]: a stage is a single-key mapping {kind: {params}}, "
@@ -133,7 +156,9 @@ def test_two_generation_stages_and_render_after_generate(tree: Tree) -> None:
 
 def test_model_naming_a_missing_pipeline(tree: Tree) -> None:
     with_pipeline(tree, GOOD_PIPELINE)
-    config = tree.write("configs/default.yaml", GOOD_CONFIG.replace("pipeline: qwen3", "pipeline: qwen"))
+    config = tree.write(
+        "configs/default.yaml", GOOD_CONFIG.replace("pipeline: qwen3", "pipeline: qwen")
+    )
     assert messages(config) == [
         "configs/default.yaml:5:15: models[0].pipeline: no pipeline 'qwen' in pipelines; did you mean 'qwen3'?"
     ]
@@ -144,7 +169,9 @@ def test_pipelines_dir_is_relative_to_the_config(tree: Tree) -> None:
     config = tree.write("elsewhere/server.yaml", "pipelines_dir: families\n" + GOOD_CONFIG)
     assert messages(config) == []
     missing = tree.write("configs/default.yaml", "pipelines_dir: nowhere\n" + GOOD_CONFIG)
-    assert messages(missing) == ["configs/default.yaml:1:16: pipelines_dir: no such folder: configs/nowhere"]
+    assert messages(missing) == [
+        "configs/default.yaml:1:16: pipelines_dir: no such folder: configs/nowhere"
+    ]
 
 
 def test_duplicate_route(tree: Tree) -> None:
@@ -187,7 +214,9 @@ def test_unknown_demo_model(tree: Tree) -> None:
 
 
 def test_all_problems_reported_together(tree: Tree) -> None:
-    pipeline = GOOD_PIPELINE.replace("test_generate: {}", "test_generat: {}").replace("{format: json}", "{}")
+    pipeline = GOOD_PIPELINE.replace("test_generate: {}", "test_generat: {}").replace(
+        "{format: json}", "{}"
+    )
     with_pipeline(tree, pipeline)
     text = (
         GOOD_CONFIG.replace("port: 8080", "port: http")

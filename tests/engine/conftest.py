@@ -28,7 +28,9 @@ def mlx_runtime(demo_model_dir: Callable[[str], object]) -> Iterator[Callable[[s
 
 
 @pytest.fixture(scope="session")
-def replay_runtime(demo_model_dir: Callable[[str], object]) -> Iterator[Callable[[str], ModelRuntime]]:
+def replay_runtime(
+    demo_model_dir: Callable[[str], object],
+) -> Iterator[Callable[[str], ModelRuntime]]:
     built: dict[str, ModelRuntime] = {}
 
     def get(family: str) -> ModelRuntime:

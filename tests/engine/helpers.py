@@ -61,13 +61,19 @@ def collect(events: Iterable[Event]) -> Collected:
     return out
 
 
-def job(prompt: list[int], max_tokens: int = 16, stop: Iterable[int] = (), **sampling: Any) -> GenerationJob:
+def job(
+    prompt: list[int], max_tokens: int = 16, stop: Iterable[int] = (), **sampling: Any
+) -> GenerationJob:
     sampling.setdefault("temperature", 0.0)
-    return GenerationJob("test", list(prompt), SamplingParams(**sampling), max_tokens, frozenset(stop))
+    return GenerationJob(
+        "test", list(prompt), SamplingParams(**sampling), max_tokens, frozenset(stop)
+    )
 
 
 def entry(source: str, engine: str = "mlx", **options: Any) -> ModelEntry:
-    return ModelEntry(name="m", source=source, pipeline="qwen3", engine=engine, options=EngineOptions(**options))
+    return ModelEntry(
+        name="m", source=source, pipeline="qwen3", engine=engine, options=EngineOptions(**options)
+    )
 
 
 def reference_ids(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> list[int]:

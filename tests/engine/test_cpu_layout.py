@@ -43,7 +43,9 @@ def test_transposed_model_is_bit_identical(family, demo_model_dir):
     assert _dense_layers(reference), "the demo model has dense float32 layers to transpose"
     assert _dense_layers(transposed) == []
     prompt = list(range(100, 140))
-    for expected, got in zip(_logits_over_steps(reference, prompt, 6), _logits_over_steps(transposed, prompt, 6)):
+    for expected, got in zip(
+        _logits_over_steps(reference, prompt, 6), _logits_over_steps(transposed, prompt, 6)
+    ):
         assert mx.array_equal(expected, got).item()
 
 
@@ -73,7 +75,9 @@ def test_only_bias_free_float32_layers_are_transposed():
 def test_off_by_option_and_after_a_half_precision_cast(demo_model_dir):
     assert _dense_layers(load_model(demo_model_dir("qwen3"), cpu_pretranspose=False))
     half = load_model(demo_model_dir("qwen3"), "float16", cpu_pretranspose=True)
-    assert not any(isinstance(m, (TransposedLinear, TransposedEmbedding)) for _, m in half.named_modules())
+    assert not any(
+        isinstance(m, (TransposedLinear, TransposedEmbedding)) for _, m in half.named_modules()
+    )
 
 
 @pytest.mark.parametrize("rows", [1, TRANSPOSE_ROWS, TRANSPOSE_ROWS + 1, 3 * TRANSPOSE_ROWS - 7])

@@ -33,7 +33,15 @@ TEXTS = [
 ]
 # quicktok encoding each family's vocab must match (specials encoded as text ranks aside)
 QUICKTOK = {"qwen3": "qwen3", "gpt-oss": "o200k_harmony", "glm": "qwen3", "kimi": "cl100k_base"}
-HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+HARMONY_TOKENS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+    "<|constrain|>",
+)
 
 
 def sha256(path: Path) -> str:
@@ -41,7 +49,9 @@ def sha256(path: Path) -> str:
 
 
 @pytest.mark.parametrize("family", DEMO_FAMILIES)
-def test_tokenizer_matches_quicktok_and_round_trips(family: str, demo_tokenizer: Callable[[str], Any]) -> None:
+def test_tokenizer_matches_quicktok_and_round_trips(
+    family: str, demo_tokenizer: Callable[[str], Any]
+) -> None:
     hf = demo_tokenizer(family)._tokenizer
     encoding = quicktok.get_encoding(QUICKTOK[family])
     for text in TEXTS:
@@ -62,7 +72,9 @@ def test_special_tokens_are_single_ids(family: str, demo_tokenizer: Callable[[st
 
 
 @pytest.mark.parametrize("family", DEMO_FAMILIES)
-def test_eos_ids_come_from_config(family: str, demo_model_dir: Callable[[str], Path], demo_tokenizer: Callable[[str], Any]) -> None:
+def test_eos_ids_come_from_config(
+    family: str, demo_model_dir: Callable[[str], Path], demo_tokenizer: Callable[[str], Any]
+) -> None:
     specials = FAMILIES[family].specials()
     expected = {specials[t] for t in FAMILIES[family].eos}
     config = json.loads((demo_model_dir(family) / "config.json").read_text())
@@ -71,12 +83,18 @@ def test_eos_ids_come_from_config(family: str, demo_model_dir: Callable[[str], P
     assert demo_tokenizer(family)._tokenizer.eos_token == FAMILIES[family].eos[0]
 
 
-def test_gpt_oss_harmony_ids_match_openai_harmony(demo_tokenizer: Callable[[str], Any], harmony_encoding: Any) -> None:
+def test_gpt_oss_harmony_ids_match_openai_harmony(
+    demo_tokenizer: Callable[[str], Any], harmony_encoding: Any
+) -> None:
     hf = demo_tokenizer("gpt-oss")._tokenizer
     for token in HARMONY_TOKENS:
-        assert hf.encode(token, add_special_tokens=False) == harmony_encoding.encode(token, allowed_special="all")
+        assert hf.encode(token, add_special_tokens=False) == harmony_encoding.encode(
+            token, allowed_special="all"
+        )
     text = "<|start|>assistant<|channel|>final<|message|>Héllo wörld 🚀<|return|>"
-    assert hf.encode(text, add_special_tokens=False) == harmony_encoding.encode(text, allowed_special="all")
+    assert hf.encode(text, add_special_tokens=False) == harmony_encoding.encode(
+        text, allowed_special="all"
+    )
 
 
 def test_tiktoken_file_is_the_real_o200k_base(pipeserve_home: Path) -> None:
@@ -87,19 +105,25 @@ def test_tiktoken_file_is_the_real_o200k_base(pipeserve_home: Path) -> None:
 
 @pytest.mark.mlx
 @pytest.mark.parametrize("family", DEMO_FAMILIES)
-def test_demo_model_loads_and_generates_deterministically(family: str, demo_model: Callable[[str], Any]) -> None:
+def test_demo_model_loads_and_generates_deterministically(
+    family: str, demo_model: Callable[[str], Any]
+) -> None:
     model, tokenizer = demo_model(family)
     prompt = tokenizer._tokenizer.encode("Hello there, how are you?", add_special_tokens=False)
     first = mlx_lm.generate(model, tokenizer, prompt, max_tokens=8)
     second = mlx_lm.generate(model, tokenizer, prompt, max_tokens=8)
     assert first and first == second
-    assert len(set(tokenizer._tokenizer.encode(first, add_special_tokens=False))) > 1  # not one token repeated
+    assert (
+        len(set(tokenizer._tokenizer.encode(first, add_special_tokens=False))) > 1
+    )  # not one token repeated
 
 
 @pytest.mark.parametrize("family", DEMO_FAMILIES)
 def test_chat_template_renders(family: str, demo_tokenizer: Callable[[str], Any]) -> None:
     hf = demo_tokenizer(family)._tokenizer
-    prompt = hf.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert "hi" in prompt
 
 
@@ -120,11 +144,15 @@ def test_concurrent_builders_agree(tmp_path: Path, demo_model_dir: Callable[[str
         paths = pool.map(_build_in_process, [str(tmp_path)] * 2)
     assert paths[0] == paths[1]
     built = Path(paths[0])
-    assert sha256(built / "model.safetensors") == sha256(demo_model_dir("kimi") / "model.safetensors")
+    assert sha256(built / "model.safetensors") == sha256(
+        demo_model_dir("kimi") / "model.safetensors"
+    )
     assert [p.name for p in (tmp_path / "demo").iterdir()] == [built.name]  # no temp leftovers
 
 
-def test_ensure_is_a_no_op_when_built(demo_model_dir: Callable[[str], Path], pipeserve_home: Path) -> None:
+def test_ensure_is_a_no_op_when_built(
+    demo_model_dir: Callable[[str], Path], pipeserve_home: Path
+) -> None:
     path = demo_model_dir("qwen3")
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert build_demo_models(pipeserve_home, ["qwen3"]) == [path]

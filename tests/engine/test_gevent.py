@@ -63,7 +63,11 @@ SCRIPT = textwrap.dedent(
 def test_hub_keeps_running_while_generating(pipeserve_home, demo_model_dir):
     demo_model_dir("qwen3")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, cwd=str(_repo())
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(_repo()),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,7 +8,13 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from pipeserve.engine.loader import context_length, eos_token_ids, load_model, load_tokenizer, resolve_source
+from pipeserve.engine.loader import (
+    context_length,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_source,
+)
 
 
 def test_demo_and_local_sources(demo_model_dir):
@@ -32,7 +38,10 @@ def test_eos_ids_merge_tokenizer_config_and_generation_config(demo_model_dir, tm
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [151644]}))
     tokenizer = load_tokenizer(model_dir)
     assert eos_token_ids(tokenizer, model_dir) == {151643, 151645, 151644}
-    assert context_length(model_dir) == json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert (
+        context_length(model_dir)
+        == json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    )
 
 
 def test_dtype_cast(demo_model_dir):

@@ -60,7 +60,10 @@ def test_seeds_reproduce_and_differ(mlx_runtime):
 
 def test_batched_greedy_equals_one_by_one(mlx_runtime):
     runtime = mlx_runtime("qwen3")
-    prompts = [encode(runtime, text) for text in ("Hi", "Write a poem about the sea, please", PROMPT, "1 2 3 4 5 6 7 8")]
+    prompts = [
+        encode(runtime, text)
+        for text in ("Hi", "Write a poem about the sea, please", PROMPT, "1 2 3 4 5 6 7 8")
+    ]
     lengths = [30, 12, 25, 18]
     alone = [collect(runtime.engine.submit(job(p, n))).ids for p, n in zip(prompts, lengths)]
     streams = [runtime.engine.submit(job(p, n)) for p, n in zip(prompts[:3], lengths[:3])]
@@ -116,7 +119,10 @@ def test_queue_full_is_overloaded(demo_model_dir):
         ready = next(second)  # PromptReady: both are admitted
         stats = runtime.engine.stats()
         assert (stats["active_sequences"], stats["queue_depth"]) == (1, 1)
-        for stream, events in ((streams[0], iter(streams[0])), (streams[1], itertools.chain([ready], second))):
+        for stream, events in (
+            (streams[0], iter(streams[0])),
+            (streams[1], itertools.chain([ready], second)),
+        ):
             stream.cancel()
             assert collect(events).finish.reason == "cancelled"
         assert collect(runtime.engine.submit(job(prompt, max_tokens=3))).finish.reason == "length"
@@ -154,7 +160,9 @@ def test_logprobs(mlx_runtime):
         assert len(token.top_logprobs) == 3
         best = token.top_logprobs[0]
         assert best.token_id == token.token_id and best.logprob == pytest.approx(token.logprob)
-        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+        assert [t.logprob for t in token.top_logprobs] == sorted(
+            (t.logprob for t in token.top_logprobs), reverse=True
+        )
 
 
 def test_invalid_sampling_is_rejected_by_the_engine(mlx_runtime):
@@ -162,7 +170,10 @@ def test_invalid_sampling_is_rejected_by_the_engine(mlx_runtime):
     prompt = encode(runtime, PROMPT)
     broken = collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0, min_p=2.0)))
     assert broken.finish.reason == "error" and broken.errors
-    assert collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0))).finish.reason == "length"
+    assert (
+        collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0))).finish.reason
+        == "length"
+    )
 
 
 def test_engine_fault_fails_the_batch_and_engine_survives(mlx_runtime, monkeypatch):

@@ -69,7 +69,9 @@ def test_cancelled_generation_is_cached(engine_with):
             break
     got = collect(events + list(stream))
     assert got.finish.reason == "cancelled"
-    follow_up = ids + got.ids + list(runtime.tokenizer.encode(" and more", add_special_tokens=False))
+    follow_up = (
+        ids + got.ids + list(runtime.tokenizer.encode(" and more", add_special_tokens=False))
+    )
     assert cached(runtime, follow_up) >= len(ids) + len(got.ids) - 1
 
 
@@ -87,7 +89,9 @@ def test_sliding_window_model_reuses_prompt_snapshot(engine_with):
 
 def test_cached_prefixes_batched_together_give_the_same_tokens(engine_with):
     runtime = engine_with()
-    prompts = [prompt(runtime, word)[: 60 + 25 * i] for i, word in enumerate(("kiwi", "lemon", "mango"))]
+    prompts = [
+        prompt(runtime, word)[: 60 + 25 * i] for i, word in enumerate(("kiwi", "lemon", "mango"))
+    ]
     alone = [collect(runtime.engine.submit(job(p, max_tokens=10))) for p in prompts]
     assert all(got.usage.cached_tokens == 0 for got in alone)
     streams = [runtime.engine.submit(job(p, max_tokens=10)) for p in prompts]

@@ -9,7 +9,9 @@ from pipeserve.events import KeepAlive, TokenText
 from tests.engine.helpers import collect, job
 
 QWEN_SCRIPT = ' Hello 世界 🤖!  <think>plan: call f</think>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-HARMONY_SCRIPT = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi ✓"
+HARMONY_SCRIPT = (
+    "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi ✓"
+)
 GLM_SCRIPT = "idea</think>\nSure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Zürich</arg_value></tool_call>"
 KIMI_SCRIPT = (
     " Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
@@ -36,7 +38,12 @@ def per_token_texts(tokenizer, ids: list[int]) -> list[str]:
 
 @pytest.mark.parametrize(
     ("family", "script"),
-    [("qwen3", QWEN_SCRIPT), ("gpt-oss", HARMONY_SCRIPT), ("glm", GLM_SCRIPT), ("kimi", KIMI_SCRIPT)],
+    [
+        ("qwen3", QWEN_SCRIPT),
+        ("gpt-oss", HARMONY_SCRIPT),
+        ("glm", GLM_SCRIPT),
+        ("kimi", KIMI_SCRIPT),
+    ],
 )
 def test_replay_reproduces_script_token_by_token(family, script, replay_runtime):
     runtime = replay_runtime(family)
@@ -82,7 +89,9 @@ def test_max_tokens_is_length(replay_runtime):
 
 def test_default_completion_and_empty_script(replay_runtime):
     runtime = replay_runtime("qwen3")
-    engine = ReplayEngine("r", runtime.tokenizer, runtime.eos_token_ids, default_completion="from yaml")
+    engine = ReplayEngine(
+        "r", runtime.tokenizer, runtime.eos_token_ids, default_completion="from yaml"
+    )
     try:
         assert collect(engine.submit(job([1]))).text == "from yaml"
         empty = job([1])
@@ -95,7 +104,9 @@ def test_default_completion_and_empty_script(replay_runtime):
 
 def test_cancel_with_delay(replay_runtime):
     runtime = replay_runtime("qwen3")
-    engine = ReplayEngine("r", runtime.tokenizer, runtime.eos_token_ids, default_completion="word " * 500, delay=0.01)
+    engine = ReplayEngine(
+        "r", runtime.tokenizer, runtime.eos_token_ids, default_completion="word " * 500, delay=0.01
+    )
     try:
         stream = engine.submit(job([1], max_tokens=1000))
         events = []
@@ -114,7 +125,9 @@ def test_cancel_with_delay(replay_runtime):
 
 def test_keepalive_while_waiting(replay_runtime):
     runtime = replay_runtime("qwen3")
-    engine = ReplayEngine("r", runtime.tokenizer, runtime.eos_token_ids, default_completion="a b", delay=0.3)
+    engine = ReplayEngine(
+        "r", runtime.tokenizer, runtime.eos_token_ids, default_completion="a b", delay=0.3
+    )
     try:
         stream = engine.submit(job([1], max_tokens=10))
         stream.keepalive_interval = 0.05

@@ -16,7 +16,9 @@ def test_sampler_sharing():
     assert make_sampler(SamplingParams(temperature=0.0)) is greedy_sampler
     unseeded = make_sampler(SamplingParams(temperature=0.7))
     assert make_sampler(SamplingParams(temperature=0.7)) is unseeded  # batched together
-    assert make_sampler(SamplingParams(temperature=0.7, seed=1)) is not make_sampler(SamplingParams(temperature=0.7, seed=1))
+    assert make_sampler(SamplingParams(temperature=0.7, seed=1)) is not make_sampler(
+        SamplingParams(temperature=0.7, seed=1)
+    )
     assert make_processors(SamplingParams()) == []
     assert len(make_processors(SamplingParams(repetition_penalty=1.3))) == 1
     assert len(make_processors(SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0))) == 2
@@ -37,7 +39,9 @@ def test_filters_that_keep_only_the_best_token_equal_greedy(mlx_runtime, samplin
     prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
     greedy = collect(runtime.engine.submit(job(prompt, 12))).ids
     # Run next to a greedy and an unconstrained request: per-request parameters hold.
-    streams = [runtime.engine.submit(job(prompt, 12, **s)) for s in (sampling, {"temperature": 1.5}, {})]
+    streams = [
+        runtime.engine.submit(job(prompt, 12, **s)) for s in (sampling, {"temperature": 1.5}, {})
+    ]
     constrained, _, plain = (collect(s).ids for s in streams)
     assert constrained == greedy == plain
 
@@ -57,7 +61,10 @@ def test_openai_penalties_change_output_of_that_request_only(mlx_runtime, penalt
     prompt = list(runtime.tokenizer.encode(PROMPT, add_special_tokens=False))
     plain = collect(runtime.engine.submit(job(prompt, 40))).ids
     # Batched with an unpenalized request, which must stay greedy.
-    streams = [runtime.engine.submit(job(prompt, 40, **{penalty: 2.0})), runtime.engine.submit(job(prompt, 40))]
+    streams = [
+        runtime.engine.submit(job(prompt, 40, **{penalty: 2.0})),
+        runtime.engine.submit(job(prompt, 40)),
+    ]
     penalized, neighbour = (collect(s).ids for s in streams)
     assert neighbour == plain
     assert penalized != plain

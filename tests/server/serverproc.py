@@ -30,7 +30,9 @@ def pipeserve_command() -> list[str]:
 
 
 @contextmanager
-def running_server(config: Path, env: dict[str, str] | None = None, startup_timeout: float = 240.0) -> Iterator[str]:
+def running_server(
+    config: Path, env: dict[str, str] | None = None, startup_timeout: float = 240.0
+) -> Iterator[str]:
     """Yield the base URL of a server started from `config`; stop it afterwards."""
     with server_process(config, env, startup_timeout) as (base, _):
         yield base
@@ -47,7 +49,11 @@ def server_process(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*pipeserve_command(), "serve", "--config", str(config), "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
         )
         base = f"http://127.0.0.1:{port}"
         try:
@@ -61,7 +67,9 @@ def wait_healthy(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            raise RuntimeError(
+                f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return

@@ -9,7 +9,13 @@ from tests.server.scenarios import FAMILIES, WEATHER_TOOL_SCHEMA, Family
 
 pytestmark = pytest.mark.server
 
-TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_TOOL_SCHEMA}]
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "input_schema": WEATHER_TOOL_SCHEMA,
+    }
+]
 HELLO = [{"role": "user", "content": "Say hello"}]
 
 
@@ -20,7 +26,9 @@ def client(replay_server: str) -> Anthropic:
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_plain_text(client: Anthropic, family: Family) -> None:
-    message = client.messages.create(model=family.model, max_tokens=64, messages=HELLO, extra_body={"mock_response": family.text})
+    message = client.messages.create(
+        model=family.model, max_tokens=64, messages=HELLO, extra_body={"mock_response": family.text}
+    )
     assert [b.type for b in message.content] == ["text"]
     assert message.content[0].text == "Hello there!"
     assert message.stop_reason == "end_turn"
@@ -30,7 +38,10 @@ def test_plain_text(client: Anthropic, family: Family) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_thinking_streamed_equals_final(client: Anthropic, family: Family) -> None:
     with client.messages.stream(
-        model=family.model, max_tokens=64, messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024},
+        model=family.model,
+        max_tokens=64,
+        messages=HELLO,
+        thinking={"type": "enabled", "budget_tokens": 1024},
         extra_body={"mock_response": family.reasoning},
     ) as stream:
         final = stream.get_final_message()
@@ -44,16 +55,31 @@ def test_thinking_streamed_equals_final(client: Anthropic, family: Family) -> No
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_tool_use_round_trip(client: Anthropic, family: Family) -> None:
     ask = [{"role": "user", "content": "Weather in Paris?"}]
-    first = client.messages.create(model=family.model, max_tokens=256, messages=ask, tools=TOOLS, extra_body={"mock_response": family.tool_call})
+    first = client.messages.create(
+        model=family.model,
+        max_tokens=256,
+        messages=ask,
+        tools=TOOLS,
+        extra_body={"mock_response": family.tool_call},
+    )
     assert first.stop_reason == "tool_use"
     use = next(b for b in first.content if b.type == "tool_use")
     assert use.name == "get_weather" and use.input == {"city": "Paris", "days": 3}
     history = [
         *ask,
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+        },
     ]
-    second = client.messages.create(model=family.model, max_tokens=64, messages=history, tools=TOOLS, extra_body={"mock_response": family.after_tool})
+    second = client.messages.create(
+        model=family.model,
+        max_tokens=64,
+        messages=history,
+        tools=TOOLS,
+        extra_body={"mock_response": family.after_tool},
+    )
     assert second.content[-1].text == "It is sunny in Paris."
     assert second.usage.input_tokens > first.usage.input_tokens
 
@@ -61,7 +87,10 @@ def test_tool_use_round_trip(client: Anthropic, family: Family) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_streamed_tool_use(client: Anthropic, family: Family) -> None:
     with client.messages.stream(
-        model=family.model, max_tokens=256, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        model=family.model,
+        max_tokens=256,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
         extra_body={"mock_response": family.tool_call},
     ) as stream:
         final = stream.get_final_message()
@@ -72,7 +101,10 @@ def test_streamed_tool_use(client: Anthropic, family: Family) -> None:
 
 def test_stop_sequence_reported(client: Anthropic) -> None:
     message = client.messages.create(
-        model="replay-qwen3", max_tokens=64, messages=HELLO, stop_sequences=["STOP HERE"],
+        model="replay-qwen3",
+        max_tokens=64,
+        messages=HELLO,
+        stop_sequences=["STOP HERE"],
         extra_body={"mock_response": "<think>\n</think>\n\nkeep this STOP HERE not this"},
     )
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "STOP HERE"
@@ -81,7 +113,9 @@ def test_stop_sequence_reported(client: Anthropic) -> None:
 
 def test_max_tokens_stop_reason(client: Anthropic) -> None:
     message = client.messages.create(
-        model="replay-qwen3", max_tokens=3, messages=HELLO,
+        model="replay-qwen3",
+        max_tokens=3,
+        messages=HELLO,
         extra_body={"mock_response": "<think>\n</think>\n\none two three four five six seven"},
     )
     assert message.stop_reason == "max_tokens"
@@ -91,8 +125,16 @@ def test_max_tokens_stop_reason(client: Anthropic) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_count_tokens_matches_usage(client: Anthropic, family: Family) -> None:
     counted = client.messages.count_tokens(model=family.model, messages=HELLO, tools=TOOLS)
-    message = client.messages.create(model=family.model, max_tokens=16, messages=HELLO, tools=TOOLS, extra_body={"mock_response": family.text})
-    assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    message = client.messages.create(
+        model=family.model,
+        max_tokens=16,
+        messages=HELLO,
+        tools=TOOLS,
+        extra_body={"mock_response": family.text},
+    )
+    assert counted.input_tokens == message.usage.input_tokens + (
+        message.usage.cache_read_input_tokens or 0
+    )
 
 
 def test_models_list_and_retrieve(client: Anthropic) -> None:

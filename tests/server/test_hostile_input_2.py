@@ -23,7 +23,7 @@ pytestmark = pytest.mark.server
 
 CONFIG = f"""
 server: {{body_read_timeout: 1}}
-pipelines_dir: {REPO / 'pipelines'}
+pipelines_dir: {REPO / "pipelines"}
 models:
   - name: fast
     source: demo:qwen3
@@ -54,7 +54,11 @@ JSON = {"Content-Type": "application/json"}
 
 
 def body_for(route: str, model: str = "fast", **extra: object) -> dict[str, object]:
-    body: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": "hi"}], "mock_response": ANSWER}
+    body: dict[str, object] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "mock_response": ANSWER,
+    }
     if route == MESSAGES:
         body["max_tokens"] = 4000
     return {**body, **extra}
@@ -81,11 +85,21 @@ def connect(base: str, rcvbuf: int | None = None) -> socket.socket:
     return sock
 
 
-def request(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, version: str = "1.1") -> bytes:
+def request(
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    version: str = "1.1",
+) -> bytes:
     fields = {"Host": "pipeserve.test", **(headers or {})}
     if body is not None and "Content-Length" not in fields and "Transfer-Encoding" not in fields:
         fields["Content-Length"] = str(len(body))
-    head = f"{method} {path} HTTP/{version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+    head = (
+        f"{method} {path} HTTP/{version}\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+        + "\r\n"
+    )
     return head.encode("latin-1") + (body or b"")
 
 
@@ -125,7 +139,9 @@ class Reader:
         if head is None:
             return None
         status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        headers = {
+            k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)
+        }
         status = int(status_line.split()[1])
         if status < 200:
             return status, headers, b""
@@ -163,7 +179,9 @@ def exchange(base: str, data: bytes, half_close: bool = False) -> tuple[int, dic
     return reply
 
 
-def assert_protocol_error(route: str, reply: tuple[int, dict[str, str], bytes], status: int, words: str = "") -> None:
+def assert_protocol_error(
+    route: str, reply: tuple[int, dict[str, str], bytes], status: int, words: str = ""
+) -> None:
     code, _, body = reply
     assert code == status, body
     payload = json.loads(body)
@@ -189,7 +207,9 @@ def metric(base: str, name: str, model: str) -> float:
 def wait_idle(base: str, model: str) -> float:
     """Active sequences of `model` once they drain (or the last value after 30 s)."""
     deadline = time.monotonic() + 30
-    while (active := metric(base, "pipeserve_active_sequences", model)) > 0 and time.monotonic() < deadline:
+    while (
+        active := metric(base, "pipeserve_active_sequences", model)
+    ) > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     return active
 
@@ -205,15 +225,26 @@ BAD_CHUNKED = [
 
 @pytest.mark.parametrize("route", [CHAT, MESSAGES])
 @pytest.mark.parametrize(("chunked", "words"), BAD_CHUNKED)
-def test_malformed_chunked_body_is_a_400_in_protocol_shape(server: str, route: str, chunked: bytes, words: str) -> None:
-    reply = exchange(server, request("POST", route, chunked, {**JSON, "Transfer-Encoding": "chunked"}))
+def test_malformed_chunked_body_is_a_400_in_protocol_shape(
+    server: str, route: str, chunked: bytes, words: str
+) -> None:
+    reply = exchange(
+        server, request("POST", route, chunked, {**JSON, "Transfer-Encoding": "chunked"})
+    )
     assert_protocol_error(route, reply, 400, words)  # was a 500 "internal error: InvalidChunkSize"
 
 
 @pytest.mark.parametrize("route", [CHAT, MESSAGES])
 def test_body_cut_short_then_half_closed_is_a_400(server: str, route: str) -> None:
-    cut = request("POST", route, b"40\r\n" + json.dumps(body_for(route)).encode()[:20], {**JSON, "Transfer-Encoding": "chunked"})
-    assert_protocol_error(route, exchange(server, cut, half_close=True), 400, "before the whole request body")
+    cut = request(
+        "POST",
+        route,
+        b"40\r\n" + json.dumps(body_for(route)).encode()[:20],
+        {**JSON, "Transfer-Encoding": "chunked"},
+    )
+    assert_protocol_error(
+        route, exchange(server, cut, half_close=True), 400, "before the whole request body"
+    )
 
 
 def test_connection_closes_promptly_after_a_408(server: str) -> None:
@@ -244,7 +275,9 @@ def test_numbers_python_parses_but_json_does_not_have(server: str, route: str, r
 # -- Content-Encoding --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("coding", "compress"), [("gzip", gzip.compress), ("deflate", zlib.compress)])
+@pytest.mark.parametrize(
+    ("coding", "compress"), [("gzip", gzip.compress), ("deflate", zlib.compress)]
+)
 def test_compressed_request_bodies_are_inflated(server: str, coding: str, compress: object) -> None:
     data = compress(json.dumps(body_for(MESSAGES)).encode())  # type: ignore[operator]
     code, _, body = exchange(server, post(MESSAGES, data, {"Content-Encoding": coding}))
@@ -254,10 +287,21 @@ def test_compressed_request_bodies_are_inflated(server: str, coding: str, compre
 
 def test_unknown_encoding_and_gzip_bomb_are_refused(server: str) -> None:
     plain = json.dumps(body_for(CHAT)).encode()
-    assert_protocol_error(CHAT, exchange(server, post(CHAT, plain, {"Content-Encoding": "br"})), 400, "not supported")
-    bomb = gzip.compress(b'{"pad": "' + b"a" * (20 * 1024 * 1024) + b'"}')  # 20 KB inflating to 20 MB
-    assert_protocol_error(MESSAGES, exchange(server, post(MESSAGES, bomb, {"Content-Encoding": "gzip"})), 413, "inflates")
-    assert_protocol_error(CHAT, exchange(server, post(CHAT, b"not gzip", {"Content-Encoding": "gzip"})), 400, "gzip")
+    assert_protocol_error(
+        CHAT, exchange(server, post(CHAT, plain, {"Content-Encoding": "br"})), 400, "not supported"
+    )
+    bomb = gzip.compress(
+        b'{"pad": "' + b"a" * (20 * 1024 * 1024) + b'"}'
+    )  # 20 KB inflating to 20 MB
+    assert_protocol_error(
+        MESSAGES,
+        exchange(server, post(MESSAGES, bomb, {"Content-Encoding": "gzip"})),
+        413,
+        "inflates",
+    )
+    assert_protocol_error(
+        CHAT, exchange(server, post(CHAT, b"not gzip", {"Content-Encoding": "gzip"})), 400, "gzip"
+    )
 
 
 # -- connection reuse, pipelining, Expect, HTTP/1.0, header limits ------------------------
@@ -278,13 +322,22 @@ def test_keep_alive_connection_survives_error_responses(server: str) -> None:
             assert reply is not None and reply[0] == status, reply
         sock.sendall(post(CHAT, body_for(CHAT)))
         reply = reader.response()
-        assert reply is not None and reply[0] == 200 and json.loads(reply[2])["choices"][0]["message"]["content"] == "ok"
+        assert (
+            reply is not None
+            and reply[0] == 200
+            and json.loads(reply[2])["choices"][0]["message"]["content"] == "ok"
+        )
 
 
 def test_pipelined_requests_are_answered_in_order(server: str) -> None:
     stream = body_for(CHAT, model="slow", stream=True)
     with connect(server) as sock:
-        sock.sendall(post(CHAT, body_for(CHAT)) + post(CHAT, stream) + post(MESSAGES, body_for(MESSAGES)) + request("GET", "/health"))
+        sock.sendall(
+            post(CHAT, body_for(CHAT))
+            + post(CHAT, stream)
+            + post(MESSAGES, body_for(MESSAGES))
+            + request("GET", "/health")
+        )
         reader = Reader(sock)
         replies = [reader.response() for _ in range(4)]
     assert [r[0] if r else None for r in replies] == [200, 200, 200, 200]
@@ -296,14 +349,30 @@ def test_pipelined_requests_are_answered_in_order(server: str) -> None:
 def test_expect_100_continue_and_http_1_0(server: str) -> None:
     data = json.dumps(body_for(CHAT)).encode()
     with connect(server) as sock:
-        sock.sendall(request("POST", CHAT, None, {**JSON, "Content-Length": str(len(data)), "Expect": "100-continue"}))
+        sock.sendall(
+            request(
+                "POST",
+                CHAT,
+                None,
+                {**JSON, "Content-Length": str(len(data)), "Expect": "100-continue"},
+            )
+        )
         reader = Reader(sock)
         interim = reader.response()
         assert interim is not None and interim[0] == 100
         sock.sendall(data)
         final = reader.response()
         assert final is not None and final[0] == 200
-    code, headers, body = exchange(server, request("POST", MESSAGES, json.dumps(body_for(MESSAGES, stream=True)).encode(), JSON, version="1.0"))
+    code, headers, body = exchange(
+        server,
+        request(
+            "POST",
+            MESSAGES,
+            json.dumps(body_for(MESSAGES, stream=True)).encode(),
+            JSON,
+            version="1.0",
+        ),
+    )
     assert code == 200 and b"event: message_stop" in body  # no chunked framing: ends with the close
 
 
@@ -327,7 +396,10 @@ def test_header_floods_are_refused_without_stalling_the_server(server: str) -> N
 
 
 def test_lone_surrogate_in_the_mock_header_and_huge_model_names(server: str) -> None:
-    code, _, body = exchange(server, post(CHAT, {**body_for(CHAT), "mock_response": None}, {"X-Mock-Response": '"a\\ud800b"'}))
+    code, _, body = exchange(
+        server,
+        post(CHAT, {**body_for(CHAT), "mock_response": None}, {"X-Mock-Response": '"a\\ud800b"'}),
+    )
     assert code == 200, body  # was a 500 (TypeError in the tokenizer)
     assert json.loads(body)["choices"][0]["message"]["content"] == "a\ufffdb"
     reply = exchange(server, post(MESSAGES, {**body_for(MESSAGES), "model": "m" * 100_000}))
@@ -343,19 +415,25 @@ def test_half_close_before_the_answer_is_a_4xx_not_a_500(server: str, route: str
     """EOF on the request socket counts as "client gone" (it cancels queue waits and long
     prefills); a client that only half-closed still reads a clear 4xx, not a 500."""
     body = body_for(route, model="slow", mock_response=LONG)
-    assert_protocol_error(route, exchange(server, post(route, body), half_close=True), 400, "closed its side")
+    assert_protocol_error(
+        route, exchange(server, post(route, body), half_close=True), 400, "closed its side"
+    )
     assert wait_idle(server, "slow") == 0
 
 
 def test_a_client_that_stops_reading_is_hung_up_on_and_frees_its_slot(server: str) -> None:
-    body = body_for(CHAT, model="slow", stream=True, mock_response="<think>\n</think>\n\n" + "word " * 20_000)
+    body = body_for(
+        CHAT, model="slow", stream=True, mock_response="<think>\n</think>\n\n" + "word " * 20_000
+    )
     with connect(server, rcvbuf=4096) as sock:
         sock.sendall(post(CHAT, body))
         assert sock.recv(1024).startswith(b"HTTP/1.1 200")
         # Read nothing more: once the small send buffer is full, one write blocks for
         # server.body_read_timeout (1 s here) and the server resets the connection.
         deadline = time.monotonic() + 60
-        while metric(server, "pipeserve_active_sequences", "slow") > 0 and time.monotonic() < deadline:
+        while (
+            metric(server, "pipeserve_active_sequences", "slow") > 0 and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
         assert metric(server, "pipeserve_active_sequences", "slow") == 0  # 20000 tokens take 400 s
         received = b""
@@ -380,7 +458,9 @@ def test_fifty_clients_vanishing_mid_stream_free_every_slot(server: str) -> None
     assert metric(server, "pipeserve_active_sequences", "wide") == 50
     for i, sock in enumerate(socks):
         if i % 2:  # half of them reset, half close normally
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
         sock.close()
     assert wait_idle(server, "wide") == 0
     assert_serving(server)
@@ -395,7 +475,10 @@ def test_cancel_storm_while_the_queue_is_full(server: str) -> None:
         sock.sendall(post(CHAT, body_for(CHAT, model="slow", stream=True, mock_response=LONG)))
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         holders.append(sock)
-    refused = [exchange(server, post(route, body_for(route, model="slow"))) for route in (CHAT, MESSAGES) * 5]
+    refused = [
+        exchange(server, post(route, body_for(route, model="slow")))
+        for route in (CHAT, MESSAGES) * 5
+    ]
     assert {reply[0] for reply in refused} == {429, 529}
     for reply, route in zip(refused, (CHAT, MESSAGES) * 5):
         assert_protocol_error(route, reply, reply[0])
@@ -415,11 +498,17 @@ def tcp_state(sock: socket.socket) -> int:
 
 def test_a_large_json_answer_to_a_client_that_never_reads_is_reset(server: str) -> None:
     # About 300 KB of JSON: more than the capped send buffer plus a 4 KB receive window.
-    body = {**body_for(CHAT), "max_tokens": 30_000, "mock_response": "<think>\n</think>\n\n" + "internationalization " * 20_000}
+    body = {
+        **body_for(CHAT),
+        "max_tokens": 30_000,
+        "mock_response": "<think>\n</think>\n\n" + "internationalization " * 20_000,
+    }
     with connect(server, rcvbuf=4096) as sock:
         sock.sendall(post(CHAT, body))
         deadline = time.monotonic() + 60
-        while tcp_state(sock) != 7 and time.monotonic() < deadline:  # 7: TCP_CLOSE, the server reset it
+        while (
+            tcp_state(sock) != 7 and time.monotonic() < deadline
+        ):  # 7: TCP_CLOSE, the server reset it
             time.sleep(0.2)
         assert tcp_state(sock) == 7  # before: the server's write blocked forever
     assert_serving(server)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.server
 
 CONFIG = f"""
 server: {{keepalive_interval: 0.2, body_read_timeout: 1}}
-pipelines_dir: {REPO / 'pipelines'}
+pipelines_dir: {REPO / "pipelines"}
 models:
   - name: slow
     source: demo:qwen3
@@ -46,25 +46,38 @@ def raw_stream(url: str, body: dict, headers: dict[str, str]) -> str:
 
 def test_openai_stream_sends_keepalive_comments(slow_server: str) -> None:
     body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    text = raw_stream(f"{slow_server}/v1/chat/completions", body, {"Authorization": "Bearer sekrit"})
+    text = raw_stream(
+        f"{slow_server}/v1/chat/completions", body, {"Authorization": "Bearer sekrit"}
+    )
     assert ": keep-alive" in text
     assert text.rstrip().endswith("data: [DONE]")
 
 
 def test_anthropic_stream_pings_on_a_yaml_route_and_alias(slow_server: str) -> None:
-    body = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }
     text = raw_stream(f"{slow_server}/anthropic/v1/messages", body, {"x-api-key": "sekrit"})
     assert "event: ping" in text and "event: message_stop" in text
     client = Anthropic(base_url=f"{slow_server}/anthropic", api_key="sekrit", max_retries=0)
-    message = client.messages.create(model="claude-haiku-4-5", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    message = client.messages.create(
+        model="claude-haiku-4-5", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
+    )
     assert message.content[0].text == "slow answer"
     assert message.model == "claude-haiku-4-5"
 
 
 def test_api_key_is_enforced_in_protocol_shape(slow_server: str) -> None:
-    denied = httpx.post(f"{slow_server}/v1/chat/completions", json={"model": "slow", "messages": []}, timeout=10)
+    denied = httpx.post(
+        f"{slow_server}/v1/chat/completions", json={"model": "slow", "messages": []}, timeout=10
+    )
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
-    denied = httpx.post(f"{slow_server}/anthropic/v1/messages", json={}, headers={"x-api-key": "wrong"}, timeout=10)
+    denied = httpx.post(
+        f"{slow_server}/anthropic/v1/messages", json={}, headers={"x-api-key": "wrong"}, timeout=10
+    )
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
 
 
@@ -76,7 +89,7 @@ def test_body_shorter_than_content_length_gets_408(slow_server: str) -> None:
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\""
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
         )
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):

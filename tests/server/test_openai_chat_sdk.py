@@ -11,7 +11,16 @@ from tests.server.scenarios import FAMILIES, WEATHER_TOOL_SCHEMA, Family
 
 pytestmark = pytest.mark.server
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER_TOOL_SCHEMA}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": WEATHER_TOOL_SCHEMA,
+        },
+    }
+]
 HELLO = [{"role": "user", "content": "Say hello"}]
 
 
@@ -22,16 +31,24 @@ def client(replay_server: str) -> OpenAI:
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_plain_text(client: OpenAI, family: Family) -> None:
-    result = client.chat.completions.create(model=family.model, messages=HELLO, extra_body={"mock_response": family.text})
+    result = client.chat.completions.create(
+        model=family.model, messages=HELLO, extra_body={"mock_response": family.text}
+    )
     assert result.object == "chat.completion"
     assert result.choices[0].message.content == "Hello there!"
     assert result.choices[0].finish_reason == "stop"
-    assert result.usage is not None and result.usage.prompt_tokens > 0 and result.usage.completion_tokens > 0
+    assert (
+        result.usage is not None
+        and result.usage.prompt_tokens > 0
+        and result.usage.completion_tokens > 0
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_reasoning_non_streaming(client: OpenAI, family: Family) -> None:
-    result = client.chat.completions.create(model=family.model, messages=HELLO, extra_body={"mock_response": family.reasoning})
+    result = client.chat.completions.create(
+        model=family.model, messages=HELLO, extra_body={"mock_response": family.reasoning}
+    )
     message = result.choices[0].message
     assert message.content == "Hello there!"
     assert getattr(message, "reasoning_content").strip() == "Let me think."
@@ -41,16 +58,23 @@ def test_reasoning_non_streaming(client: OpenAI, family: Family) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_stream_with_usage(client: OpenAI, family: Family) -> None:
     stream = client.chat.completions.create(
-        model=family.model, messages=HELLO, stream=True, stream_options={"include_usage": True},
+        model=family.model,
+        messages=HELLO,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"mock_response": family.reasoning},
     )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
     assert text == "Hello there!"
     assert reasoning.strip() == "Let me think."
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
@@ -58,7 +82,9 @@ def test_stream_with_usage(client: OpenAI, family: Family) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_tool_call_and_round_trip(client: OpenAI, family: Family) -> None:
     first = client.chat.completions.create(
-        model=family.model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+        model=family.model,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
         extra_body={"mock_response": family.tool_call},
     )
     choice = first.choices[0]
@@ -71,7 +97,12 @@ def test_tool_call_and_round_trip(client: OpenAI, family: Family) -> None:
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
     ]
-    second = client.chat.completions.create(model=family.model, messages=history, tools=TOOLS, extra_body={"mock_response": family.after_tool})
+    second = client.chat.completions.create(
+        model=family.model,
+        messages=history,
+        tools=TOOLS,
+        extra_body={"mock_response": family.after_tool},
+    )
     assert second.choices[0].message.content == "It is sunny in Paris."
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
@@ -79,7 +110,9 @@ def test_tool_call_and_round_trip(client: OpenAI, family: Family) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_streamed_tool_call_accumulates(client: OpenAI, family: Family) -> None:
     with client.chat.completions.stream(
-        model=family.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        model=family.model,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
         extra_body={"mock_response": family.tool_call},
     ) as stream:
         final = stream.get_final_completion()
@@ -91,14 +124,18 @@ def test_streamed_tool_call_accumulates(client: OpenAI, family: Family) -> None:
 
 def test_mock_header(client: OpenAI) -> None:
     result = client.chat.completions.create(
-        model="replay-qwen3", messages=HELLO, extra_headers={"X-Mock-Response": '"<think>\\n</think>\\n\\nline one\\nline two"'},
+        model="replay-qwen3",
+        messages=HELLO,
+        extra_headers={"X-Mock-Response": '"<think>\\n</think>\\n\\nline one\\nline two"'},
     )
     assert result.choices[0].message.content == "line one\nline two"
 
 
 def test_stop_sequence(client: OpenAI) -> None:
     result = client.chat.completions.create(
-        model="replay-qwen3", messages=HELLO, stop=["STOP HERE"],
+        model="replay-qwen3",
+        messages=HELLO,
+        stop=["STOP HERE"],
         extra_body={"mock_response": "<think>\n</think>\n\nkeep this STOP HERE not this"},
     )
     assert result.choices[0].message.content == "keep this "

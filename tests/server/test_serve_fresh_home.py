@@ -13,7 +13,7 @@ from tests.server.serverproc import REPO, running_server
 pytestmark = pytest.mark.server
 
 CONFIG = f"""
-pipelines_dir: {REPO / 'pipelines'}
+pipelines_dir: {REPO / "pipelines"}
 models:
   - {{name: demo, source: "demo:qwen3", pipeline: qwen3}}
 endpoints:
@@ -27,7 +27,12 @@ def test_first_start_builds_the_demo_model_and_serves(tmp_path: Path) -> None:
     home = tmp_path / "home"
     with running_server(config, env={"PIPESERVE_HOME": str(home)}) as base:
         assert (home / "demo").is_dir()
-        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         # A worker forked from a master that had run MLX hung here forever.
         reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text

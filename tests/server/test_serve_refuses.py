@@ -17,7 +17,10 @@ def test_missing_model_folder_refuses_to_start(tmp_path: Path) -> None:
     )
     result = subprocess.run(
         [*pipeserve_command(), "serve", "--config", str(config), "--port", str(free_port())],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 1
     assert "model 'x': cannot get '/nonexistent/model'" in result.stderr

@@ -33,7 +33,9 @@ endpoints:
 
 def write_config(tmp: Path, max_batch: int, queue_size: int) -> Path:
     path = tmp / f"serve-{max_batch}-{queue_size}.yaml"
-    path.write_text(CONFIG.format(pipelines=REPO / "pipelines", max_batch=max_batch, queue_size=queue_size))
+    path.write_text(
+        CONFIG.format(pipelines=REPO / "pipelines", max_batch=max_batch, queue_size=queue_size)
+    )
     return path
 
 
@@ -44,8 +46,14 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def chat(base: str, content: str, max_tokens: int, stream: bool = False) -> httpx.Response:
-    body = {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": stream, "reasoning_effort": "none"}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "reasoning_effort": "none",
+    }
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
 
 
@@ -56,7 +64,9 @@ def metric(base: str, name: str) -> float:
 
 
 def test_health_stays_fast_under_eight_streams(batch_server: str) -> None:
-    threads = [threading.Thread(target=chat, args=(batch_server, f"story {i}", 64, True)) for i in range(8)]
+    threads = [
+        threading.Thread(target=chat, args=(batch_server, f"story {i}", 64, True)) for i in range(8)
+    ]
     for thread in threads:
         thread.start()
     time.sleep(1.0)
@@ -92,7 +102,12 @@ def test_batched_equals_one_by_one(batch_server: str) -> None:
 
 
 def test_disconnect_frees_the_slot(batch_server: str) -> None:
-    body = {"model": "demo", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 4000, "stream": True}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "go on forever"}],
+        "max_tokens": 4000,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{batch_server}/v1/chat/completions", json=body) as resp:
             lines = resp.iter_lines()
@@ -106,15 +121,31 @@ def test_disconnect_frees_the_slot(batch_server: str) -> None:
 
 def test_overload_gets_429_and_529(tmp_path: Path) -> None:
     with running_server(write_config(tmp_path, 1, 0)) as base:
-        long_body = {"model": "demo", "messages": [{"role": "user", "content": "long"}], "max_tokens": 4000, "stream": True}
-        with httpx.Client(timeout=60) as client, client.stream("POST", f"{base}/v1/chat/completions", json=long_body) as resp:
+        long_body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 4000,
+            "stream": True,
+        }
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{base}/v1/chat/completions", json=long_body) as resp,
+        ):
             lines = resp.iter_lines()  # keep it referenced: closing it closes the response
             next(line for line in lines if line.startswith("data: "))
             busy = chat(base, "hi", 4)
             assert busy.status_code == 429
             assert busy.json()["error"]["type"] == "rate_limit_error"
             assert busy.headers.get("retry-after")
-            anthropic_busy = httpx.post(f"{base}/v1/messages", json={"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            anthropic_busy = httpx.post(
+                f"{base}/v1/messages",
+                json={
+                    "model": "demo",
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                timeout=30,
+            )
             assert anthropic_busy.status_code == 529
             assert anthropic_busy.json()["error"]["type"] == "overloaded_error"
         # The slot is free again once the first client left.
@@ -127,6 +158,11 @@ def test_overload_gets_429_and_529(tmp_path: Path) -> None:
 def test_metrics_exposed(batch_server: str) -> None:
     chat(batch_server, "hello", 4)
     text = httpx.get(f"{batch_server}/metrics", timeout=10).text
-    for name in ("pipeserve_requests_total", "pipeserve_completion_tokens_total", "pipeserve_time_to_first_token_seconds_bucket", "pipeserve_queue_depth"):
+    for name in (
+        "pipeserve_requests_total",
+        "pipeserve_completion_tokens_total",
+        "pipeserve_time_to_first_token_seconds_bucket",
+        "pipeserve_queue_depth",
+    ):
         assert name in text
     assert json.loads(httpx.get(f"{batch_server}/health", timeout=10).text)["status"] == "ok"

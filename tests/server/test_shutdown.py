@@ -19,7 +19,7 @@ pytestmark = pytest.mark.server
 # graceful_timeout 60: a stop that waited for idle keep-alive connections would take it.
 CONFIG = f"""
 server: {{graceful_timeout: 60}}
-pipelines_dir: {REPO / 'pipelines'}
+pipelines_dir: {REPO / "pipelines"}
 models:
   - name: slow
     source: demo:qwen3
@@ -36,7 +36,9 @@ def test_stop_finishes_streams_and_releases_idle_keepalive(tmp_path: Path) -> No
     config = tmp_path / "slow.yaml"
     config.write_text(CONFIG)
     with server_process(config) as (base, proc), httpx.Client(base_url=base, timeout=30) as pooled:
-        assert pooled.post("/v1/chat/completions", json=BODY).status_code == 200  # now idle in the pool
+        assert (
+            pooled.post("/v1/chat/completions", json=BODY).status_code == 200
+        )  # now idle in the pool
         streamed: list[str] = []
         reader = threading.Thread(target=_stream_into, args=(base, streamed))
         reader.start()
@@ -52,7 +54,9 @@ def test_stop_finishes_streams_and_releases_idle_keepalive(tmp_path: Path) -> No
 
 
 def _stream_into(base: str, out: list[str]) -> None:
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**BODY, "stream": True}, timeout=30) as resp:
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json={**BODY, "stream": True}, timeout=30
+    ) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
                 out.append(line[6:] if line == "data: [DONE]" else _content(line))

@@ -27,7 +27,9 @@ def replay_runtime(demo_model_dir: Any) -> Iterator[Callable[[str], Any]]:
     def get(family: str) -> Any:
         if family not in built:
             demo_model_dir(family)
-            entry = ModelEntry(name=f"replay-{family}", source=f"demo:{family}", pipeline=family, engine="replay")
+            entry = ModelEntry(
+                name=f"replay-{family}", source=f"demo:{family}", pipeline=family, engine="replay"
+            )
             built[family] = build_runtime(entry)
         return built[family]
 

@@ -40,7 +40,9 @@ WEATHER = ToolSpec(
         "required": ["city"],
     },
 )
-TIME = ToolSpec("get_time", "Current time", {"type": "object", "properties": {"tz": {"type": "string"}}})
+TIME = ToolSpec(
+    "get_time", "Current time", {"type": "object", "properties": {"tz": {"type": "string"}}}
+)
 TOOLS = [WEATHER, TIME]
 
 
@@ -67,7 +69,9 @@ def token_events(texts: Iterable[str], finish: str = "stop") -> list[Event]:
     return [PromptReady(5), *tokens, Finish(finish), Usage(5, len(tokens))]  # type: ignore[arg-type]
 
 
-def run(stage: Stage, events: list[Event], ctx: RequestContext | None = None, prepare: bool = True) -> list[Event]:
+def run(
+    stage: Stage, events: list[Event], ctx: RequestContext | None = None, prepare: bool = True
+) -> list[Event]:
     ctx = ctx or make_ctx()
     if prepare:
         stage.prepare(ctx)
@@ -101,7 +105,9 @@ def summarize(events: Iterable[Event]) -> list[tuple[Any, ...]]:
             assert "".join(fragments) == event.arguments, (fragments, event.arguments)
             out.append(("call", name, event.arguments))
         elif isinstance(event, Finish):
-            out.append(("finish", event.reason) + ((event.stop_sequence,) if event.stop_sequence else ()))
+            out.append(
+                ("finish", event.reason) + ((event.stop_sequence,) if event.stop_sequence else ())
+            )
         elif isinstance(event, Usage):
             out.append(("usage", event.completion_tokens, event.reasoning_tokens))
         elif isinstance(event, PromptReady):
@@ -135,7 +141,11 @@ def splits(text: str, markers: Iterable[str]) -> Iterator[list[str]]:
             for k in range(1, len(marker)):
                 cut = start + k
                 yield [text[:cut], text[cut:]]
-                yield [p for p in (text[:start], marker[:k], marker[k:], text[start + len(marker) :]) if p]
+                yield [
+                    p
+                    for p in (text[:start], marker[:k], marker[k:], text[start + len(marker) :])
+                    if p
+                ]
             start = text.find(marker, start + 1)
 
 

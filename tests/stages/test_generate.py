@@ -49,7 +49,9 @@ def context(runtime: ModelRuntime, max_tokens: int | None = 12, **fields) -> Req
     )  # fmt: skip
     for key, value in fields.items():
         setattr(request, key, value)
-    return RequestContext(request=request, request_id="r", model_name="m", prompt_token_ids=list(ids))
+    return RequestContext(
+        request=request, request_id="r", model_name="m", prompt_token_ids=list(ids)
+    )
 
 
 def run(generate, ctx: RequestContext, upstream=()):
@@ -114,7 +116,9 @@ def test_mock_response_only_for_replay(runtime, replay):
     with pytest.raises(ApiError) as raised:
         stage(runtime).prepare(context(runtime, mock_response="hi"))
     assert raised.value.param == "mock_response"
-    got = run(stage(replay), context(replay, max_tokens=100, mock_response="Hello <think>x</think> world"))
+    got = run(
+        stage(replay), context(replay, max_tokens=100, mock_response="Hello <think>x</think> world")
+    )
     assert got.text == "Hello <think>x</think> world"
 
 
@@ -144,8 +148,15 @@ def test_ctx_cancel_stops_generation(runtime):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -1.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0),
-     ("presence_penalty", 2.5), ("frequency_penalty", -3.0)],
+    [
+        ("temperature", -1.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+    ],
 )
 def test_bad_sampling_is_invalid_request(runtime, field, value):
     ctx = context(runtime)

@@ -19,18 +19,29 @@ from .helpers import WEATHER
 SCHEMA = WEATHER.parameters
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32)
     | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 argument_objects = st.fixed_dictionaries(
     {},
     optional={
-        "city": json_values, "days": st.integers(-99, 99).map(str) | json_values,
-        "metric": st.sampled_from(["true", "false", True, "TRUE"]), "ratio": st.floats(-5, 5).map(repr),
-        "options": st.dictionaries(st.just("hourly"), st.sampled_from(["true", False])).map(json.dumps),
-        "hours": st.lists(st.integers(0, 23).map(str), max_size=3), "note": json_values, "other": json_values,
+        "city": json_values,
+        "days": st.integers(-99, 99).map(str) | json_values,
+        "metric": st.sampled_from(["true", "false", True, "TRUE"]),
+        "ratio": st.floats(-5, 5).map(repr),
+        "options": st.dictionaries(st.just("hourly"), st.sampled_from(["true", False])).map(
+            json.dumps
+        ),
+        "hours": st.lists(st.integers(0, 23).map(str), max_size=3),
+        "note": json_values,
+        "other": json_values,
     },
 )
 
@@ -48,7 +59,9 @@ def stream(text: str, cuts: list[int], schema: Any = SCHEMA) -> tuple[str, str, 
 
 @settings(max_examples=300, deadline=None)
 @given(argument_objects, st.data(), st.sampled_from([None, 2]))
-def test_any_chunking_gives_the_coerced_value(arguments: dict, data: st.DataObject, indent: int | None) -> None:
+def test_any_chunking_gives_the_coerced_value(
+    arguments: dict, data: st.DataObject, indent: int | None
+) -> None:
     text = json.dumps(arguments, ensure_ascii=data.draw(st.booleans()), indent=indent) + "} tail"
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=20))
     whole, _, _ = stream(text, [])
@@ -65,15 +78,18 @@ def test_held_values_wait_until_complete() -> None:
     assert emitted == ['{"days": ', '12, "city": "Be', 'rn"}']
 
 
-@pytest.mark.parametrize("text,closed", [
-    ('{"city": "Pa', '{"city": "Pa"}'),
-    ('{"days": 3', '{"days": 3}'),
-    ('{"days": "3', '{"days": 3}'),
-    ('{"hours": [1, 2', '{"hours": [1, 2]}'),
-    ('{"city":', '{"city": null}'),
-    ('{"cit', "{}"),
-    ("", "{}"),
-])
+@pytest.mark.parametrize(
+    "text,closed",
+    [
+        ('{"city": "Pa', '{"city": "Pa"}'),
+        ('{"days": 3', '{"days": 3}'),
+        ('{"days": "3', '{"days": 3}'),
+        ('{"hours": [1, 2', '{"hours": [1, 2]}'),
+        ('{"city":', '{"city": null}'),
+        ('{"cit', "{}"),
+        ("", "{}"),
+    ],
+)
 def test_close_repairs_missing_closers(text: str, closed: str) -> None:
     streamer = JsonStreamer(SCHEMA)
     fragment, _ = streamer.feed(text)
@@ -94,16 +110,19 @@ def test_failure_keeps_the_raw_text() -> None:
     assert result + streamer.raw_tail() == '{"city": "x"] garbage'
 
 
-@pytest.mark.parametrize("text,schema,value", [
-    ("3", {"type": "integer"}, 3),
-    ("3.0", {"type": "number"}, 3.0),
-    ("True", {"type": "boolean"}, True),
-    ("[1, 2]", {"type": "array"}, [1, 2]),
-    ("null", {"type": ["string", "null"]}, None),
-    ("007", {"type": "string"}, "007"),
-    ("plain words", None, "plain words"),
-    ('{"a": "1"}', {"type": "object", "properties": {"a": {"type": "integer"}}}, {"a": 1}),
-])
+@pytest.mark.parametrize(
+    "text,schema,value",
+    [
+        ("3", {"type": "integer"}, 3),
+        ("3.0", {"type": "number"}, 3.0),
+        ("True", {"type": "boolean"}, True),
+        ("[1, 2]", {"type": "array"}, [1, 2]),
+        ("null", {"type": ["string", "null"]}, None),
+        ("007", {"type": "string"}, "007"),
+        ("plain words", None, "plain words"),
+        ('{"a": "1"}', {"type": "object", "properties": {"a": {"type": "integer"}}}, {"a": 1}),
+    ],
+)
 def test_coerce_text_value(text: str, schema: Any, value: Any) -> None:
     assert coerce_text_value(text, schema) == value
 

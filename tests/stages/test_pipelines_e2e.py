@@ -17,34 +17,56 @@ from pipeserve.stages.base import BuildEnv, Chain, RequestContext
 from .helpers import TOOLS, summarize, without_usage
 
 REPO = Path(__file__).resolve().parents[2]
-REASON, CALL = ("reasoning", "Plan: call the tool."), ("call", "get_weather", '{"city": "Paris", "days": 2}')
+REASON, CALL = (
+    ("reasoning", "Plan: call the tool."),
+    ("call", "get_weather", '{"city": "Paris", "days": 2}'),
+)
 
 CASES = {
-    "qwen3": ("<think>\nPlan: call the tool.\n</think>\n\nSure.<tool_call>\n"
-              '{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>',
-              [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")]),
-    "glm": ("Plan: call the tool.</think>Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
-            "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
-            [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")]),
-    "kimi": ("<think>Plan: call the tool.</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>"
-             'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": "2"}'
-             "<|tool_call_end|><|tool_calls_section_end|>",
-             [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")]),
-    "gpt-oss": ("<|channel|>analysis<|message|>Plan: call the tool.<|end|><|start|>assistant<|channel|>commentary "
-                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": "2"}<|call|>',
-                [REASON, CALL, ("finish", "tool_calls")]),
-    "chatml": ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
-               [("content", "Sure."), CALL, ("finish", "tool_calls")]),
+    "qwen3": (
+        "<think>\nPlan: call the tool.\n</think>\n\nSure.<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>',
+        [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")],
+    ),
+    "glm": (
+        "Plan: call the tool.</think>Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+        [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")],
+    ),
+    "kimi": (
+        "<think>Plan: call the tool.</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": "2"}'
+        "<|tool_call_end|><|tool_calls_section_end|>",
+        [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")],
+    ),
+    "gpt-oss": (
+        "<|channel|>analysis<|message|>Plan: call the tool.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": "2"}<|call|>',
+        [REASON, CALL, ("finish", "tool_calls")],
+    ),
+    "chatml": (
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+        [("content", "Sure."), CALL, ("finish", "tool_calls")],
+    ),
 }
 DEMO = {"chatml": "qwen3"}  # families without their own demo model
 
 
-def run_pipeline(runtime: Any, family: str, completion: str, **request: Any) -> tuple[list, RequestContext]:
+def run_pipeline(
+    runtime: Any, family: str, completion: str, **request: Any
+) -> tuple[list, RequestContext]:
     pipeline = load_pipeline(REPO / "pipelines" / f"{family}.yaml")
     env = BuildEnv(model_name="replay", family=family, runtime=runtime)
-    chain = Chain([s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages])
-    req = GenerationRequest(model="replay", messages=[Message("user", "Weather in Paris?")], tools=TOOLS,
-                            mock_response=completion, **request)
+    chain = Chain(
+        [s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages]
+    )
+    req = GenerationRequest(
+        model="replay",
+        messages=[Message("user", "Weather in Paris?")],
+        tools=TOOLS,
+        mock_response=completion,
+        **request,
+    )
     ctx = RequestContext(request=req, request_id="e2e", model_name="replay")
     chain.prepare(ctx)
     return list(chain.run(ctx)), ctx
@@ -55,7 +77,9 @@ def test_pipeline_end_to_end(family: str, replay_runtime: Callable[[str], Any]) 
     completion, expected = CASES[family]
     runtime = replay_runtime(DEMO.get(family, family))
     out, ctx = run_pipeline(runtime, family, completion)
-    assert ctx.prompt_opened_thinking == (family == "glm")  # GLM's template ends the prompt with <think>
+    assert ctx.prompt_opened_thinking == (
+        family == "glm"
+    )  # GLM's template ends the prompt with <think>
     summary = summarize(out)
     assert without_usage(summary) == expected
     if family != "chatml":
@@ -65,17 +89,24 @@ def test_pipeline_end_to_end(family: str, replay_runtime: Callable[[str], Any]) 
 def test_stop_sequence_cancels_replay(replay_runtime: Callable[[str], Any]) -> None:
     completion = "Hello there END_OF_ANSWER and more text that is never streamed"
     out, ctx = run_pipeline(replay_runtime("qwen3"), "qwen3", completion, stop=["END_OF_ANSWER"])
-    assert without_usage(summarize(out)) == [("content", "Hello there "), ("finish", "stop", "END_OF_ANSWER")]
+    assert without_usage(summarize(out)) == [
+        ("content", "Hello there "),
+        ("finish", "stop", "END_OF_ANSWER"),
+    ]
     assert ctx.cancel_reason == "stop_sequence"
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt-oss", "kimi", "glm"])
 def test_forced_function_call_end_to_end(family: str, replay_runtime: Callable[[str], Any]) -> None:
-    body = {"qwen3": '{"city": "Paris", "days": "2"}}\n</tool_call>',
-            "gpt-oss": '{"city": "Paris", "days": "2"}<|call|>',
-            "kimi": '{"city": "Paris", "days": "2"}<|tool_call_end|><|tool_calls_section_end|>',
-            "glm": "<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
-                   "<arg_value>2</arg_value></tool_call>"}[family]
-    out, ctx = run_pipeline(replay_runtime(family), family, body, tool_choice=ToolChoice("function", "get_weather"))
+    body = {
+        "qwen3": '{"city": "Paris", "days": "2"}}\n</tool_call>',
+        "gpt-oss": '{"city": "Paris", "days": "2"}<|call|>',
+        "kimi": '{"city": "Paris", "days": "2"}<|tool_call_end|><|tool_calls_section_end|>',
+        "glm": "<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+        "<arg_value>2</arg_value></tool_call>",
+    }[family]
+    out, ctx = run_pipeline(
+        replay_runtime(family), family, body, tool_choice=ToolChoice("function", "get_weather")
+    )
     assert ctx.assistant_prefill
     assert without_usage(summarize(out)) == [CALL, ("finish", "tool_calls")]

@@ -25,7 +25,11 @@ from pipeserve.stages.render_template import RenderParams, render_template
 WEATHER = ToolSpec(
     "get_weather",
     "Weather for a city",
-    {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]},
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
 )
 CONVERSATION = [
     Message("system", "Be brief."),
@@ -41,7 +45,11 @@ CONVERSATION = [
 
 
 def make_stage(family: str, tokenizer: Any | None, **params: Any) -> Stage:
-    runtime = None if tokenizer is None else ModelRuntime(family, family, None, tokenizer, None, frozenset())  # type: ignore[arg-type]
+    runtime = (
+        None
+        if tokenizer is None
+        else ModelRuntime(family, family, None, tokenizer, None, frozenset())
+    )  # type: ignore[arg-type]
     return render_template(RenderParams(**params), BuildEnv("test", family, runtime))
 
 
@@ -80,7 +88,10 @@ def test_stage_passes_events_through(qwen3: Stage) -> None:
 
 def test_qwen3_prompt_and_ids(qwen3: Stage, demo_tokenizer: Callable[[str], Any]) -> None:
     ctx = rendered(qwen3, messages=[Message("system", "Be brief."), Message("user", "hi")])
-    assert ctx.prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        ctx.prompt
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     hf = demo_tokenizer("qwen3")._tokenizer
     assert ctx.prompt_token_ids == hf.encode(ctx.prompt, add_special_tokens=False)
     assert ctx.prompt_token_ids[0] == hf.convert_tokens_to_ids("<|im_start|>")
@@ -113,9 +124,13 @@ def test_qwen3_reasoning_of_earlier_turns_is_dropped(qwen3: Stage) -> None:
 
 def test_qwen3_thinking_off_closes_the_block(qwen3: Stage) -> None:
     ctx = rendered(qwen3, reasoning=ReasoningOptions(enabled=False))
-    assert ctx.prompt is not None and ctx.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ctx.prompt is not None and ctx.prompt.endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert not ctx.prompt_opened_thinking
-    assert rendered(qwen3, reasoning=ReasoningOptions(enabled=True)).prompt == rendered(qwen3).prompt
+    assert (
+        rendered(qwen3, reasoning=ReasoningOptions(enabled=True)).prompt == rendered(qwen3).prompt
+    )
 
 
 def test_tool_choice_none_hides_tools(qwen3: Stage) -> None:
@@ -131,7 +146,9 @@ def test_forced_tool_choice_renders_with_thinking_off(qwen3: Stage, choice: Tool
 
 
 def test_chat_template_kwargs_reach_the_template(demo_tokenizer: Callable[[str], Any]) -> None:
-    stage = make_stage("qwen3", demo_tokenizer("qwen3"), chat_template_kwargs={"enable_thinking": False})
+    stage = make_stage(
+        "qwen3", demo_tokenizer("qwen3"), chat_template_kwargs={"enable_thinking": False}
+    )
     assert rendered(stage).prompt.endswith("</think>\n\n")  # type: ignore[union-attr]
 
 
@@ -206,10 +223,14 @@ def harmony_reference(encoding: Any, effort: str = "MEDIUM", tools: bool = True)
             [ToolDescription.new(WEATHER.name, WEATHER.description, parameters=WEATHER.parameters)]
         )
     messages = [
-        H.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(getattr(ReasoningEffort, effort))),
+        H.from_role_and_content(
+            Role.SYSTEM, SystemContent.new().with_reasoning_effort(getattr(ReasoningEffort, effort))
+        ),
         H.from_role_and_content(Role.DEVELOPER, developer),
         H.from_role_and_content(Role.USER, "Weather in Paris?"),
-        H.from_role_and_content(Role.ASSISTANT, "The user wants weather; call the tool.").with_channel("analysis"),
+        H.from_role_and_content(
+            Role.ASSISTANT, "The user wants weather; call the tool."
+        ).with_channel("analysis"),
         H.from_role_and_content(Role.ASSISTANT, "Checking.").with_channel("commentary"),
         H.from_role_and_content(Role.ASSISTANT, '{"city": "Paris", "days": 2}')
         .with_channel("commentary")
@@ -219,7 +240,9 @@ def harmony_reference(encoding: Any, effort: str = "MEDIUM", tools: bool = True)
         .with_channel("commentary")
         .with_recipient("assistant"),
     ]
-    return encoding.render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
+    return encoding.render_conversation_for_completion(
+        Conversation.from_messages(messages), Role.ASSISTANT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -240,12 +263,22 @@ def test_harmony_equals_openai_harmony_token_for_token(
     assert hf.encode(ctx.prompt, add_special_tokens=False) == ctx.prompt_token_ids
 
 
-def test_harmony_reasoning_effort_and_tool_choice_none(harmony: Stage, harmony_encoding: Any) -> None:
+def test_harmony_reasoning_effort_and_tool_choice_none(
+    harmony: Stage, harmony_encoding: Any
+) -> None:
     ctx = rendered(
-        harmony, messages=CONVERSATION, tools=[WEATHER], reasoning=ReasoningOptions(effort="high"), tool_choice=ToolChoice("none")
+        harmony,
+        messages=CONVERSATION,
+        tools=[WEATHER],
+        reasoning=ReasoningOptions(effort="high"),
+        tool_choice=ToolChoice("none"),
     )
     assert ctx.prompt_token_ids == harmony_reference(harmony_encoding, "HIGH", tools=False)
-    assert ctx.prompt is not None and "Reasoning: high" in ctx.prompt and "namespace functions" not in ctx.prompt
+    assert (
+        ctx.prompt is not None
+        and "Reasoning: high" in ctx.prompt
+        and "namespace functions" not in ctx.prompt
+    )
 
 
 def test_harmony_minimal_prompt(harmony: Stage) -> None:
@@ -257,26 +290,37 @@ def test_harmony_minimal_prompt(harmony: Stage) -> None:
 
 def test_harmony_rejects_unknown_kwargs() -> None:
     with pytest.raises(ValueError, match="enable_thinking"):
-        make_stage("gpt-oss", None, renderer="harmony", chat_template_kwargs={"enable_thinking": False})
+        make_stage(
+            "gpt-oss", None, renderer="harmony", chat_template_kwargs={"enable_thinking": False}
+        )
 
 
 def test_trailing_assistant_message_is_continued(qwen3: Stage, glm: Stage) -> None:
     messages = [Message("user", "Name a colour."), Message("assistant", "The colour is")]
     ctx = rendered(qwen3, messages=messages)
-    assert ctx.prompt is not None and ctx.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe colour is")
+    assert ctx.prompt is not None and ctx.prompt.endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nThe colour is"
+    )
     assert not ctx.prompt_opened_thinking
     glm_ctx = rendered(glm, messages=messages)
-    assert glm_ctx.prompt is not None and glm_ctx.prompt.endswith("<|assistant|></think>The colour is")
+    assert glm_ctx.prompt is not None and glm_ctx.prompt.endswith(
+        "<|assistant|></think>The colour is"
+    )
     assert not glm_ctx.prompt_opened_thinking
 
 
 def test_prefill_continuation_can_be_turned_off(demo_tokenizer: Callable[[str], Any]) -> None:
     stage = make_stage("qwen3", demo_tokenizer("qwen3"), continue_final_assistant=False)
     ctx = rendered(stage, messages=[Message("user", "Hi"), Message("assistant", "Hello")])
-    assert ctx.prompt is not None and ctx.prompt.endswith("Hello<|im_end|>\n<|im_start|>assistant\n")
+    assert ctx.prompt is not None and ctx.prompt.endswith(
+        "Hello<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_kimi_tool_results_reuse_the_call_ids(demo_tokenizer: Callable[[str], Any]) -> None:
     stage = make_stage("kimi", demo_tokenizer("kimi"), think_start="<think>")
     prompt = rendered(stage, messages=CONVERSATION, tools=[WEATHER]).prompt
-    assert prompt is not None and '## Return of functions.get_weather:0\n{"temp": 20}<|im_end|>' in prompt
+    assert (
+        prompt is not None
+        and '## Return of functions.get_weather:0\n{"temp": 20}<|im_end|>' in prompt
+    )

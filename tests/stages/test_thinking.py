@@ -14,31 +14,78 @@ MARKERS = ("<think>", "</think>")
 
 CASES = [
     # (id, completion, opened by prompt, expected summary without usage)
-    ("qwen3", "<think>\nLet me see.\n</think>\n\nHello!", False,
-     [("reasoning", "Let me see."), ("content", "Hello!"), ("finish", "stop")]),
-    ("opened-by-prompt", "The user greets me.</think>Hello!", True,
-     [("reasoning", "The user greets me."), ("content", "Hello!"), ("finish", "stop")]),
-    ("no-thinking", "Just an answer.\n", False, [("content", "Just an answer.\n"), ("finish", "stop")]),
-    ("content-before", "Hm <think>x</think> y", False,
-     [("content", "Hm "), ("reasoning", "x"), ("content", " y"), ("finish", "stop")]),
-    ("unclosed-reasoning", "<think>still thinking", False,
-     [("reasoning", "still thinking"), ("finish", "stop")]),
-    ("partial-marker-released", "a <thin b </thinking>", False,
-     [("content", "a <thin b </thinking>"), ("finish", "stop")]),
-    ("partial-end-at-eos", "<think>abc</thi", False, [("reasoning", "abc</thi"), ("finish", "stop")]),
-    ("inner-newlines-kept", "<think>\n\na\n\nb\n\n</think>\n\nc\n", False,
-     [("reasoning", "a\n\nb"), ("content", "c\n"), ("finish", "stop")]),
-    ("unicode", "<think>ünïcødé 思考</think>答え 🙂", False,
-     [("reasoning", "ünïcødé 思考"), ("content", "答え 🙂"), ("finish", "stop")]),
-    ("empty-reasoning", "<think>\n\n</think>\n\nOK", False, [("content", "OK"), ("finish", "stop")]),
+    (
+        "qwen3",
+        "<think>\nLet me see.\n</think>\n\nHello!",
+        False,
+        [("reasoning", "Let me see."), ("content", "Hello!"), ("finish", "stop")],
+    ),
+    (
+        "opened-by-prompt",
+        "The user greets me.</think>Hello!",
+        True,
+        [("reasoning", "The user greets me."), ("content", "Hello!"), ("finish", "stop")],
+    ),
+    (
+        "no-thinking",
+        "Just an answer.\n",
+        False,
+        [("content", "Just an answer.\n"), ("finish", "stop")],
+    ),
+    (
+        "content-before",
+        "Hm <think>x</think> y",
+        False,
+        [("content", "Hm "), ("reasoning", "x"), ("content", " y"), ("finish", "stop")],
+    ),
+    (
+        "unclosed-reasoning",
+        "<think>still thinking",
+        False,
+        [("reasoning", "still thinking"), ("finish", "stop")],
+    ),
+    (
+        "partial-marker-released",
+        "a <thin b </thinking>",
+        False,
+        [("content", "a <thin b </thinking>"), ("finish", "stop")],
+    ),
+    (
+        "partial-end-at-eos",
+        "<think>abc</thi",
+        False,
+        [("reasoning", "abc</thi"), ("finish", "stop")],
+    ),
+    (
+        "inner-newlines-kept",
+        "<think>\n\na\n\nb\n\n</think>\n\nc\n",
+        False,
+        [("reasoning", "a\n\nb"), ("content", "c\n"), ("finish", "stop")],
+    ),
+    (
+        "unicode",
+        "<think>ünïcødé 思考</think>答え 🙂",
+        False,
+        [("reasoning", "ünïcødé 思考"), ("content", "答え 🙂"), ("finish", "stop")],
+    ),
+    (
+        "empty-reasoning",
+        "<think>\n\n</think>\n\nOK",
+        False,
+        [("content", "OK"), ("finish", "stop")],
+    ),
 ]
 
 
-@pytest.mark.parametrize("completion,opened,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "completion,opened,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_thinking_every_split(completion: str, opened: bool, expected: list) -> None:
     stage = build_thinking(ThinkingParams(), ENV)
     for tokens in splits(completion, MARKERS):
-        got = without_usage(summarize(run(stage, token_events(tokens), make_ctx(opened_thinking=opened))))
+        got = without_usage(
+            summarize(run(stage, token_events(tokens), make_ctx(opened_thinking=opened)))
+        )
         assert got == expected, tokens
 
 
@@ -49,7 +96,10 @@ def test_emit_tags_in_content_keeps_raw_text() -> None:
         got = without_usage(summarize(run(stage, token_events(tokens))))
         assert got == [("content", completion), ("finish", "stop")]
     opened = run(stage, token_events(["why</think>so"]), make_ctx(opened_thinking=True))
-    assert without_usage(summarize(opened)) == [("content", "<think>why</think>so"), ("finish", "stop")]
+    assert without_usage(summarize(opened)) == [
+        ("content", "<think>why</think>so"),
+        ("finish", "stop"),
+    ]
 
 
 def test_no_newline_stripping_when_disabled() -> None:
@@ -62,13 +112,22 @@ def test_custom_markers() -> None:
     stage = build_thinking(ThinkingParams(start="◁think▷", end="◁/think▷"), ENV)
     for tokens in splits("◁think▷a◁/think▷b", ("◁think▷", "◁/think▷")):
         assert without_usage(summarize(run(stage, token_events(tokens)))) == [
-            ("reasoning", "a"), ("content", "b"), ("finish", "stop")]
+            ("reasoning", "a"),
+            ("content", "b"),
+            ("finish", "stop"),
+        ]
 
 
 def test_content_keeps_token_ids_and_logprobs() -> None:
     stage = build_thinking(ThinkingParams(), ENV)
-    events = [TokenText("<think>", 1), TokenText("r", 2), TokenText("</think>A", 3, logprob=-0.5),
-              TokenText("B", 4, logprob=-0.1), Finish("stop"), Usage(1, 4)]
+    events = [
+        TokenText("<think>", 1),
+        TokenText("r", 2),
+        TokenText("</think>A", 3, logprob=-0.5),
+        TokenText("B", 4, logprob=-0.1),
+        Finish("stop"),
+        Usage(1, 4),
+    ]
     out = run(stage, events)
     content = [e for e in out if isinstance(e, TokenText)]
     assert content == [TokenText("A", 3, logprob=-0.5), TokenText("B", 4, logprob=-0.1)]

@@ -17,39 +17,103 @@ def stage():
 
 
 CASES = [
-    ("glm45-newlines", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
-     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
-     [("content", "Checking.\n"), ("call", "get_weather", '{"city": "Paris", "days": 3}'), ("finish", "tool_calls")]),
-    ("glm47-compact", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>after",
-     [("call", "get_weather", '{"city": "Oslo"}'), ("content", "after"), ("finish", "tool_calls")]),
-    ("missing-arg-value-end", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome<arg_key>days</arg_key>"
-     "<arg_value>2</tool_call>",
-     [("call", "get_weather", '{"city": "Rome", "days": 2}'), ("finish", "tool_calls")]),
-    ("whitespace-between", "<tool_call>get_weather\n<arg_key> city </arg_key>  \n <arg_value>Lima</arg_value>\n\n</tool_call>",
-     [("call", "get_weather", '{"city": "Lima"}'), ("finish", "tool_calls")]),
-    ("json-values", "<tool_call>get_weather<arg_key>options</arg_key><arg_value>{\"hourly\": \"true\"}</arg_value>"
-     "<arg_key>hours</arg_key><arg_value>[1, \"2\"]</arg_value><arg_key>metric</arg_key><arg_value>false</arg_value>"
-     "<arg_key>ratio</arg_key><arg_value>1.5</arg_value><arg_key>city</arg_key><arg_value>123</arg_value></tool_call>",
-     [("call", "get_weather", '{"options": {"hourly": true}, "hours": [1, 2], "metric": false, "ratio": 1.5, "city": "123"}'),
-      ("finish", "tool_calls")]),
-    ("string-keeps-json-text", "<tool_call>get_time<arg_key>tz</arg_key><arg_value>{\"a\": 1}</arg_value></tool_call>",
-     [("call", "get_time", '{"tz": "{\\"a\\": 1}"}'), ("finish", "tool_calls")]),
-    ("multiline-string", "<tool_call>get_time<arg_key>tz</arg_key><arg_value>\nline1\nline2\n</arg_value></tool_call>",
-     [("call", "get_time", '{"tz": "line1\\nline2"}'), ("finish", "tool_calls")]),
-    ("no-arguments", "<tool_call>get_time</tool_call>", [("call", "get_time", "{}"), ("finish", "tool_calls")]),
-    ("two-calls", "<tool_call>get_time<arg_key>tz</arg_key><arg_value>CET</arg_value></tool_call>\n"
-     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Bern</arg_value></tool_call>",
-     [("call", "get_time", '{"tz": "CET"}'), ("call", "get_weather", '{"city": "Bern"}'),
-      ("finish", "tool_calls")]),
-    ("unknown-tool-json-guess", "<tool_call>other<arg_key>n</arg_key><arg_value>3</arg_value>"
-     "<arg_key>s</arg_key><arg_value>text</arg_value></tool_call>",
-     [("call", "other", '{"n": 3, "s": "text"}'), ("finish", "tool_calls")]),
-    ("unicode", "天気<tool_call>get_weather<arg_key>city</arg_key><arg_value>東京 🙂</arg_value></tool_call>",
-     [("content", "天気"), ("call", "get_weather", '{"city": "東京 🙂"}'), ("finish", "tool_calls")]),
-    ("malformed-is-text", "<tool_call>{\"name\": \"x\"}</tool_call>",
-     [("content", "<tool_call>{\"name\": \"x\"}</tool_call>"), ("finish", "stop")]),
-    ("garbage-after-name", "<tool_call>get_time junk <arg_value>x</arg_value></tool_call>",
-     [("content", "<tool_call>get_time junk <arg_value>x</arg_value></tool_call>"), ("finish", "stop")]),
+    (
+        "glm45-newlines",
+        "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        [
+            ("content", "Checking.\n"),
+            ("call", "get_weather", '{"city": "Paris", "days": 3}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "glm47-compact",
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>after",
+        [
+            ("call", "get_weather", '{"city": "Oslo"}'),
+            ("content", "after"),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "missing-arg-value-end",
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome<arg_key>days</arg_key>"
+        "<arg_value>2</tool_call>",
+        [("call", "get_weather", '{"city": "Rome", "days": 2}'), ("finish", "tool_calls")],
+    ),
+    (
+        "whitespace-between",
+        "<tool_call>get_weather\n<arg_key> city </arg_key>  \n <arg_value>Lima</arg_value>\n\n</tool_call>",
+        [("call", "get_weather", '{"city": "Lima"}'), ("finish", "tool_calls")],
+    ),
+    (
+        "json-values",
+        '<tool_call>get_weather<arg_key>options</arg_key><arg_value>{"hourly": "true"}</arg_value>'
+        '<arg_key>hours</arg_key><arg_value>[1, "2"]</arg_value><arg_key>metric</arg_key><arg_value>false</arg_value>'
+        "<arg_key>ratio</arg_key><arg_value>1.5</arg_value><arg_key>city</arg_key><arg_value>123</arg_value></tool_call>",
+        [
+            (
+                "call",
+                "get_weather",
+                '{"options": {"hourly": true}, "hours": [1, 2], "metric": false, "ratio": 1.5, "city": "123"}',
+            ),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "string-keeps-json-text",
+        '<tool_call>get_time<arg_key>tz</arg_key><arg_value>{"a": 1}</arg_value></tool_call>',
+        [("call", "get_time", '{"tz": "{\\"a\\": 1}"}'), ("finish", "tool_calls")],
+    ),
+    (
+        "multiline-string",
+        "<tool_call>get_time<arg_key>tz</arg_key><arg_value>\nline1\nline2\n</arg_value></tool_call>",
+        [("call", "get_time", '{"tz": "line1\\nline2"}'), ("finish", "tool_calls")],
+    ),
+    (
+        "no-arguments",
+        "<tool_call>get_time</tool_call>",
+        [("call", "get_time", "{}"), ("finish", "tool_calls")],
+    ),
+    (
+        "two-calls",
+        "<tool_call>get_time<arg_key>tz</arg_key><arg_value>CET</arg_value></tool_call>\n"
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Bern</arg_value></tool_call>",
+        [
+            ("call", "get_time", '{"tz": "CET"}'),
+            ("call", "get_weather", '{"city": "Bern"}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "unknown-tool-json-guess",
+        "<tool_call>other<arg_key>n</arg_key><arg_value>3</arg_value>"
+        "<arg_key>s</arg_key><arg_value>text</arg_value></tool_call>",
+        [("call", "other", '{"n": 3, "s": "text"}'), ("finish", "tool_calls")],
+    ),
+    (
+        "unicode",
+        "天気<tool_call>get_weather<arg_key>city</arg_key><arg_value>東京 🙂</arg_value></tool_call>",
+        [
+            ("content", "天気"),
+            ("call", "get_weather", '{"city": "東京 🙂"}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "malformed-is-text",
+        '<tool_call>{"name": "x"}</tool_call>',
+        [("content", '<tool_call>{"name": "x"}</tool_call>'), ("finish", "stop")],
+    ),
+    (
+        "garbage-after-name",
+        "<tool_call>get_time junk <arg_value>x</arg_value></tool_call>",
+        [
+            ("content", "<tool_call>get_time junk <arg_value>x</arg_value></tool_call>"),
+            ("finish", "stop"),
+        ],
+    ),
 ]
 
 

@@ -24,24 +24,72 @@ def call(name: str, idx: int, body: str) -> str:
 
 
 CASES = [
-    ("one-call", "I'll check." + SEC + call("get_weather", 0, '{"city": "Paris", "days": "3"}') + SEC_END,
-     [("content", "I'll check."), ("call", "get_weather", '{"city": "Paris", "days": 3}'), ("finish", "tool_calls")]),
-    ("two-calls", SEC + call("get_time", 0, '{"tz": "CET"}') + "\n" + call("get_weather", 1, '{"city": "Oslo"}') + SEC_END,
-     [("call", "get_time", '{"tz": "CET"}'), ("call", "get_weather", '{"city": "Oslo"}'), ("finish", "tool_calls")]),
-    ("text-after-section", SEC + call("get_time", 0, "{}") + SEC_END + " done",
-     [("call", "get_time", "{}"), ("content", " done"), ("finish", "tool_calls")]),
-    ("call-without-section", call("get_time", 3, '{"tz": "UTC"}'),
-     [("call", "get_time", '{"tz": "UTC"}'), ("finish", "tool_calls")]),
-    ("no-functions-prefix", SEC + CALL + " get_time:0 " + ARG + "{}" + END + SEC_END,
-     [("call", "get_time", "{}"), ("finish", "tool_calls")]),
-    ("coercion", SEC + call("get_weather", 0, '{"metric": "false", "hours": "[1, 2]", "options": {"hourly": 1}}') + SEC_END,
-     [("call", "get_weather", '{"metric": false, "hours": [1, 2], "options": {"hourly": 1}}'), ("finish", "tool_calls")]),
-    ("unicode", "🙂" + SEC + call("get_weather", 0, '{"city": "Kraków ✓"}') + SEC_END,
-     [("content", "🙂"), ("call", "get_weather", '{"city": "Kraków ✓"}'), ("finish", "tool_calls")]),
-    ("malformed-json-args", SEC + call("get_time", 0, '{"tz": CET UTC}') + SEC_END,
-     [("call", "get_time", '{"tz": "CET"UTC}'), ("finish", "stop")]),
-    ("bad-id-is-text", SEC + CALL + "<>" + ARG + "{}" + END + SEC_END,
-     [("content", SEC + CALL + "<>" + ARG + "{}" + END), ("finish", "stop")]),
+    (
+        "one-call",
+        "I'll check." + SEC + call("get_weather", 0, '{"city": "Paris", "days": "3"}') + SEC_END,
+        [
+            ("content", "I'll check."),
+            ("call", "get_weather", '{"city": "Paris", "days": 3}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "two-calls",
+        SEC
+        + call("get_time", 0, '{"tz": "CET"}')
+        + "\n"
+        + call("get_weather", 1, '{"city": "Oslo"}')
+        + SEC_END,
+        [
+            ("call", "get_time", '{"tz": "CET"}'),
+            ("call", "get_weather", '{"city": "Oslo"}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "text-after-section",
+        SEC + call("get_time", 0, "{}") + SEC_END + " done",
+        [("call", "get_time", "{}"), ("content", " done"), ("finish", "tool_calls")],
+    ),
+    (
+        "call-without-section",
+        call("get_time", 3, '{"tz": "UTC"}'),
+        [("call", "get_time", '{"tz": "UTC"}'), ("finish", "tool_calls")],
+    ),
+    (
+        "no-functions-prefix",
+        SEC + CALL + " get_time:0 " + ARG + "{}" + END + SEC_END,
+        [("call", "get_time", "{}"), ("finish", "tool_calls")],
+    ),
+    (
+        "coercion",
+        SEC
+        + call("get_weather", 0, '{"metric": "false", "hours": "[1, 2]", "options": {"hourly": 1}}')
+        + SEC_END,
+        [
+            ("call", "get_weather", '{"metric": false, "hours": [1, 2], "options": {"hourly": 1}}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "unicode",
+        "🙂" + SEC + call("get_weather", 0, '{"city": "Kraków ✓"}') + SEC_END,
+        [
+            ("content", "🙂"),
+            ("call", "get_weather", '{"city": "Kraków ✓"}'),
+            ("finish", "tool_calls"),
+        ],
+    ),
+    (
+        "malformed-json-args",
+        SEC + call("get_time", 0, '{"tz": CET UTC}') + SEC_END,
+        [("call", "get_time", '{"tz": "CET"UTC}'), ("finish", "stop")],
+    ),
+    (
+        "bad-id-is-text",
+        SEC + CALL + "<>" + ARG + "{}" + END + SEC_END,
+        [("content", SEC + CALL + "<>" + ARG + "{}" + END), ("finish", "stop")],
+    ),
 ]
 
 
@@ -57,13 +105,28 @@ def test_unclosed_in_id_is_text_and_in_arguments_is_partial_call() -> None:
     for tokens in splits(in_id, MARKERS):
         got = without_usage(summarize(run(stage(), token_events(tokens, finish="length"))))
         assert got == [("content", in_id), ("finish", "length")]
-    in_args = SEC + call("get_time", 0, '{"tz": "CET"}') + CALL + "functions.get_weather:1" + ARG + '{"city": "Ber'
+    in_args = (
+        SEC
+        + call("get_time", 0, '{"tz": "CET"}')
+        + CALL
+        + "functions.get_weather:1"
+        + ARG
+        + '{"city": "Ber'
+    )
     got = without_usage(summarize(run(stage(), token_events([in_args], finish="length"))))
-    assert got == [("call", "get_time", '{"tz": "CET"}'), ("call", "get_weather", '{"city": "Ber'), ("finish", "length")]
+    assert got == [
+        ("call", "get_time", '{"tz": "CET"}'),
+        ("call", "get_weather", '{"city": "Ber'),
+        ("finish", "length"),
+    ]
 
 
 def test_arguments_stream() -> None:
-    text = SEC + call("get_weather", 0, '{"city": "San Francisco", "note": "bring an umbrella"}') + SEC_END
+    text = (
+        SEC
+        + call("get_weather", 0, '{"city": "San Francisco", "note": "bring an umbrella"}')
+        + SEC_END
+    )
     out = run(stage(), token_events([text[i : i + 3] for i in range(0, len(text), 3)]))
     assert sum(isinstance(e, ToolCallArgsDelta) for e in out) > 5
 
@@ -73,5 +136,7 @@ def test_named_prefill() -> None:
     built = stage()
     built.prepare(ctx)
     assert ctx.assistant_prefill == SEC + CALL + "functions.get_time:0" + ARG
-    got = without_usage(summarize(built(iter(token_events(['{"tz":', ' "UTC"}', END, SEC_END])), ctx)))
+    got = without_usage(
+        summarize(built(iter(token_events(['{"tz":', ' "UTC"}', END, SEC_END])), ctx))
+    )
     assert got == [("call", "get_time", '{"tz": "UTC"}'), ("finish", "tool_calls")]

@@ -16,8 +16,10 @@ from .helpers import ENV, make_ctx, run, splits, summarize, token_events, withou
 CALL_W = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_T = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
 GLM_T = "<tool_call>get_time\n<arg_key>tz</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
-KIMI_T = ("<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>"
-          '{"tz": "CET"}<|tool_call_end|>\n<|tool_calls_section_end|>')
+KIMI_T = (
+    "<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>"
+    '{"tz": "CET"}<|tool_call_end|>\n<|tool_calls_section_end|>'
+)
 BAD = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris" "days": 3}}</tool_call>'
 W, T = ("call", "get_weather", '{"city": "Paris"}'), ("call", "get_time", '{"tz": "CET"}')
 
@@ -30,14 +32,24 @@ WHITESPACE_CASES = [
     ("between-calls", CALL_W + "\n" + CALL_T, [W, T, ("finish", "tool_calls")]),
     ("between-and-after", CALL_W + "\n\n" + CALL_T + "\n", [W, T, ("finish", "tool_calls")]),
     ("leading", "\n\n" + CALL_W, [W, ("finish", "tool_calls")]),
-    ("text-after-is-kept", CALL_W + "\n\nDone.", [W, ("content", "\n\nDone."), ("finish", "tool_calls")]),
-    ("text-before-is-kept", "Checking.\n" + CALL_W, [("content", "Checking.\n"), W, ("finish", "tool_calls")]),
+    (
+        "text-after-is-kept",
+        CALL_W + "\n\nDone.",
+        [W, ("content", "\n\nDone."), ("finish", "tool_calls")],
+    ),
+    (
+        "text-before-is-kept",
+        "Checking.\n" + CALL_W,
+        [("content", "Checking.\n"), W, ("finish", "tool_calls")],
+    ),
     ("inner-space-of-text", "a \n b", [("content", "a \n b"), ("finish", "stop")]),
     ("whitespace-only-answer", "\n \n", [("content", "\n \n"), ("finish", "stop")]),
 ]
 
 
-@pytest.mark.parametrize("completion,expected", [c[1:] for c in WHITESPACE_CASES], ids=[c[0] for c in WHITESPACE_CASES])
+@pytest.mark.parametrize(
+    "completion,expected", [c[1:] for c in WHITESPACE_CASES], ids=[c[0] for c in WHITESPACE_CASES]
+)
 def test_whitespace_around_calls_is_not_content(completion: str, expected: list) -> None:
     for tokens in splits(completion, ("<tool_call>", "</tool_call>")):
         assert without_usage(summarize(run(stage(), token_events(tokens)))) == expected, tokens
@@ -45,7 +57,9 @@ def test_whitespace_around_calls_is_not_content(completion: str, expected: list)
 
 @pytest.mark.parametrize("fmt,call", [("glm", GLM_T), ("kimi", KIMI_T)])
 def test_whitespace_between_calls_other_formats(fmt: str, call: str) -> None:
-    got = without_usage(summarize(run(stage(fmt), token_events(list("\n" + call + "\n\n" + call + "\n")))))
+    got = without_usage(
+        summarize(run(stage(fmt), token_events(list("\n" + call + "\n\n" + call + "\n"))))
+    )
     assert got == [T, T, ("finish", "tool_calls")]
 
 
@@ -61,8 +75,11 @@ def test_whitespace_after_reasoning_before_call_is_dropped() -> None:
 
 # ------------------------------------------------------------ finish reason of broken calls
 
+
 def test_malformed_only_call_finishes_stop() -> None:
-    completion = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris" "days": 3}}</tool_call>'
+    completion = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris" "days": 3}}</tool_call>'
+    )
     got = without_usage(summarize(run(stage(), token_events([completion]))))
     assert got[-1] == ("finish", "stop")
 
@@ -70,15 +87,29 @@ def test_malformed_only_call_finishes_stop() -> None:
 def test_valid_call_next_to_malformed_one_finishes_tool_calls() -> None:
     bad = BAD
     got = without_usage(summarize(run(stage(), token_events([CALL_T, bad]))))
-    assert got[0] == T and got[1][2] == '{"city": "Paris""days": 3}' and got[-1] == ("finish", "tool_calls")
+    assert (
+        got[0] == T
+        and got[1][2] == '{"city": "Paris""days": 3}'
+        and got[-1] == ("finish", "tool_calls")
+    )
 
 
 def test_cut_call_finishes_length() -> None:
-    got = without_usage(summarize(run(stage(), token_events([CALL_T, '<tool_call>{"name": "get_weather", "arguments": {"ci'], "length"))))
+    got = without_usage(
+        summarize(
+            run(
+                stage(),
+                token_events(
+                    [CALL_T, '<tool_call>{"name": "get_weather", "arguments": {"ci'], "length"
+                ),
+            )
+        )
+    )
     assert got == [T, ("call", "get_weather", '{"ci'), ("finish", "length")]
 
 
 # ------------------------------------------------------------ parallel_tool_calls=false
+
 
 def single_ctx():
     ctx = make_ctx()
@@ -88,6 +119,7 @@ def single_ctx():
 
 def cancellable(pieces: list[str], ctx) -> list:
     """A generate stage stand-in that honours ctx.cancel like the real one."""
+
     def gen():
         yield PromptReady(5)
         for i, piece in enumerate(pieces):
@@ -98,6 +130,7 @@ def cancellable(pieces: list[str], ctx) -> list:
             yield TokenText(piece, 100 + i)
         yield Finish("stop")
         yield Usage(5, len(pieces))
+
     return gen()
 
 
@@ -123,7 +156,11 @@ def test_parallel_false_does_not_stop_on_malformed_call() -> None:
     ctx = single_ctx()
     bad = BAD
     got = without_usage(summarize(run(stage(), token_events([bad, CALL_T]), ctx)))
-    assert got[0] == ("call", "get_weather", '{"city": "Paris""days": 3}')  # the broken call did not end the turn
+    assert got[0] == (
+        "call",
+        "get_weather",
+        '{"city": "Paris""days": 3}',
+    )  # the broken call did not end the turn
     assert got[-2:] == [T, ("finish", "tool_calls")]
 
 

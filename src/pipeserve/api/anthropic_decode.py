@@ -108,7 +108,9 @@ def blocks_of(content: Any, loc: Loc) -> list[dict[str, Any]]:
     for i, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             where = s.path((*loc, i, "type"))
-            raise invalid(f"{where}: each content block must be an object with a string type", where)
+            raise invalid(
+                f"{where}: each content block must be an object with a string type", where
+            )
     return content
 
 
@@ -116,7 +118,9 @@ def unsupported(block: dict[str, Any], loc: Loc, where_text: str) -> Exception:
     if block["type"] == "image":
         return invalid(IMAGES_UNSUPPORTED, s.path(loc))
     where = s.path((*loc, "type"))
-    return invalid(f"{where}: content blocks of type {block['type']!r} are not supported {where_text}", where)
+    return invalid(
+        f"{where}: content blocks of type {block['type']!r} are not supported {where_text}", where
+    )
 
 
 def plain_text(block: dict[str, Any], loc: Loc) -> str | None:
@@ -142,7 +146,9 @@ def document_text(doc: s.DocumentBlock, loc: Loc) -> str:
         body = text_blocks(blocks_of(source.get("content"), inner), inner)
     else:
         where = s.path((*loc, "source", "type"))
-        raise invalid(f"{where}: only text documents are supported (not {source.get('type')!r})", where)
+        raise invalid(
+            f"{where}: only text documents are supported (not {source.get('type')!r})", where
+        )
     return JOIN.join(part for part in (doc.title, doc.context, body) if part)
 
 
@@ -178,7 +184,9 @@ def decode_messages(params: list[s.MessageParam], system: Any) -> list[Message]:
     return merge_same_role(out)
 
 
-def user_messages(blocks: list[dict[str, Any]], loc: Loc, tool_names: dict[str, str]) -> list[Message]:
+def user_messages(
+    blocks: list[dict[str, Any]], loc: Loc, tool_names: dict[str, str]
+) -> list[Message]:
     results: list[Message] = []
     texts: list[str] = []
     for i, block in enumerate(blocks):
@@ -207,7 +215,9 @@ def tool_message(result: s.ToolResultBlock, loc: Loc, tool_names: dict[str, str]
     return Message(role="tool", content=text, tool_call_id=result.tool_use_id, name=name)
 
 
-def assistant_message(blocks: list[dict[str, Any]], loc: Loc, tool_names: dict[str, str]) -> Message:
+def assistant_message(
+    blocks: list[dict[str, Any]], loc: Loc, tool_names: dict[str, str]
+) -> Message:
     message = Message(role="assistant")
     texts: list[str] = []
     reasoning: list[str] = []
@@ -216,7 +226,9 @@ def assistant_message(blocks: list[dict[str, Any]], loc: Loc, tool_names: dict[s
         if kind == "tool_use":
             use = s.check(s.ToolUseBlock, block, (*loc, i))
             tool_names[use.id] = use.name
-            message.tool_calls.append(ToolCall(use.id, use.name, json.dumps(use.input, ensure_ascii=False)))
+            message.tool_calls.append(
+                ToolCall(use.id, use.name, json.dumps(use.input, ensure_ascii=False))
+            )
         elif kind == "thinking":
             reasoning.append(s.check(s.ThinkingBlock, block, (*loc, i)).thinking)
         elif kind not in SKIPPED_ASSISTANT_BLOCKS and not kind.endswith("_tool_result"):
@@ -258,12 +270,16 @@ def decode_tools(raw: list[Any]) -> list[ToolSpec]:
             continue  # server tools (web_search_*, bash_*, text_editor_*, ...) run elsewhere
         tool = s.check(s.ToolParam, entry, ("tools", i))
         if any(known.name == tool.name for known in tools):
-            raise invalid(f"tools.{i}.name: tool names must be unique ({tool.name!r})", f"tools.{i}.name")
+            raise invalid(
+                f"tools.{i}.name: tool names must be unique ({tool.name!r})", f"tools.{i}.name"
+            )
         tools.append(ToolSpec(tool.name, tool.description or "", tool.input_schema))
     return tools
 
 
-def decode_tool_choice(choice: s.ToolChoiceParam | None, tools: list[ToolSpec]) -> tuple[ToolChoice, bool]:
+def decode_tool_choice(
+    choice: s.ToolChoiceParam | None, tools: list[ToolSpec]
+) -> tuple[ToolChoice, bool]:
     if choice is None:
         return ToolChoice(), True
     parallel = not choice.disable_parallel_tool_use
@@ -280,7 +296,9 @@ def decode_tool_choice(choice: s.ToolChoiceParam | None, tools: list[ToolSpec]) 
     if choice.name is None:
         raise invalid("tool_choice.name: Field required", "tool_choice.name")
     if all(tool.name != choice.name for tool in tools):
-        raise invalid(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
+        raise invalid(
+            f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name"
+        )
     return ToolChoice("function", choice.name), parallel
 
 
@@ -298,11 +316,15 @@ def decode_sampling(req: s.MessagesBody) -> SamplingParams:
 def decode_stop(stops: list[str]) -> list[str]:
     for i, stop in enumerate(stops):
         if not stop:
-            raise invalid(f"stop_sequences.{i}: stop sequences must not be empty", f"stop_sequences.{i}")
+            raise invalid(
+                f"stop_sequences.{i}: stop sequences must not be empty", f"stop_sequences.{i}"
+            )
     return list(dict.fromkeys(stops))
 
 
-def decode_reasoning(thinking: s.ThinkingParam | None, output_config: s.OutputConfigParam | None) -> ReasoningOptions:
+def decode_reasoning(
+    thinking: s.ThinkingParam | None, output_config: s.OutputConfigParam | None
+) -> ReasoningOptions:
     effort = output_config.effort if output_config is not None else None
     options = ReasoningOptions(effort=EFFORTS.get(effort) if isinstance(effort, str) else None)
     if thinking is None:

@@ -102,7 +102,10 @@ def tool_use_id(call_id: str) -> str:
 
 
 def error_event(kind: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(kind, "api_error"), "message": message}}
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(kind, "api_error"), "message": message},
+    }
 
 
 class _Signature:
@@ -196,7 +199,11 @@ class _MessageStream:
         """message_start's usage also carries the fields only a Message's Usage has (the
         delta usage merges into it: anthropic_messages.fold_message, the SDKs)."""
         cache_creation = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
-        return {**self.usage_dict(output_tokens=0), "cache_creation": cache_creation, "service_tier": "standard"}
+        return {
+            **self.usage_dict(output_tokens=0),
+            "cache_creation": cache_creation,
+            "service_tier": "standard",
+        }
 
     def open_block(self, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from self.start()
@@ -249,7 +256,9 @@ class _MessageStream:
             log.warning("tool call %d: arguments are not a JSON object: %.200s", event.index, final)
             yield from self.delta("text", final)
             return
-        yield from self.open_block({"type": "tool_use", "id": tool_use_id(held.id), "name": held.name, "input": {}})
+        yield from self.open_block(
+            {"type": "tool_use", "id": tool_use_id(held.id), "name": held.name, "input": {}}
+        )
         if final.strip():
             delta = {"type": "input_json_delta", "partial_json": final}
             yield {"type": "content_block_delta", "index": self.index, "delta": delta}

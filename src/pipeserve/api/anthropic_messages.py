@@ -51,7 +51,9 @@ class AnthropicMessages(WireProtocol):
         kind = ERROR_TYPES.get(error.kind, "api_error")
         message = error.message
         if (overflow := context_overflow(error)) is not None:
-            message = f"prompt is too long: {overflow[0]} tokens > {overflow[1]} maximum ({message})"
+            message = (
+                f"prompt is too long: {overflow[0]} tokens > {overflow[1]} maximum ({message})"
+            )
         return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -71,7 +73,9 @@ def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[
         elif kind == "content_block_start":
             message["content"].append(dict(event["content_block"]))
         elif kind == "content_block_delta":
-            apply_delta(message["content"][event["index"]], event["delta"], json_bufs, event["index"])
+            apply_delta(
+                message["content"][event["index"]], event["delta"], json_bufs, event["index"]
+            )
         elif kind == "content_block_stop" and event["index"] in json_bufs:
             message["content"][event["index"]]["input"] = parse_input(json_bufs.pop(event["index"]))
         elif kind == "message_delta":

@@ -72,5 +72,3 @@ PROTOCOL_REGISTRY: dict[str, type[WireProtocol]] = {}
 def register_protocol(cls: type[WireProtocol]) -> type[WireProtocol]:
     PROTOCOL_REGISTRY[cls.name] = cls
     return cls
-
-

@@ -130,7 +130,8 @@ def _message(raw: MessageIn, path: str, call_names: dict[str, str]) -> Message:
     role = raw.role
     if role == "assistant":
         calls = [
-            ToolCall(c.id, c.function.name, _arguments(c.function.arguments)) for c in raw.tool_calls or []
+            ToolCall(c.id, c.function.name, _arguments(c.function.arguments))
+            for c in raw.tool_calls or []
         ]
         call_names.update((c.id, c.name) for c in calls)
         content = text_of_parts(raw.content, f"{path}.content", TEXT_PARTS, IMAGE_PARTS)
@@ -161,7 +162,11 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
         check(isinstance(fn, dict), f"{path}.function")
         name, params = fn.get("name"), fn.get("parameters")
         check(isinstance(name, str) and name != "", f"{path}.function.name")
-        check(params is None or isinstance(params, dict), f"{path}.function.parameters", "expected an object")
+        check(
+            params is None or isinstance(params, dict),
+            f"{path}.function.parameters",
+            "expected an object",
+        )
         spec = ToolSpec(name, str(fn.get("description") or ""))
         if params:
             spec.parameters = params
@@ -177,10 +182,16 @@ def _tool_choice(raw: Any) -> ToolChoice:
         allowed = raw.get("allowed_tools")
         check(isinstance(allowed, dict), "tool_choice.allowed_tools")
         mode = allowed.get("mode")
-        check(mode in ("auto", "required"), "tool_choice.allowed_tools.mode", f"{mode!r} is not one of auto, required")
+        check(
+            mode in ("auto", "required"),
+            "tool_choice.allowed_tools.mode",
+            f"{mode!r} is not one of auto, required",
+        )
         return ToolChoice(mode)
     if kind != "function":
-        raise unsupported("tool_choice", f"forcing a {kind!r} tool (only function tools are served)")
+        raise unsupported(
+            "tool_choice", f"forcing a {kind!r} tool (only function tools are served)"
+        )
     fn = raw.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     check(isinstance(name, str), "tool_choice.function.name")
@@ -199,7 +210,9 @@ def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
         check(isinstance(entry, dict), where, "expected an object")
         if entry.get("type", "function") == "function":
             fn = entry.get("function")
-            check(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"{where}.function.name")
+            check(
+                isinstance(fn, dict) and isinstance(fn.get("name"), str), f"{where}.function.name"
+            )
             names.add(fn["name"])
     return [tool for tool in tools if tool.name in names]
 
@@ -222,7 +235,11 @@ def _logit_bias(raw: Any) -> dict[int, float]:
     for key, value in raw.items():
         check(isinstance(key, str) and key.isdigit(), "logit_bias", f"{key!r} is not a token id")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        check(number and -100 <= value <= 100, "logit_bias", f"the bias of {key} must be a number in [-100, 100]")
+        check(
+            number and -100 <= value <= 100,
+            "logit_bias",
+            f"the bias of {key} must be a number in [-100, 100]",
+        )
         bias[int(key)] = float(value)
     return bias
 
@@ -239,7 +256,9 @@ def _refuse_unhonoured(req: ChatRequestIn) -> None:
     if req.functions:
         raise unsupported("functions", "the deprecated functions API is not served; use 'tools'")
     if isinstance(req.function_call, dict):
-        raise unsupported("function_call", "the deprecated functions API is not served; use 'tool_choice'")
+        raise unsupported(
+            "function_call", "the deprecated functions API is not served; use 'tool_choice'"
+        )
 
 
 def decode_chat(body: Any) -> ChatGenerationRequest:

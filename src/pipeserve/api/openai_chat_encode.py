@@ -123,7 +123,10 @@ class ChatStreamEncoder:
         self.usage = Usage(0, 0)
 
     def chunk(
-        self, delta: dict[str, Any], finish: str | None = None, logprobs: list[dict[str, Any]] | None = None
+        self,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if logprobs:
@@ -187,7 +190,11 @@ class ChatStreamEncoder:
             call = self.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
             fn = {"name": call.name, "arguments": ""}
             return self.chunk(
-                {"tool_calls": [{"index": event.index, "id": call.id, "type": "function", "function": fn}]}
+                {
+                    "tool_calls": [
+                        {"index": event.index, "id": call.id, "type": "function", "function": fn}
+                    ]
+                }
             )
         existing = self.calls.get(event.index)
         if existing is None:
@@ -203,20 +210,30 @@ class ChatStreamEncoder:
         existing.streamed += fragment
         if not fragment:
             return None
-        return self.chunk({"tool_calls": [{"index": event.index, "function": {"arguments": fragment}}]})
+        return self.chunk(
+            {"tool_calls": [{"index": event.index, "function": {"arguments": fragment}}]}
+        )
 
 
 def completion_body(acc: Accumulated, ctx: RequestContext) -> dict[str, Any]:
     content = "".join(acc.content)
     calls = [acc.calls[i] for i in sorted(acc.calls)]
-    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": [],
+    }
     if calls:
         message["content"] = content if content.strip() else None
         message["tool_calls"] = [
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.name, "arguments": c.streamed if c.arguments is None else c.arguments},
+                "function": {
+                    "name": c.name,
+                    "arguments": c.streamed if c.arguments is None else c.arguments,
+                },
             }
             for c in calls
         ]
@@ -230,7 +247,9 @@ def completion_body(acc: Accumulated, ctx: RequestContext) -> dict[str, Any]:
         "model": ctx.model_name,
         "service_tier": SERVICE_TIER,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": acc.finish}],
+        "choices": [
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": acc.finish}
+        ],
         "usage": chat_usage(acc.usage),
     }
 

@@ -98,7 +98,9 @@ def images_unsupported(param: str) -> ApiError:
     return invalid("images are not supported by this model", param)
 
 
-def text_of_parts(parts: Any, path: str, text_types: frozenset[str], image_types: frozenset[str]) -> str:
+def text_of_parts(
+    parts: Any, path: str, text_types: frozenset[str], image_types: frozenset[str]
+) -> str:
     """Concatenate the text of a content-part list; image parts are a clear 400."""
     if isinstance(parts, str):
         return parts
@@ -151,7 +153,9 @@ def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> 
     if choice.mode in ("required", "function") and not tools:
         raise invalid(f"'{param}' {choice.mode!r} is only allowed when tools are specified.", param)
     if choice.mode == "function" and all(t.name != choice.name for t in tools):
-        raise invalid(f"Invalid value for '{param}': function {choice.name!r} is not in tools.", param)
+        raise invalid(
+            f"Invalid value for '{param}': function {choice.name!r} is not in tools.", param
+        )
 
 
 SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
@@ -294,7 +298,8 @@ class LogprobCursor:
             "logprob": float(logprob),
             "bytes": list(text.encode()),
             "top_logprobs": [
-                {"token": t.token, "logprob": float(t.logprob), "bytes": list(t.token.encode())} for t in tops
+                {"token": t.token, "logprob": float(t.logprob), "bytes": list(t.token.encode())}
+                for t in tops
             ],
         }
 

@@ -34,7 +34,14 @@ from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoni
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest, Message, SamplingParams, ToolCall, ToolChoice, ToolSpec
+from pipeserve.request import (
+    GenerationRequest,
+    Message,
+    SamplingParams,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 from pipeserve.stages.base import RequestContext
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
@@ -47,7 +54,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 class ReasoningIn(Lenient):
     effort: str | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # echoed; we stream full reasoning text
+    summary: Literal["auto", "concise", "detailed"] | None = (
+        None  # echoed; we stream full reasoning text
+    )
 
 
 class ResponsesRequestIn(Lenient):
@@ -156,7 +165,9 @@ class _History:
             if msg.role == "assistant":
                 self.assistant(text)
             else:
-                self.messages.append(Message("system" if msg.role == "developer" else msg.role, text))
+                self.messages.append(
+                    Message("system" if msg.role == "developer" else msg.role, text)
+                )
         elif kind == "function_call":
             call = validate(FunctionCallItem, item, path)
             name = f"{call.namespace}.{call.name}" if call.namespace else call.name
@@ -173,11 +184,16 @@ class _History:
         elif kind == "reasoning":
             reasoning = validate(ReasoningItem, item, path)
             sealed = open_reasoning(reasoning.encrypted_content)
-            texts = _part_texts(reasoning.content) or ([sealed] if sealed else _part_texts(reasoning.summary))
+            texts = _part_texts(reasoning.content) or (
+                [sealed] if sealed else _part_texts(reasoning.summary)
+            )
             if texts:
                 self.reasoning.append("\n".join(texts))
         elif kind == "item_reference":  # nothing is stored: dropping it would lose history
-            raise invalid(f"'{path}': item_reference cannot be resolved (nothing is stored); send the item.", path)
+            raise invalid(
+                f"'{path}': item_reference cannot be resolved (nothing is stored); send the item.",
+                path,
+            )
         # other item types (web_search_call, tool_search_*, compaction...) are skipped
 
 
@@ -195,7 +211,9 @@ def _output_text(output: Any, path: str) -> str:
 
 def _part_texts(parts: list[Any] | None) -> list[str]:
     return [
-        p["text"] for p in parts or [] if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]
+        p["text"]
+        for p in parts or []
+        if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]
     ]
 
 
@@ -269,7 +287,11 @@ def _tool_choice(raw: Any) -> ToolChoice:
         return ToolChoice("function", f"{namespace}.{name}" if namespace else name)
     if raw.get("type") == "allowed_tools":
         mode = raw.get("mode", "auto")
-        check(mode in ("auto", "required"), "tool_choice.mode", f"{mode!r} is not one of auto, required")
+        check(
+            mode in ("auto", "required"),
+            "tool_choice.mode",
+            f"{mode!r} is not one of auto, required",
+        )
         return ToolChoice(mode)
     return ToolChoice()  # hosted / custom tool choices: the model decides
 
@@ -299,11 +321,15 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
             "previous_response_id",
         )
     if req.conversation is not None:
-        raise invalid("conversation is not supported: this server stores no conversations.", "conversation")
+        raise invalid(
+            "conversation is not supported: this server stores no conversations.", "conversation"
+        )
     if req.background:
         raise invalid("background responses are not supported.", "background")
     if req.prompt is not None:
-        raise unsupported("prompt", "stored prompt templates cannot be resolved; send 'instructions' and 'input'")
+        raise unsupported(
+            "prompt", "stored prompt templates cannot be resolved; send 'instructions' and 'input'"
+        )
     refuse_structured_output((req.text or {}).get("format"), "text.format")
 
 

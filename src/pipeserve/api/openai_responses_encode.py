@@ -214,7 +214,9 @@ class ResponsesBuilder:
         self.open.logprobs += logprobs
         ids = {"item_id": self.open.item["id"], "output_index": self.open.index, "content_index": 0}
         if kind == "message":
-            frames.append(self.event("response.output_text.delta", **ids, delta=delta, logprobs=logprobs))
+            frames.append(
+                self.event("response.output_text.delta", **ids, delta=delta, logprobs=logprobs)
+            )
         else:
             frames.append(self.event("response.reasoning_text.delta", **ids, delta=delta))
         return frames
@@ -228,14 +230,21 @@ class ResponsesBuilder:
                 "status": "in_progress",
                 "content": [],
             }
-            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            part: dict[str, Any] = {
+                "type": "output_text",
+                "text": "",
+                "annotations": [],
+                "logprobs": [],
+            }
         else:
             item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
             part = {"type": "reasoning_text", "text": ""}
         self.open = _Open(len(self.output), item)
         ids = {"item_id": item["id"], "output_index": self.open.index, "content_index": 0}
         return [
-            self.event("response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)),
+            self.event(
+                "response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)
+            ),
             self.event("response.content_part.added", **ids, part=part),
         ]
 
@@ -254,7 +263,9 @@ class ResponsesBuilder:
             item["namespace"] = namespace
         self.open = _Open(len(self.output), item, call_index=event.index)
         frames.append(
-            self.event("response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item))
+            self.event(
+                "response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)
+            )
         )
         return frames
 
@@ -314,13 +325,19 @@ class ResponsesBuilder:
                     logprobs=part["logprobs"],
                 )
             )
-            frames.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
+            frames.append(
+                self.event("response.content_part.done", **ids, content_index=0, part=part)
+            )
         elif item["type"] == "reasoning":
             part = item["content"][0]
             frames.append(
-                self.event("response.reasoning_text.done", **ids, content_index=0, text=part["text"])
+                self.event(
+                    "response.reasoning_text.done", **ids, content_index=0, text=part["text"]
+                )
             )
-            frames.append(self.event("response.content_part.done", **ids, content_index=0, part=part))
+            frames.append(
+                self.event("response.content_part.done", **ids, content_index=0, part=part)
+            )
         else:
             frames.append(
                 self.event(
@@ -331,7 +348,9 @@ class ResponsesBuilder:
                 )
             )
         frames.append(
-            self.event("response.output_item.done", output_index=current.index, item=copy.deepcopy(item))
+            self.event(
+                "response.output_item.done", output_index=current.index, item=copy.deepcopy(item)
+            )
         )
         return frames
 

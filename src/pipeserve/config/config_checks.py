@@ -50,7 +50,9 @@ class PipelineSource(Protocol):
     def pipeline(self, path: Path) -> tuple[LoadedPipeline | None, list[Problem]]: ...
 
 
-def check_config(doc: YamlDoc, validator: PipelineSource) -> tuple[LoadedConfig | None, list[Problem]]:
+def check_config(
+    doc: YamlDoc, validator: PipelineSource
+) -> tuple[LoadedConfig | None, list[Problem]]:
     if not isinstance(doc.data, dict):
         return None, [doc.problem((), "a server config is a mapping with 'models' and 'endpoints'")]
     problems: list[Problem] = []
@@ -134,7 +136,9 @@ def _check_model_pipelines(
         return pipelines, problems  # pydantic reported the type
     folder = doc.path.parent / folder_value
     if not folder.is_dir() and "pipelines_dir" in doc.data:
-        return pipelines, [doc.problem(("pipelines_dir",), f"no such folder: {display_path(folder)}")]
+        return pipelines, [
+            doc.problem(("pipelines_dir",), f"no such folder: {display_path(folder)}")
+        ]
     available = _pipeline_files(folder)
     for i, model in models:
         name = model.get("pipeline")
@@ -156,14 +160,18 @@ def _check_model_pipelines(
 def _pipeline_files(folder: Path) -> dict[str, Path]:
     if not folder.is_dir():
         return {}
-    return {p.stem: p for p in sorted(folder.iterdir()) if p.suffix in YAML_SUFFIXES and p.is_file()}
+    return {
+        p.stem: p for p in sorted(folder.iterdir()) if p.suffix in YAML_SUFFIXES and p.is_file()
+    }
 
 
 def _norm(name: str) -> str:
     return name.lower().replace("-", "_")
 
 
-def _check_demo_family(doc: YamlDoc, index: int, model: dict[str, Any], pipeline: LoadedPipeline) -> list[Problem]:
+def _check_demo_family(
+    doc: YamlDoc, index: int, model: dict[str, Any], pipeline: LoadedPipeline
+) -> list[Problem]:
     """`source: demo:<family>` builds a model whose chat format is that family's."""
     source = model.get("source")
     if not isinstance(source, str) or not source.startswith("demo:"):

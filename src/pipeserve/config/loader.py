@@ -112,7 +112,9 @@ class _Converter:
             if isinstance(key, (list, dict)):
                 line, col = _mark(key_node)
                 self.problems.append(
-                    Problem(self.doc.file, line, col, dotted(path), "a mapping key must be a scalar")
+                    Problem(
+                        self.doc.file, line, col, dotted(path), "a mapping key must be a scalar"
+                    )
                 )
                 continue
             self.doc.keys[path + (key,)] = _mark(key_node)
@@ -130,7 +132,10 @@ class _Converter:
                 first = seen[key]
                 self.problems.append(
                     Problem(
-                        self.doc.file, line, col, dotted(path + (key,)),
+                        self.doc.file,
+                        line,
+                        col,
+                        dotted(path + (key,)),
                         f"duplicate key {key!r} (first defined at line {first[0]}, column {first[1]})",
                     )
                 )

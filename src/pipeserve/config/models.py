@@ -17,12 +17,25 @@ class Strict(BaseModel):
 
 
 class ServerSection(Strict):
-    host: str = Field("127.0.0.1", description="Bind address. Keep 127.0.0.1 unless you mean to expose it.")
+    host: str = Field(
+        "127.0.0.1", description="Bind address. Keep 127.0.0.1 unless you mean to expose it."
+    )
     port: int = Field(8080, ge=1, le=65535)
-    workers: int = Field(1, ge=1, le=64, description="gunicorn worker processes; each holds its own copy of every model.")
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
-    request_timeout: float = Field(600.0, gt=0, description="Seconds a request may take in queue plus generation.")
-    keepalive_interval: float = Field(5.0, gt=0, description="Seconds of silence before an SSE keep-alive (ping).")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="gunicorn worker processes; each holds its own copy of every model.",
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Larger request bodies get 413."
+    )
+    request_timeout: float = Field(
+        600.0, gt=0, description="Seconds a request may take in queue plus generation."
+    )
+    keepalive_interval: float = Field(
+        5.0, gt=0, description="Seconds of silence before an SSE keep-alive (ping)."
+    )
     body_read_timeout: float = Field(
         30.0,
         gt=0,
@@ -53,17 +66,30 @@ class ShardingOptions(Strict):
 
 class EngineOptions(Strict):
     max_batch: int = Field(8, ge=1, le=256, description="Sequences decoded together.")
-    queue_size: int = Field(32, ge=0, description="Requests waiting beyond max_batch; more get 429/529.")
+    queue_size: int = Field(
+        32, ge=0, description="Requests waiting beyond max_batch; more get 429/529."
+    )
     default_max_tokens: int = Field(4096, ge=1)
     max_tokens_limit: int | None = Field(None, ge=1, description="Upper bound clients may ask for.")
-    context_length: int | None = Field(None, ge=1, description="Longer prompts get 400; default from the model config.")
+    context_length: int | None = Field(
+        None, ge=1, description="Longer prompts get 400; default from the model config."
+    )
     prefill_step_size: int = Field(512, ge=16)
-    prefill_batch: int = Field(4, ge=1, le=256, description="Prompts prefilled together when a burst arrives (capped by max_batch).")
+    prefill_batch: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Prompts prefilled together when a burst arrives (capped by max_batch).",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     cpu_pretranspose: bool = Field(
-        True, description="On the CPU, store float32 dense weights transposed for BLAS (same outputs, faster decode).")
+        True,
+        description="On the CPU, store float32 dense weights transposed for BLAS (same outputs, faster decode).",
+    )
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
-    sharding: ShardingOptions | None = Field(None, description="Not available yet: rejected by validation.")
+    sharding: ShardingOptions | None = Field(
+        None, description="Not available yet: rejected by validation."
+    )
 
     @field_validator("sharding")
     @classmethod
@@ -71,29 +97,45 @@ class EngineOptions(Strict):
         # Refuse rather than silently serve unsharded: a user who asks for sharding has a
         # model that may not fit one process.
         if value is not None:
-            raise ValueError("sharding is not implemented in this version of pipeserve; remove options.sharding")
+            raise ValueError(
+                "sharding is not implemented in this version of pipeserve; remove options.sharding"
+            )
         return value
 
 
 class ReplayOptions(Strict):
-    completion: str = Field("", description="Raw completion streamed when the request has no mock_response.")
-    delay: float = Field(0.0, ge=0, description="Seconds between tokens (to exercise streaming clients).")
+    completion: str = Field(
+        "", description="Raw completion streamed when the request has no mock_response."
+    )
+    delay: float = Field(
+        0.0, ge=0, description="Seconds between tokens (to exercise streaming clients)."
+    )
 
 
 class ModelEntry(Strict):
     name: str = Field(..., min_length=1, description="Client-facing model name.")
-    source: str = Field(..., min_length=1, description="demo:<family>, a local mlx-lm model folder, or a Hugging Face repo id.")
+    source: str = Field(
+        ...,
+        min_length=1,
+        description="demo:<family>, a local mlx-lm model folder, or a Hugging Face repo id.",
+    )
     pipeline: str = Field(..., min_length=1, description="Pipeline name: pipelines/<name>.yaml.")
     engine: Literal["mlx", "replay"] = "mlx"
-    aliases: list[str] = Field(default_factory=list, description="Other names (fnmatch globs) routed to this model.")
+    aliases: list[str] = Field(
+        default_factory=list, description="Other names (fnmatch globs) routed to this model."
+    )
     options: EngineOptions = Field(default_factory=EngineOptions)
     replay: ReplayOptions = Field(default_factory=ReplayOptions)
 
 
 class EndpointEntry(Strict):
     route: str = Field(..., description="URL path, e.g. /v1/chat/completions.")
-    api: str = Field(..., description="Wire protocol: openai-chat, anthropic-messages or openai-responses.")
-    models: list[str] | None = Field(None, description="Restrict to these model names (default: all).")
+    api: str = Field(
+        ..., description="Wire protocol: openai-chat, anthropic-messages or openai-responses."
+    )
+    models: list[str] | None = Field(
+        None, description="Restrict to these model names (default: all)."
+    )
 
     @field_validator("route")
     @classmethod
@@ -105,7 +147,9 @@ class EndpointEntry(Strict):
 
 class ServerConfig(Strict):
     server: ServerSection = Field(default_factory=ServerSection)
-    pipelines_dir: str = Field("../pipelines", description="Folder of pipeline YAML, relative to this file.")
+    pipelines_dir: str = Field(
+        "../pipelines", description="Folder of pipeline YAML, relative to this file."
+    )
     models: list[ModelEntry] = Field(..., min_length=1)
     endpoints: list[EndpointEntry] = Field(..., min_length=1)
 

@@ -65,7 +65,9 @@ def check_pipeline(
         parsed = PipelineFile.model_validate(doc.data)
     except ValidationError as exc:
         # Stage items get their own, more precise checks below.
-        own = [p for p in pydantic_problems(doc, exc, PipelineFile) if not p.path.startswith("stages[")]
+        own = [
+            p for p in pydantic_problems(doc, exc, PipelineFile) if not p.path.startswith("stages[")
+        ]
         problems += own
     items = doc.data.get("stages")
     stages: list[StageEntry | None] = []
@@ -93,7 +95,11 @@ def _check_stage(
     if not isinstance(item, dict) or len(item) != 1:
         got = f"{len(item)} keys" if isinstance(item, dict) else repr(item)
         hint = f" (write '- {item}: {{}}')" if isinstance(item, str) and item in registry else ""
-        problems.append(doc.problem(path, f"a stage is a single-key mapping {{kind: {{params}}}}, got {got}{hint}"))
+        problems.append(
+            doc.problem(
+                path, f"a stage is a single-key mapping {{kind: {{params}}}}, got {got}{hint}"
+            )
+        )
         return None, None
     kind, params = next(iter(item.items()))
     spec = registry.get(kind)
@@ -126,7 +132,9 @@ def _check_roles(doc: YamlDoc, specs: list[StageSpec | None]) -> list[Problem]:
         message = f"a second generation stage (the first is stages[{generate[0]}]); exactly one is allowed"
         problems.append(doc.problem(_stage_key(specs, i), message, prefer_key=True))
     for i in render[1:]:
-        message = f"a second render stage (the first is stages[{render[0]}]); at most one is allowed"
+        message = (
+            f"a second render stage (the first is stages[{render[0]}]); at most one is allowed"
+        )
         problems.append(doc.problem(_stage_key(specs, i), message, prefer_key=True))
     if render and generate and render[0] > generate[0]:
         message = f"the render stage must come before the generation stage (stages[{generate[0]}])"

@@ -20,7 +20,9 @@ DRAFT = "https://json-schema.org/draft/2020-12/schema"
 SchemaKind = Literal["config", "pipeline", "all"]
 
 
-def json_schema(kind: SchemaKind = "all", registry: Mapping[str, StageSpec] | None = None) -> dict[str, Any]:
+def json_schema(
+    kind: SchemaKind = "all", registry: Mapping[str, StageSpec] | None = None
+) -> dict[str, Any]:
     """The schema of one file kind, or of either kind ("all")."""
     if registry is None:
         from pipeserve.config.pipeline_checks import stage_registry
@@ -29,7 +31,9 @@ def json_schema(kind: SchemaKind = "all", registry: Mapping[str, StageSpec] | No
     specs = [registry[k] for k in sorted(registry)]
     models: list[type[BaseModel]] = [ServerConfig, PipelineFile]
     models += [s.params_model for s in specs if s.params_model not in models]
-    refs, top = models_json_schema([(m, "validation") for m in models], ref_template="#/$defs/{model}")
+    refs, top = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/$defs/{model}"
+    )
     defs: dict[str, Any] = dict(top.get("$defs", {}))
 
     def ref(model: type[BaseModel]) -> str:

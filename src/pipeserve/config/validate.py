@@ -62,15 +62,22 @@ class Validator:
         message = "cannot tell a server config (models, endpoints) from a pipeline (family, stages)"
         return [doc.problem((), message)]
 
-    def pipeline(self, path: Path, doc: YamlDoc | None = None) -> tuple[LoadedPipeline | None, list[Problem]]:
+    def pipeline(
+        self, path: Path, doc: YamlDoc | None = None
+    ) -> tuple[LoadedPipeline | None, list[Problem]]:
         return self._cached(self._pipelines, path, doc, lambda d: check_pipeline(d, self.registry))
 
-    def config(self, path: Path, doc: YamlDoc | None = None) -> tuple[LoadedConfig | None, list[Problem]]:
+    def config(
+        self, path: Path, doc: YamlDoc | None = None
+    ) -> tuple[LoadedConfig | None, list[Problem]]:
         return self._cached(self._configs, path, doc, lambda d: check_config(d, self))
 
     @staticmethod
     def _cached(
-        cache: dict[Path, Checked], path: Path, doc: YamlDoc | None, check: Callable[[YamlDoc], Checked]
+        cache: dict[Path, Checked],
+        path: Path,
+        doc: YamlDoc | None,
+        check: Callable[[YamlDoc], Checked],
     ) -> Checked:
         key = path.resolve()
         if key not in cache:
@@ -84,7 +91,9 @@ class Validator:
 # --- entry points --------------------------------------------------------------------
 
 
-def load_server_config(path: Path | str, registry: Mapping[str, StageSpec] | None = None) -> LoadedConfig:
+def load_server_config(
+    path: Path | str, registry: Mapping[str, StageSpec] | None = None
+) -> LoadedConfig:
     """Validate a server config and the pipelines it uses; raise ConfigError with every problem."""
     loaded, problems = Validator(registry).config(Path(path))
     if problems or loaded is None:
@@ -92,7 +101,9 @@ def load_server_config(path: Path | str, registry: Mapping[str, StageSpec] | Non
     return loaded
 
 
-def load_pipeline(path: Path | str, registry: Mapping[str, StageSpec] | None = None) -> LoadedPipeline:
+def load_pipeline(
+    path: Path | str, registry: Mapping[str, StageSpec] | None = None
+) -> LoadedPipeline:
     """Validate one pipeline file; raise ConfigError with every problem."""
     loaded, problems = Validator(registry).pipeline(Path(path))
     if problems or loaded is None:
@@ -106,7 +117,9 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
 
 
-def validate_paths(files: Iterable[Path], registry: Mapping[str, StageSpec] | None = None) -> Report:
+def validate_paths(
+    files: Iterable[Path], registry: Mapping[str, StageSpec] | None = None
+) -> Report:
     """Validate files of either kind together; each problem is reported once."""
     validator = Validator(registry)
     report = Report()

@@ -97,7 +97,9 @@ class Batch:
             prompt_responses, responses = self.gen.next()
             self._snapshot_prompts(prompt_responses)
         except Exception as exc:
-            log.exception("engine step failed; failing the %d requests in the batch", len(self.seqs))
+            log.exception(
+                "engine step failed; failing the %d requests in the batch", len(self.seqs)
+            )
             self.stats["engine_faults"] += 1
             self.fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
             return
@@ -116,7 +118,11 @@ class Batch:
         """
         if not self.prefix.enabled:
             return
-        uids = [r.uid for r in responses if r.end_of_segment and not r.end_of_prompt and r.uid in self.key_of]
+        uids = [
+            r.uid
+            for r in responses
+            if r.end_of_segment and not r.end_of_prompt and r.uid in self.key_of
+        ]
         if uids:
             for cache, tokens in self.gen.extract_cache(uids).values():
                 self.prefix.store(list(tokens), cache, kind="user")
@@ -171,7 +177,9 @@ class Batch:
     def _observe_duration(self, seconds: float) -> None:
         """Moving average of how long a completed request took (for Retry-After)."""
         mean = self.stats.get("mean_request_seconds")
-        self.stats["mean_request_seconds"] = seconds if not mean else mean + DURATION_EMA * (seconds - mean)
+        self.stats["mean_request_seconds"] = (
+            seconds if not mean else mean + DURATION_EMA * (seconds - mean)
+        )
 
     def _count_finished(self, counter: str | None = None) -> None:
         self._finished += 1

@@ -28,7 +28,10 @@ def transposed(weight: mx.array) -> mx.array:
     """`weight.T` as a contiguous array, copied in row tiles that stay in cache."""
     if weight.shape[0] <= TRANSPOSE_ROWS:
         return mx.contiguous(weight.T)
-    tiles = [mx.contiguous(weight[i : i + TRANSPOSE_ROWS].T) for i in range(0, weight.shape[0], TRANSPOSE_ROWS)]
+    tiles = [
+        mx.contiguous(weight[i : i + TRANSPOSE_ROWS].T)
+        for i in range(0, weight.shape[0], TRANSPOSE_ROWS)
+    ]
     return mx.concatenate(tiles, axis=1)
 
 
@@ -68,7 +71,10 @@ class TransposedEmbedding(nn.Module):
         return x @ self.weight_t
 
 
-_REPLACEMENTS: dict[type, type[nn.Module]] = {nn.Linear: TransposedLinear, nn.Embedding: TransposedEmbedding}
+_REPLACEMENTS: dict[type, type[nn.Module]] = {
+    nn.Linear: TransposedLinear,
+    nn.Embedding: TransposedEmbedding,
+}
 
 
 def applies_here() -> bool:
@@ -78,7 +84,9 @@ def applies_here() -> bool:
 
 def _eligible(module: nn.Module) -> bool:
     # Exact types: quantized and expert layers are other classes.
-    return type(module) in _REPLACEMENTS and "bias" not in module and module.weight.dtype == mx.float32
+    return (
+        type(module) in _REPLACEMENTS and "bias" not in module and module.weight.dtype == mx.float32
+    )
 
 
 def pretranspose_dense_weights(model: nn.Module) -> int:
@@ -88,7 +96,9 @@ def pretranspose_dense_weights(model: nn.Module) -> int:
     One matrix at a time is copied and evaluated, so the peak extra memory is the
     largest single matrix, not the model.
     """
-    targets = [(name, module) for name, module in model.named_modules() if name and _eligible(module)]
+    targets = [
+        (name, module) for name, module in model.named_modules() if name and _eligible(module)
+    ]
     count = len(targets)
     while targets:  # popped, so each replaced matrix is freed as we go
         name, module = targets.pop()

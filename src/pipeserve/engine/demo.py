@@ -89,9 +89,7 @@ def _remove_stale(family: str, folder: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def build_demo_models(
-    out_dir: Path | None = None, families: list[str] | None = None
-) -> list[Path]:
+def build_demo_models(out_dir: Path | None = None, families: list[str] | None = None) -> list[Path]:
     """Build (or find) the demo models; `out_dir` is a pipeserve home (default: env)."""
     home = out_dir or pipeserve_home()
     return [ensure_demo_model(f, home) for f in (families or list(DEMO_FAMILIES))]
@@ -121,7 +119,9 @@ def _family(family: str) -> DemoFamily:
     try:
         return FAMILIES[family]
     except KeyError:
-        raise ValueError(f"unknown demo family {family!r}; known: {', '.join(DEMO_FAMILIES)}") from None
+        raise ValueError(
+            f"unknown demo family {family!r}; known: {', '.join(DEMO_FAMILIES)}"
+        ) from None
 
 
 def write_demo_model(spec: DemoFamily, out: Path, cache_dir: Path) -> None:

@@ -49,7 +49,10 @@ class DemoFamily:
     pad: str
     bos: str | None
     config: dict[str, Any]  # mlx-lm architecture config without vocab_size / eos ids
-    special_source: tuple[str, tuple[str, ...]] = ("", ())  # (quicktok .special, ()) or (table, names)
+    special_source: tuple[str, tuple[str, ...]] = (
+        "",
+        (),
+    )  # (quicktok .special, ()) or (table, names)
     seed: int = 0
     extra_tokenizer_config: dict[str, Any] = field(default_factory=dict)
 

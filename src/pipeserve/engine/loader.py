@@ -28,7 +28,9 @@ def resolve_source(source: str) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model folder {path} has no config.json (not an mlx-lm model folder)")
+            raise FileNotFoundError(
+                f"model folder {path} has no config.json (not an mlx-lm model folder)"
+            )
         return path
     if _looks_like_path(source):
         raise FileNotFoundError(f"model folder {source} does not exist")

@@ -26,7 +26,14 @@ import mlx.core as mx
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.batching import Batch
-from pipeserve.engine.channel import Channel, Courier, OsFlag, os_lock, os_simple_queue, start_os_thread
+from pipeserve.engine.channel import (
+    Channel,
+    Courier,
+    OsFlag,
+    os_lock,
+    os_simple_queue,
+    start_os_thread,
+)
 from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.sequence import Sequence
 from pipeserve.engine.stream import EngineStream
@@ -72,7 +79,9 @@ class MlxEngine:
         start_os_thread(self._run, name=f"pipeserve-engine-{name}")
         self._loaded.wait()
         if self._load_error is not None:
-            raise RuntimeError(f"model {name}: loading failed: {self._load_error}") from self._load_error
+            raise RuntimeError(
+                f"model {name}: loading failed: {self._load_error}"
+            ) from self._load_error
         # Stop decoding before interpreter shutdown tears down what the thread uses.
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -83,7 +92,9 @@ class MlxEngine:
         key = next(self._keys)
         channel = Channel()
         sequence = Sequence(job, channel, self._detokenizers.new(), self.tokenizer)
-        stream = EngineStream(channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval)
+        stream = EngineStream(
+            channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval
+        )
         self._inbox.put(("submit", key, sequence))
         return stream
 
@@ -204,7 +215,15 @@ def _close_at_exit(ref: weakref.ref[MlxEngine]) -> None:
         engine.close(timeout=5.0)
 
 
-def build_mlx_engine(name: str, model_dir: Path, tokenizer: Any, options: EngineOptions, **kwargs: Any) -> MlxEngine:
+def build_mlx_engine(
+    name: str, model_dir: Path, tokenizer: Any, options: EngineOptions, **kwargs: Any
+) -> MlxEngine:
     from pipeserve.engine.loader import load_model
 
-    return MlxEngine(name, lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose), tokenizer, options, **kwargs)
+    return MlxEngine(
+        name,
+        lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose),
+        tokenizer,
+        options,
+        **kwargs,
+    )

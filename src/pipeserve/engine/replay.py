@@ -68,20 +68,28 @@ class ReplayEngine:
         self._lock = os_lock()
         self._in_flight = 0
         self._keys = itertools.count(1)
-        self._stats: dict[str, float] = {"requests_total": 0, "completion_tokens_total": 0, "queue_depth": 0}
+        self._stats: dict[str, float] = {
+            "requests_total": 0,
+            "completion_tokens_total": 0,
+            "queue_depth": 0,
+        }
         start_os_thread(self._run, name=f"pipeserve-replay-{name}")
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def submit(self, job: GenerationJob) -> EngineStream:
-        completion = job.mock_completion if job.mock_completion is not None else self.default_completion
+        completion = (
+            job.mock_completion if job.mock_completion is not None else self.default_completion
+        )
         tokens = self.tokenize(completion)
         stops = job.stop_token_ids or self.eos_token_ids
         stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
         with self._lock:
             if self._in_flight >= self._capacity:
-                raise ApiError("overloaded", f"model {self.name} is at capacity; retry later", retry_after=1.0)
+                raise ApiError(
+                    "overloaded", f"model {self.name} is at capacity; retry later", retry_after=1.0
+                )
             self._in_flight += 1
             self._stats["requests_total"] += 1
         key = next(self._keys)
@@ -89,7 +97,9 @@ class ReplayEngine:
         seq = Sequence(job, channel, self._detokenizers.new(), self.tokenizer)
         replay = _Replay(seq, tokens, stop_at=stop_at, key=key)
         self._inbox.put(("submit", replay))
-        return EngineStream(channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval)
+        return EngineStream(
+            channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval
+        )
 
     def stats(self) -> dict[str, float]:
         out = dict(self._stats)
@@ -114,7 +124,9 @@ class ReplayEngine:
             except Exception as exc:  # a bug must not kill the engine thread
                 log.exception("replay loop failed; failing its requests")
                 for replay in active.values():
-                    replay.seq.finish(courier, "error", f"engine fault: {type(exc).__name__}: {exc}")
+                    replay.seq.finish(
+                        courier, "error", f"engine fault: {type(exc).__name__}: {exc}"
+                    )
                     self._release()
                 active.clear()
                 due.clear()
@@ -123,7 +135,9 @@ class ReplayEngine:
             replay.seq.finish(courier, "error", "the model is shutting down")
         courier.flush()
 
-    def _advance_due(self, active: dict[int, _Replay], due: list[tuple[float, int]], courier: Courier) -> None:
+    def _advance_due(
+        self, active: dict[int, _Replay], due: list[tuple[float, int]], courier: Courier
+    ) -> None:
         now = time.monotonic()
         while due and due[0][0] <= now:
             _, key = heapq.heappop(due)
@@ -139,7 +153,9 @@ class ReplayEngine:
         block = True
         while True:
             try:
-                message = self._inbox.get(timeout=timeout) if block else self._inbox.get(block=False)
+                message = (
+                    self._inbox.get(timeout=timeout) if block else self._inbox.get(block=False)
+                )
             except queue.Empty:
                 return True
             block = False
@@ -171,7 +187,9 @@ class ReplayEngine:
             token = replay.tokens[replay.position]
             replay.position += 1
             script_done = replay.position >= end and replay.stop_at is None
-            seq.token(courier, token, final=script_done or seq.completion_tokens + 1 >= job.max_tokens)
+            seq.token(
+                courier, token, final=script_done or seq.completion_tokens + 1 >= job.max_tokens
+            )
             self._stats["completion_tokens_total"] += 1
         return True
 

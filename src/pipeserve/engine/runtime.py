@@ -1,8 +1,8 @@
 """From a configured model entry to a running ModelRuntime (tokenizer + engine).
 
-    runtime = build_runtime(entry)      # loads the tokenizer (and the model for mlx)
-    stream = runtime.engine.submit(job) # from any request greenlet / thread
-    runtime.engine.close()              # at worker shutdown
+runtime = build_runtime(entry)      # loads the tokenizer (and the model for mlx)
+stream = runtime.engine.submit(job) # from any request greenlet / thread
+runtime.engine.close()              # at worker shutdown
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ def build_runtime(entry: ModelEntry, keepalive_interval: float | None = None) ->
     else:
         from pipeserve.engine.mlx_engine import build_mlx_engine
 
-        engine = build_mlx_engine(entry.name, model_dir, tokenizer, options, keepalive_interval=keepalive_interval)
-    log.info("model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos))
+        engine = build_mlx_engine(
+            entry.name, model_dir, tokenizer, options, keepalive_interval=keepalive_interval
+        )
+    log.info(
+        "model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos)
+    )
     return ModelRuntime(
         name=entry.name,
         family=entry.pipeline,

@@ -15,7 +15,13 @@ import random
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
 from pipeserve.request import SamplingParams
@@ -87,7 +93,9 @@ def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
     """Bias and penalty processors; none (the fast batched path) when all are neutral."""
     return make_logits_processors(
         logit_bias=params.logit_bias or None,
-        repetition_penalty=None if params.repetition_penalty in (0.0, 1.0) else params.repetition_penalty,
+        repetition_penalty=None
+        if params.repetition_penalty in (0.0, 1.0)
+        else params.repetition_penalty,
         repetition_context_size=REPETITION_CONTEXT,
         presence_penalty=params.presence_penalty or None,
         presence_context_size=PENALTY_CONTEXT,

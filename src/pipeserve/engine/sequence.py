@@ -13,7 +13,15 @@ from typing import Any
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.channel import Channel, Courier
 from pipeserve.engine.detokenize import flush
-from pipeserve.events import ErrorEvent, Finish, FinishReason, PromptReady, TokenText, TopLogprob, Usage
+from pipeserve.events import (
+    ErrorEvent,
+    Finish,
+    FinishReason,
+    PromptReady,
+    TokenText,
+    TopLogprob,
+    Usage,
+)
 
 # token_id of the text a detokenizer still held when the stream ended (e.g. the bytes
 # of an unfinished UTF-8 character before EOS): it belongs to no single new token.
@@ -21,7 +29,9 @@ FLUSH_TOKEN_ID = -1
 
 
 class Sequence:
-    def __init__(self, job: GenerationJob, channel: Channel, detokenizer: Any, tokenizer: Any) -> None:
+    def __init__(
+        self, job: GenerationJob, channel: Channel, detokenizer: Any, tokenizer: Any
+    ) -> None:
         self.job = job
         self.channel = channel
         self.detokenizer = detokenizer
@@ -41,7 +51,9 @@ class Sequence:
         self.cached_tokens = cached_tokens
         courier.post(self.channel, PromptReady(self.prompt_tokens, cached_tokens))
 
-    def token(self, courier: Courier, token_id: int, logprobs: Any = None, final: bool = False) -> None:
+    def token(
+        self, courier: Courier, token_id: int, logprobs: Any = None, final: bool = False
+    ) -> None:
         """Emit one generated token; `final` flushes the detokenizer (max tokens reached)."""
         self.ready(courier)
         self.completion_tokens += 1
@@ -69,7 +81,9 @@ class Sequence:
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
         courier.post(self.channel, Finish(reason), usage)
 
-    def _logprobs(self, token_id: int, logprobs: Any) -> tuple[float | None, tuple[TopLogprob, ...]]:
+    def _logprobs(
+        self, token_id: int, logprobs: Any
+    ) -> tuple[float | None, tuple[TopLogprob, ...]]:
         if not self.job.logprobs or logprobs is None:
             return None, ()
         import mlx.core as mx

@@ -16,7 +16,12 @@ class EngineStream:
     generator) cancels the job, so nothing keeps decoding for nobody.
     """
 
-    def __init__(self, channel: Channel, on_cancel: Callable[[], None], keepalive_interval: float | None = None) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        on_cancel: Callable[[], None],
+        keepalive_interval: float | None = None,
+    ) -> None:
         self.channel = channel
         self.keepalive_interval = keepalive_interval
         self._on_cancel = on_cancel

@@ -199,6 +199,7 @@ def build_tokenizer(vocab: str, specials: dict[str, int], cache_dir: Path) -> To
 def tiktoken_file(table: str) -> bytes:
     """The table as a `.tiktoken` file (base64 bytes, space, rank per line)."""
     lines = (
-        base64.b64encode(tok) + b" " + str(rank).encode() for rank, tok in enumerate(read_ranks(table))
+        base64.b64encode(tok) + b" " + str(rank).encode()
+        for rank, tok in enumerate(read_ranks(table))
     )
     return b"\n".join(lines) + b"\n"

@@ -20,11 +20,15 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def read_json_body(req: falcon.Request, max_bytes: int, read_timeout: float = BODY_READ_TIMEOUT) -> Any:
+def read_json_body(
+    req: falcon.Request, max_bytes: int, read_timeout: float = BODY_READ_TIMEOUT
+) -> Any:
     """Return the parsed JSON body; ApiError 413 when too large, 400 when malformed."""
     length = req.content_length
     if length is not None and length > max_bytes:
-        raise ApiError("too_large", f"request body of {length} bytes exceeds the limit of {max_bytes} bytes")
+        raise ApiError(
+            "too_large", f"request body of {length} bytes exceeds the limit of {max_bytes} bytes"
+        )
     raw = _decode_content(req, _read_with_timeout(req, max_bytes, read_timeout), max_bytes)
     if not raw.strip():
         raise ApiError("invalid_request", "request body is empty; expected a JSON object")
@@ -35,9 +39,14 @@ def read_json_body(req: falcon.Request, max_bytes: int, read_timeout: float = BO
     except UnicodeDecodeError:
         raise ApiError("invalid_request", "request body is not valid UTF-8") from None
     except json.JSONDecodeError as exc:
-        raise ApiError("invalid_request", f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise ApiError(
+            "invalid_request",
+            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+        ) from None
     except RecursionError:
-        raise ApiError("invalid_request", "request body is not valid JSON: nested too deeply") from None
+        raise ApiError(
+            "invalid_request", "request body is not valid JSON: nested too deeply"
+        ) from None
     except ValueError as exc:  # an integer literal of more than 4300 digits; NaN / Infinity
         detail = str(exc).split(";")[0]  # not CPython's hint about sys.set_int_max_str_digits
         raise ApiError("invalid_request", f"request body is not valid JSON: {detail}") from None
@@ -57,16 +66,23 @@ def _decode_content(req: falcon.Request, raw: bytes, max_bytes: int) -> bytes:
     if coding in ("", "identity"):
         return raw
     if coding not in ("gzip", "x-gzip", "deflate"):
-        raise ApiError("invalid_request", f"Content-Encoding {coding!r} is not supported; send identity, gzip or deflate")
+        raise ApiError(
+            "invalid_request",
+            f"Content-Encoding {coding!r} is not supported; send identity, gzip or deflate",
+        )
     # wbits 47 reads a gzip or zlib header; a raw deflate stream (no header) needs -15.
     wbits = 47 if coding != "deflate" or raw[:1] == b"\x78" else -zlib.MAX_WBITS
     inflater = zlib.decompressobj(wbits)
     try:
         data = inflater.decompress(raw, max_bytes + 1)
     except zlib.error as exc:
-        raise ApiError("invalid_request", f"request body is not valid {coding} data: {exc}") from None
+        raise ApiError(
+            "invalid_request", f"request body is not valid {coding} data: {exc}"
+        ) from None
     if len(data) > max_bytes:
-        raise ApiError("too_large", f"request body inflates to more than the limit of {max_bytes} bytes")
+        raise ApiError(
+            "too_large", f"request body inflates to more than the limit of {max_bytes} bytes"
+        )
     if not inflater.eof:
         raise ApiError("invalid_request", f"request body is truncated {coding} data")
     return data
@@ -106,7 +122,9 @@ def _framed(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
         except ApiError:
             raise
         except OSError:  # gunicorn's NoMoreData, a reset socket
-            raise ApiError("invalid_request", "the connection ended before the whole request body arrived") from None
+            raise ApiError(
+                "invalid_request", "the connection ended before the whole request body arrived"
+            ) from None
         except Exception as exc:  # gunicorn's ParseException: bad chunk size, missing CRLF
             detail = str(exc).strip() or type(exc).__name__
             raise ApiError("invalid_request", f"request body could not be read: {detail}") from None

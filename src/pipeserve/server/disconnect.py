@@ -60,7 +60,9 @@ class StalledWriteGuard:
     absorb minutes of output first.
     """
 
-    def __init__(self, body: Iterator[bytes], sock: socket.socket | None, timeout: float | None) -> None:
+    def __init__(
+        self, body: Iterator[bytes], sock: socket.socket | None, timeout: float | None
+    ) -> None:
         self._body = body
         self._sock = sock if timeout and gevent_patched("socket") else None
         self._timeout = timeout or 0.0
@@ -101,7 +103,9 @@ class StalledWriteGuard:
             self._timer.stop()
 
     def _hang_up(self) -> None:
-        log.warning("client stopped reading its stream for %g s; closing the connection", self._timeout)
+        log.warning(
+            "client stopped reading its stream for %g s; closing the connection", self._timeout
+        )
         # On the OS socket: gevent's own shutdown() would fail the blocked write with
         # EBADF, which gunicorn logs as an error; EPIPE it drops quietly. Linger 0 makes
         # its close() a reset, so the kernel does not keep the unread output either.

@@ -87,7 +87,9 @@ class GenerationResource:
             request = self.decode(req)
             served = self.models.resolve(request.model, self.allowed)
             label = served.name
-            ctx = RequestContext(request=request, request_id=request_id(req), model_name=request.model)
+            ctx = RequestContext(
+                request=request, request_id=request_id(req), model_name=request.model
+            )
             ctx.scratch[KEEPALIVE_KEY] = self.options.keepalive_interval
             served.chain.prepare(ctx)
         except ApiError as error:
@@ -95,7 +97,9 @@ class GenerationResource:
             return
         except Exception as exc:  # a bug in a stage's prepare: still answer in protocol shape
             log.exception("request preparation failed")
-            status = self.errors.render(resp, ApiError("internal", f"internal error: {type(exc).__name__}"))
+            status = self.errors.render(
+                resp, ApiError("internal", f"internal error: {type(exc).__name__}")
+            )
             self.metrics.count_request(self.route, label, status)
             return
         self.respond(req, resp, served, ctx, started)
@@ -110,7 +114,12 @@ class GenerationResource:
         return request
 
     def respond(
-        self, req: falcon.Request, resp: falcon.Response, served: ServedModel, ctx: RequestContext, started: float
+        self,
+        req: falcon.Request,
+        resp: falcon.Response,
+        served: ServedModel,
+        ctx: RequestContext,
+        started: float,
     ) -> None:
         stop_watching = watch_disconnect(req.env, lambda: ctx.cancel("client_disconnected"))
         deadline = started + self.options.request_timeout
@@ -120,7 +129,9 @@ class GenerationResource:
             resp.content_type = "text/event-stream; charset=utf-8"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            body = closing_stream(self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol)
+            body = closing_stream(
+                self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol
+            )
             resp.stream = self.write_guard(req, body)
             self.metrics.count_request(self.route, served.name, 200)
             return
@@ -144,7 +155,9 @@ class GenerationResource:
         self.metrics.count_request(self.route, served.name, 200)
 
     def write_guard(self, req: falcon.Request, body: Iterator[bytes]) -> StalledWriteGuard:
-        return StalledWriteGuard(body, req.env.get("gunicorn.socket"), self.options.body_read_timeout)
+        return StalledWriteGuard(
+            body, req.env.get("gunicorn.socket"), self.options.body_read_timeout
+        )
 
 
 def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> Iterator[Event]:
@@ -165,7 +178,10 @@ def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> It
 
 
 def closing_stream(
-    chunks: Iterable[bytes], ctx: RequestContext, stop_watching: Callable[[], None], protocol: WireProtocol
+    chunks: Iterable[bytes],
+    ctx: RequestContext,
+    stop_watching: Callable[[], None],
+    protocol: WireProtocol,
 ) -> Iterator[bytes]:
     """The WSGI body: when the server closes it (client gone), generation stops. A fault
     in the encoder itself still ends the stream with an in-protocol `error` event (the
@@ -194,9 +210,14 @@ def check_api_key(req: falcon.Request, api_key: str | None) -> None:
     if not api_key:
         return
     bearer = req.get_header("Authorization") or ""
-    given = req.get_header("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
+    given = req.get_header("x-api-key") or (
+        bearer[7:] if bearer.lower().startswith("bearer ") else ""
+    )
     if given != api_key:
-        raise ApiError("authentication", "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)")
+        raise ApiError(
+            "authentication",
+            "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)",
+        )
 
 
 def decode_header_text(value: str) -> str:

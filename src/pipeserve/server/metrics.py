@@ -28,10 +28,20 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = {
-            "queue_depth": GaugeMetricFamily("pipeserve_queue_depth", "Requests waiting for a batch slot", labels=["model"]),
-            "active_sequences": GaugeMetricFamily("pipeserve_active_sequences", "Sequences being decoded", labels=["model"]),
-            "prefix_cache_hits": GaugeMetricFamily("pipeserve_prefix_cache_hits", "Requests that reused a cached prompt prefix", labels=["model"]),
-            "prefix_cache_bytes": GaugeMetricFamily("pipeserve_prefix_cache_bytes", "Bytes held by the prefix cache", labels=["model"]),
+            "queue_depth": GaugeMetricFamily(
+                "pipeserve_queue_depth", "Requests waiting for a batch slot", labels=["model"]
+            ),
+            "active_sequences": GaugeMetricFamily(
+                "pipeserve_active_sequences", "Sequences being decoded", labels=["model"]
+            ),
+            "prefix_cache_hits": GaugeMetricFamily(
+                "pipeserve_prefix_cache_hits",
+                "Requests that reused a cached prompt prefix",
+                labels=["model"],
+            ),
+            "prefix_cache_bytes": GaugeMetricFamily(
+                "pipeserve_prefix_cache_bytes", "Bytes held by the prefix cache", labels=["model"]
+            ),
         }
         for model, stats in self._stats_by_model().items():
             for key, family in families.items():
@@ -44,26 +54,45 @@ class Metrics:
     def __init__(self, stats_by_model: Callable[[], dict[str, dict[str, Any]]]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "pipeserve_requests", "HTTP requests by route, model and status",
-            ["route", "model", "status"], registry=self.registry,
+            "pipeserve_requests",
+            "HTTP requests by route, model and status",
+            ["route", "model", "status"],
+            registry=self.registry,
         )
-        self.prompt_tokens = Counter("pipeserve_prompt_tokens", "Prompt tokens", ["model"], registry=self.registry)
-        self.cached_tokens = Counter("pipeserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache", ["model"], registry=self.registry)
-        self.completion_tokens = Counter("pipeserve_completion_tokens", "Generated tokens", ["model"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "pipeserve_prompt_tokens", "Prompt tokens", ["model"], registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "pipeserve_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            ["model"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "pipeserve_completion_tokens", "Generated tokens", ["model"], registry=self.registry
+        )
         self.ttft = Histogram(
-            "pipeserve_time_to_first_token_seconds", "Request start to first output",
-            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            "pipeserve_time_to_first_token_seconds",
+            "Request start to first output",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.itl = Histogram(
-            "pipeserve_inter_token_latency_seconds", "Time between consecutive outputs",
-            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            "pipeserve_inter_token_latency_seconds",
+            "Time between consecutive outputs",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.registry.register(EngineCollector(stats_by_model))
 
     def count_request(self, route: str, model: str, status: int) -> None:
         self.requests.labels(route=route, model=model, status=str(status)).inc()
 
-    def observe_stream(self, events: Iterable[Event], model: str, started: float) -> Iterator[Event]:
+    def observe_stream(
+        self, events: Iterable[Event], model: str, started: float
+    ) -> Iterator[Event]:
         """Pass every event through while recording latency and token counters."""
         last_output: float | None = None
         for event in events:

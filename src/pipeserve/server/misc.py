@@ -13,7 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pipeserve.api.base import WireProtocol, context_overflow
 from pipeserve.errors import ApiError
 from pipeserve.server.body import read_json_body
-from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key, request_id, request_meta
+from pipeserve.server.generation import (
+    HttpOptions,
+    ProtocolErrors,
+    check_api_key,
+    request_id,
+    request_meta,
+)
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.stages.base import RequestContext
@@ -66,7 +72,14 @@ class ModelsResource:
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         if model_id not in {m.name for m in self.models.models}:
             resp.status = falcon.HTTP_404
-            resp.media = {"error": {"message": f"model {model_id!r} not found", "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+            resp.media = {
+                "error": {
+                    "message": f"model {model_id!r} not found",
+                    "type": "not_found_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            }
             return
         resp.media = self._card(model_id)
 
@@ -95,7 +108,14 @@ class MetricsResource:
 class CountTokensResource:
     """`<messages route>/count_tokens`: render the prompt (dry run) and count it."""
 
-    def __init__(self, route: str, protocol: WireProtocol, models: ModelTable, allowed: set[str] | None, options: HttpOptions) -> None:
+    def __init__(
+        self,
+        route: str,
+        protocol: WireProtocol,
+        models: ModelTable,
+        allowed: set[str] | None,
+        options: HttpOptions,
+    ) -> None:
         self.route = route
         self.protocol = protocol
         self.models = models
@@ -109,7 +129,9 @@ class CountTokensResource:
             body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
             request = self.protocol.count_tokens_body(body, request_meta(req, self.route))  # type: ignore[attr-defined]
             served = self.models.resolve(request.model, self.allowed)
-            ctx = RequestContext(request=request, request_id=request_id(req), model_name=request.model, dry_run=True)
+            ctx = RequestContext(
+                request=request, request_id=request_id(req), model_name=request.model, dry_run=True
+            )
             resp.media = self.protocol.count_tokens_response(prompt_tokens(served, ctx))  # type: ignore[attr-defined]
         except ApiError as error:
             self.errors.render(resp, error)

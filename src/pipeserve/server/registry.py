@@ -54,16 +54,23 @@ class ModelTable:
             raise ApiError("invalid_request", "model: field required", param="model")
         model = self._by_name.get(name)
         if model is None:
-            model = next((m for m in candidates for p in m.entry.aliases if fnmatch.fnmatchcase(name, p)), None)
+            model = next(
+                (m for m in candidates for p in m.entry.aliases if fnmatch.fnmatchcase(name, p)),
+                None,
+            )
         if model is None or (allowed is not None and model.name not in allowed):
             known = ", ".join(m.name for m in candidates) or "none"
             shown = name if len(name) <= 200 else name[:200] + "..."
-            raise ApiError("not_found", f"model {shown!r} not found; this route serves: {known}", param="model")
+            raise ApiError(
+                "not_found", f"model {shown!r} not found; this route serves: {known}", param="model"
+            )
         return model
 
     def stats(self) -> dict[str, dict[str, object]]:
         out: dict[str, dict[str, object]] = {}
         for model in self.models:
             engine_stats = getattr(model.runtime.engine, "stats", None)
-            out[model.name] = dict(engine_stats()) if callable(engine_stats) else dict(model.runtime.stats)
+            out[model.name] = (
+                dict(engine_stats()) if callable(engine_stats) else dict(model.runtime.stats)
+            )
         return out

@@ -23,7 +23,9 @@ class RequestIdMiddleware:
 
         req.context.request_id = "req_" + new_request_id()
 
-    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool) -> None:
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: Any, req_succeeded: bool
+    ) -> None:
         request_id = getattr(req.context, "request_id", None)
         if request_id:
             for name in REQUEST_ID_HEADERS:
@@ -35,7 +37,9 @@ class RoutingErrors:
     shape of the protocol served on (or under) the path, else of the protocol whose
     client header the request carries (`anthropic-version`), else the default's."""
 
-    def __init__(self, protocols_by_route: Mapping[str, WireProtocol], default: WireProtocol) -> None:
+    def __init__(
+        self, protocols_by_route: Mapping[str, WireProtocol], default: WireProtocol
+    ) -> None:
         self.by_route = dict(protocols_by_route)
         self.default = default
         self.by_header = {p.client_header: p for p in self.by_route.values() if p.client_header}
@@ -50,13 +54,19 @@ class RoutingErrors:
                 return protocol
         return self.default
 
-    def __call__(self, req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError, params: Any) -> None:
+    def __call__(
+        self, req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError, params: Any
+    ) -> None:
         if error.status_code == 404:
             api_error = ApiError("not_found", f"no route {req.method} {req.path} on this server")
         elif error.status_code == 405:
-            api_error = ApiError("invalid_request", f"method {req.method} is not allowed on {req.path}")
+            api_error = ApiError(
+                "invalid_request", f"method {req.method} is not allowed on {req.path}"
+            )
         else:
-            api_error = ApiError("invalid_request", error.description or error.title or "bad request")
+            api_error = ApiError(
+                "invalid_request", error.description or error.title or "bad request"
+            )
         protocol = self.protocol_for(req)
         resp.status = error.status
         resp.content_type = falcon.MEDIA_JSON

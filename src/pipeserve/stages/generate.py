@@ -32,7 +32,9 @@ DEFAULT_KEEPALIVE = 5.0
 
 class GenerateParams(StageParams):
     keepalive_interval: float | None = Field(
-        None, gt=0, description="Seconds without a token before a KeepAlive event (default: the server's, else 5)."
+        None,
+        gt=0,
+        description="Seconds without a token before a KeepAlive event (default: the server's, else 5).",
     )
 
 
@@ -79,7 +81,9 @@ class GenerateStage:
         if ctx.dry_run:
             return
         stream = runtime.engine.submit(job)
-        keepalive = self.params.keepalive_interval or ctx.scratch.get(KEEPALIVE_KEY) or DEFAULT_KEEPALIVE
+        keepalive = (
+            self.params.keepalive_interval or ctx.scratch.get(KEEPALIVE_KEY) or DEFAULT_KEEPALIVE
+        )
         if hasattr(stream, "keepalive_interval"):
             stream.keepalive_interval = keepalive
         ctx.scratch[STREAM_KEY] = stream
@@ -91,11 +95,15 @@ class GenerateStage:
         elif ctx.prompt is not None:
             prompt = encode(runtime.tokenizer, ctx.prompt)
         else:
-            raise ApiError("internal", "generate: no prompt was rendered (is render_template the first stage?)")
+            raise ApiError(
+                "internal", "generate: no prompt was rendered (is render_template the first stage?)"
+            )
         if ctx.assistant_prefill:
             prompt += encode(runtime.tokenizer, ctx.assistant_prefill)
         if not prompt:
-            raise ApiError("invalid_request", "The conversation rendered to an empty prompt.", "messages")
+            raise ApiError(
+                "invalid_request", "The conversation rendered to an empty prompt.", "messages"
+            )
         return prompt
 
     def max_tokens(self, request: GenerationRequest, runtime: ModelRuntime, prompt_len: int) -> int:
@@ -151,7 +159,11 @@ def check_sampling(sampling: SamplingParams) -> None:
         ("repetition_penalty", sampling.repetition_penalty <= 0, "must be > 0"),
         ("presence_penalty", not -2 <= sampling.presence_penalty <= 2, "must be in [-2, 2]"),
         ("frequency_penalty", not -2 <= sampling.frequency_penalty <= 2, "must be in [-2, 2]"),
-        ("logit_bias", not all(-100 <= v <= 100 for v in sampling.logit_bias.values()), "must map to [-100, 100]"),
+        (
+            "logit_bias",
+            not all(-100 <= v <= 100 for v in sampling.logit_bias.values()),
+            "must map to [-100, 100]",
+        ),
     )
     for name, bad, rule in problems:
         if bad:

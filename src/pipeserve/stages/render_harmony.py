@@ -52,7 +52,9 @@ class HarmonyStage(RenderStage):
             conversation = self.conversation(request)
             tokens = self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
         except HarmonyError as exc:
-            raise ApiError("invalid_request", f"Cannot render the conversation: {exc}", "messages") from exc
+            raise ApiError(
+                "invalid_request", f"Cannot render the conversation: {exc}", "messages"
+            ) from exc
         return self.encoding.decode(tokens), list(tokens)
 
     def conversation(self, request: GenerationRequest) -> Any:
@@ -85,7 +87,9 @@ class HarmonyStage(RenderStage):
 def developer_content(request: GenerationRequest) -> Any | None:
     from openai_harmony import DeveloperContent, ToolDescription
 
-    instructions = "\n\n".join(m.content for m in request.messages if m.role == "system" and m.content)
+    instructions = "\n\n".join(
+        m.content for m in request.messages if m.role == "system" and m.content
+    )
     tools = [] if request.tool_choice.mode == "none" else request.tools
     if not instructions and not tools:
         return None
@@ -117,10 +121,16 @@ def harmony_messages(message: Message, names: dict[str, str]) -> list[Any]:
         return []
     out = []
     if message.reasoning:
-        out.append(HMessage.from_role_and_content(Role.ASSISTANT, message.reasoning).with_channel("analysis"))
+        out.append(
+            HMessage.from_role_and_content(Role.ASSISTANT, message.reasoning).with_channel(
+                "analysis"
+            )
+        )
     if message.content:
         channel = "commentary" if message.tool_calls else "final"  # a preamble before calls
-        out.append(HMessage.from_role_and_content(Role.ASSISTANT, message.content).with_channel(channel))
+        out.append(
+            HMessage.from_role_and_content(Role.ASSISTANT, message.content).with_channel(channel)
+        )
     for call in message.tool_calls:
         out.append(
             HMessage.from_role_and_content(Role.ASSISTANT, call.arguments)

@@ -58,7 +58,9 @@ class RenderStage:
     def prepare(self, ctx: RequestContext) -> None:
         prompt, token_ids = self.render(ctx.request)
         if not token_ids:
-            raise ApiError("invalid_request", "The conversation rendered to an empty prompt.", "messages")
+            raise ApiError(
+                "invalid_request", "The conversation rendered to an empty prompt.", "messages"
+            )
         ctx.prompt = prompt
         ctx.prompt_token_ids = token_ids
         start = self.params.think_start
@@ -81,7 +83,9 @@ class ChatTemplateStage(RenderStage):
             try:
                 tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
             except (TemplateError, ValueError) as exc:
-                raise ValueError(f"model {env.model_name!r}: its chat template does not render: {exc}") from exc
+                raise ValueError(
+                    f"model {env.model_name!r}: its chat template does not render: {exc}"
+                ) from exc
 
     def hf_tokenizer(self) -> Any:
         runtime = self.env.runtime
@@ -121,7 +125,9 @@ class ChatTemplateStage(RenderStage):
 def is_prefill(messages: list[Message]) -> bool:
     """The conversation ends with assistant text to continue (Anthropic-style prefill)."""
     last = messages[-1] if messages else None
-    return last is not None and last.role == "assistant" and not last.tool_calls and bool(last.content)
+    return (
+        last is not None and last.role == "assistant" and not last.tool_calls and bool(last.content)
+    )
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from pipeserve.events import ContentDelta, Event, Finish, KeepAlive, PromptReady, ReasoningDelta, TokenText, Usage
+from pipeserve.events import (
+    ContentDelta,
+    Event,
+    Finish,
+    KeepAlive,
+    PromptReady,
+    ReasoningDelta,
+    TokenText,
+    Usage,
+)
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 from pipeserve.stages.toolfmt.markers import MarkerSet, Splitter
 
@@ -31,7 +40,9 @@ class _Scanner:
         self.splitter = Splitter()
         self.last: Event | None = None
 
-    def feed(self, event: ContentDelta | ReasoningDelta | TokenText) -> tuple[Event | None, str | None]:
+    def feed(
+        self, event: ContentDelta | ReasoningDelta | TokenText
+    ) -> tuple[Event | None, str | None]:
         """(event to emit with the released text, matched stop string)."""
         buf = self.splitter.take(event.text)
         before, stop, after = self.splitter.split(buf, self.stops)

@@ -28,7 +28,9 @@ class ThinkingParams(StageParams):
 class _Split:
     """Per-request state: one token in, events out."""
 
-    def __init__(self, params: ThinkingParams, start_set: MarkerSet, end_set: MarkerSet, reasoning: bool) -> None:
+    def __init__(
+        self, params: ThinkingParams, start_set: MarkerSet, end_set: MarkerSet, reasoning: bool
+    ) -> None:
         self.p = params
         self.sets = (start_set, end_set)  # indexed by self.reasoning: what to look for next
         self.splitter = Splitter()
@@ -75,7 +77,11 @@ class _Split:
         self.fresh = False
         if not self.reasoning:
             same = text == token.text
-            out.append(token if same else TokenText(text, token.token_id, token.logprob, token.top_logprobs))
+            out.append(
+                token
+                if same
+                else TokenText(text, token.token_id, token.logprob, token.top_logprobs)
+            )
             return
         if self.p.emit_tags_in_content:
             out.append(ContentDelta(text))

@@ -38,16 +38,24 @@ class ToolCallsParams(StageParams):
     end: str | None = Field(None, description="Call close marker (default per format).")
     section_start: str | None = Field(None, description="kimi: opens the calls section.")
     section_end: str | None = Field(None, description="kimi: closes the calls section.")
-    args_marker: str | None = Field(None, description="kimi: separates the call id from its arguments.")
+    args_marker: str | None = Field(
+        None, description="kimi: separates the call id from its arguments."
+    )
     prefill_required: str | None = Field(None, description="Prompt suffix forcing some call.")
     prefill_function: str | None = Field(None, description="Prompt suffix forcing {name}.")
-    reasoning_channels: list[str] = Field(["analysis"], description="harmony: channels that are reasoning.")
+    reasoning_channels: list[str] = Field(
+        ["analysis"], description="harmony: channels that are reasoning."
+    )
 
 
 class ToolCallsStage:
     def __init__(self, params: ToolCallsParams) -> None:
         base = DEFAULTS[params.format]
-        chosen = {k: getattr(params, k) for k in base.__dataclass_fields__ if getattr(params, k) is not None}
+        chosen = {
+            k: getattr(params, k)
+            for k in base.__dataclass_fields__
+            if getattr(params, k) is not None
+        }
         self.format = params.format
         self.cfg = dataclasses.replace(base, **chosen)
         self.reasoning_channels = frozenset(params.reasoning_channels)
@@ -105,7 +113,9 @@ class ToolCallsStage:
                 reason = _finish_reason(event.reason, shaper)
                 yield Finish(reason, event.stop_sequence) if reason != event.reason else event
             elif type(event) is Usage and parser.reasoning_tokens:
-                yield dataclasses.replace(event, reasoning_tokens=event.reasoning_tokens + parser.reasoning_tokens)
+                yield dataclasses.replace(
+                    event, reasoning_tokens=event.reasoning_tokens + parser.reasoning_tokens
+                )
             else:
                 yield from _shaped((event,), shaper)
         if not finished:
@@ -119,7 +129,9 @@ class ToolCallsStage:
         if self.format == "glm":
             return GlmFormat(sink, cfg.start, cfg.end)
         if self.format == "kimi":
-            return KimiFormat(sink, cfg.start, cfg.end, cfg.section_start, cfg.section_end, cfg.args_marker)
+            return KimiFormat(
+                sink, cfg.start, cfg.end, cfg.section_start, cfg.section_end, cfg.args_marker
+            )
         return HarmonyFormat(load_encoding(), sink, self.reasoning_channels, calls_enabled)
 
 

@@ -41,7 +41,9 @@ DEFAULTS: dict[str, FormatDefaults] = {
         section_end="<|tool_calls_section_end|>",
         args_marker="<|tool_call_argument_begin|>",
         prefill_required=_KIMI_SECTION + _KIMI_CALL,
-        prefill_function=_KIMI_SECTION + _KIMI_CALL + "functions.{name}:0<|tool_call_argument_begin|>",
+        prefill_function=_KIMI_SECTION
+        + _KIMI_CALL
+        + "functions.{name}:0<|tool_call_argument_begin|>",
     ),
     "harmony": FormatDefaults(
         prefill_required="<|channel|>commentary to=functions.",

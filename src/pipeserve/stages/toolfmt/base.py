@@ -7,11 +7,19 @@ import json
 import secrets
 from typing import Any, Protocol
 
-from pipeserve.events import ContentDelta, Event, TokenText, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from pipeserve.events import (
+    ContentDelta,
+    Event,
+    TokenText,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from pipeserve.request import ToolSpec
 from pipeserve.stages.toolfmt.coerce import coerce, dumps
 from pipeserve.stages.toolfmt.json_stream import JsonStreamer
 from pipeserve.stages.toolfmt.markers import MarkerSet, Splitter
+
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)

@@ -69,7 +69,9 @@ def _from_text(text: str, types: JsonTypes) -> Any:
         return int(s)
     if "number" in types and _NUMBER.fullmatch(s):
         number = float(s)
-        return int(number) if number.is_integer() and "." not in s and "e" not in s.lower() else number
+        return (
+            int(number) if number.is_integer() and "." not in s and "e" not in s.lower() else number
+        )
     if "boolean" in types and s.lower() in ("true", "false"):
         return s.lower() == "true"
     if "null" in types and s.lower() in _NULLS:
@@ -79,7 +81,9 @@ def _from_text(text: str, types: JsonTypes) -> Any:
             value = json.loads(s, strict=False)
         except ValueError:
             return text
-        if (isinstance(value, dict) and "object" in types) or (isinstance(value, list) and "array" in types):
+        if (isinstance(value, dict) and "object" in types) or (
+            isinstance(value, list) and "array" in types
+        ):
             return value
     return text
 
@@ -104,7 +108,12 @@ def coerce(value: Any, schema: Any) -> Any:
 
 
 def _coerce_number(value: int | float, types: JsonTypes) -> Any:
-    if "integer" in types and "number" not in types and isinstance(value, float) and value.is_integer():
+    if (
+        "integer" in types
+        and "number" not in types
+        and isinstance(value, float)
+        and value.is_integer()
+    ):
         return int(value)
     if "string" in types and not types & {"integer", "number"}:
         return json.dumps(value)
@@ -124,7 +133,10 @@ def coerce_text_value(text: str, schema: Any) -> Any:
     if types is not None and "string" in types and not isinstance(value, str):
         # A string parameter whose text happens to look like JSON stays the text.
         allowed = {"integer", "number", "boolean", "null", "object", "array"} & types
-        if not any(_json_type(value) == t or (t == "number" and _json_type(value) == "integer") for t in allowed):
+        if not any(
+            _json_type(value) == t or (t == "number" and _json_type(value) == "integer")
+            for t in allowed
+        ):
             return text
     return coerce(value, schema)
 

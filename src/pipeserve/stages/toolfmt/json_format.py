@@ -12,10 +12,18 @@ import json
 import re
 
 from pipeserve.events import Event
-from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, StreamedArgs, content, parse_json_calls
+from pipeserve.stages.toolfmt.base import (
+    CallSink,
+    MarkerParser,
+    StreamedArgs,
+    content,
+    parse_json_calls,
+)
 from pipeserve.stages.toolfmt.markers import MarkerSet
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
+)
 _HEAD_LIMIT = 512  # a head this long that never matched: buffer the call whole
 HEAD, ARGS, WHOLE = range(3)
 

@@ -14,7 +14,13 @@ import json
 import re
 from typing import Any
 
-from pipeserve.stages.toolfmt.coerce import coerce, dumps, items_schema, property_schema, schema_types
+from pipeserve.stages.toolfmt.coerce import (
+    coerce,
+    dumps,
+    items_schema,
+    property_schema,
+    schema_types,
+)
 
 _WS = " \t\r\n"
 _STR_SPECIAL = re.compile(r'["\\\x00-\x1f]')

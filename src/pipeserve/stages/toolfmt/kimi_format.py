@@ -25,12 +25,22 @@ def call_name(call_id: str) -> str | None:
 
 class KimiFormat(MarkerParser):
     def __init__(
-        self, sink: CallSink, start: str, end: str, section_start: str, section_end: str, args_marker: str
+        self,
+        sink: CallSink,
+        start: str,
+        end: str,
+        section_start: str,
+        section_end: str,
+        args_marker: str,
     ) -> None:
         super().__init__()
         self.sink = sink
         self.start, self.end = start, end
-        self.section_start, self.section_end, self.args_marker = section_start, section_end, args_marker
+        self.section_start, self.section_end, self.args_marker = (
+            section_start,
+            section_end,
+            args_marker,
+        )
         self._sets = {
             CONTENT: MarkerSet([section_start, start]),
             SECTION: MarkerSet([start, section_end]),

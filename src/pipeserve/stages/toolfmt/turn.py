@@ -14,7 +14,14 @@ model never completed (the encoders mark such calls, see each encoder's docstrin
 
 from __future__ import annotations
 
-from pipeserve.events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from pipeserve.events import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from pipeserve.stages.toolfmt.base import arguments_valid
 
 
