@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="files or folders (default: configs/*.yaml and pipelines/*.yaml here)",
     )
+    validate.add_argument(
+        "--explain",
+        action="store_true",
+        help="also print, per model, the pipeline chosen (pipeline: auto) and the evidence",
+    )
     validate.set_defaults(handler=cmd_validate)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of the YAML files")
@@ -90,17 +95,39 @@ def print_problems(problems: Sequence[Problem]) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pipeserve.config.validate import validate_paths
+    from pipeserve.config.validate import Validator, validate_paths
 
     files = collect_files(args.paths)
-    report = validate_paths(files)
+    validator = Validator()
+    report = validate_paths(files, validator=validator)
     if report.problems:
         print_problems(sort_problems(report.problems))
         bad = len({p.file for p in report.problems})
         print(f"{len(report.problems)} problem(s) in {bad} file(s)", file=sys.stderr)
         return 1
     print(f"ok: {len(files)} file{'s' if len(files) != 1 else ''}")
-    return 0
+    return explain_configs(files, validator) if args.explain else 0
+
+
+def explain_configs(files: Sequence[Path], validator: object) -> int:
+    """`validate --explain`: each config's models, their pipelines and the evidence."""
+    from pipeserve.config.detect import DetectionError
+    from pipeserve.config.explain import explain
+    from pipeserve.config.loader import load_yaml
+    from pipeserve.config.validate import Validator, detect_kind
+
+    assert isinstance(validator, Validator)
+    failed = 0
+    for path in files:
+        if detect_kind(load_yaml(path)) != "config":
+            continue
+        loaded, _ = validator.config(path)
+        try:
+            print("\n".join(explain(loaded, validator)))
+        except DetectionError as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
 
 
 def collect_files(paths: Sequence[str]) -> list[Path]:

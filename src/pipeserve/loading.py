@@ -9,6 +9,7 @@ from typing import Any
 import falcon
 
 from pipeserve.app import create_app
+from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.server.registry import ServedModel, StageDecl, build_chain
 from pipeserve.stages import load_builtin_stages
 from pipeserve.stages.base import BuildEnv
@@ -19,9 +20,17 @@ log = logging.getLogger("pipeserve.loading")
 def build_app_from_config(path: Path | str, api_key: str | None = None) -> falcon.App:
     """Everything a worker needs: one runtime per model, one chain per model."""
     from pipeserve.config import load_server_config
+    from pipeserve.config.auto import resolve_auto_with
+    from pipeserve.engine.loader import resolve_source
+
+    loaded = resolve_auto_with(load_server_config(Path(path)), resolve_source)
+    return build_app_from_loaded(loaded, api_key)
+
+
+def build_app_from_loaded(loaded: LoadedConfig, api_key: str | None = None) -> falcon.App:
+    """The app of a validated config whose `pipeline: auto` entries are resolved."""
     from pipeserve.engine.runtime import build_runtime
 
-    loaded = load_server_config(Path(path))
     load_builtin_stages()
     served: list[ServedModel] = []
     for entry in loaded.config.models:

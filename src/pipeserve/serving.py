@@ -24,10 +24,15 @@ log = logging.getLogger("pipeserve.serving")
 
 
 class PipeserveApplication(BaseApplication):  # type: ignore[misc]
-    def __init__(self, config_path: Path, options: dict[str, Any], api_key: str | None) -> None:
+    def __init__(
+        self, config_path: Path, options: dict[str, Any], api_key: str | None, loaded: Any = None
+    ) -> None:
         self.config_path = config_path
         self.options = options
         self.api_key = api_key
+        # The validated config with `pipeline: auto` resolved, made in the master; forked
+        # workers build from it instead of re-reading a file that may have changed since.
+        self.loaded = loaded
         super().__init__()
 
     def load_config(self) -> None:
@@ -35,12 +40,14 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
             self.cfg.set(key, value)
 
     def load(self) -> Any:
-        from pipeserve.loading import build_app_from_config
+        from pipeserve.loading import build_app_from_config, build_app_from_loaded
 
         in_use = blas.loaded_blas()
         log.info("worker %d: BLAS in use: %s", os.getpid(), in_use)
         if os.environ.get(blas.MARKER) and in_use != "openblas":
             log.warning("OpenBLAS was preloaded but is not mapped in this worker; matmuls are slow")
+        if self.loaded is not None:
+            return build_app_from_loaded(self.loaded, api_key=self.api_key)
         return build_app_from_config(self.config_path, api_key=self.api_key)
 
 
@@ -81,6 +88,7 @@ def serve(
 ) -> int:
     """Validate the config, prepare BLAS, and run gunicorn until stopped."""
     from pipeserve.config import ConfigError, load_server_config
+    from pipeserve.config.auto import resolve_auto
 
     settings = Settings()
     path = Path(config_path) if config_path else settings.config
@@ -97,7 +105,13 @@ def serve(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("BLAS: %s", describe_blas(not_used))
-    if not fetch_sources(config):
+    folders = fetch_sources(config)
+    if folders is None:
+        return 1
+    try:
+        loaded = resolve_auto(loaded, folders)
+    except ConfigError as error:
+        print(str(error), file=sys.stderr)
         return 1
     options = gunicorn_options(
         config,
@@ -108,11 +122,11 @@ def serve(
         workers or settings.workers or config.server.workers,
         settings.log_level,
     )
-    PipeserveApplication(path, options, settings.api_key).run()
+    PipeserveApplication(path, options, settings.api_key, loaded).run()
     return 0
 
 
-def fetch_sources(config: Any) -> bool:
+def fetch_sources(config: Any) -> dict[str, Path] | None:
     """Build demo models and download hub models once, before forking: a worker that
     spends minutes downloading would be killed by gunicorn's timeout.
 
@@ -122,6 +136,7 @@ def fetch_sources(config: Any) -> bool:
     """
     from pipeserve.engine.loader import resolve_source
 
+    folders: dict[str, Path] = {}
     with ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn")
     ) as child:
@@ -133,9 +148,10 @@ def fetch_sources(config: Any) -> bool:
                     f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}",
                     file=sys.stderr,
                 )
-                return False
+                return None
             log.info("model %s: source %s is at %s", entry.name, entry.source, path)
-    return True
+            folders[entry.name] = path
+    return folders
 
 
 def default_home() -> Path:

@@ -8,12 +8,13 @@ checks each file once per run).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from pipeserve.config.detect import AUTO
 from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
@@ -32,6 +33,8 @@ class LoadedConfig:
     path: Path
     config: ServerConfig
     pipelines: dict[str, LoadedPipeline]
+    # `pipeline: auto` models, once resolved (pipeserve.config.auto): name -> Detection
+    detections: dict[str, Any] = field(default_factory=dict)
 
     def pipeline_for(self, model: ModelEntry | str) -> LoadedPipeline:
         entry = model if isinstance(model, ModelEntry) else self.model(model)
@@ -144,6 +147,9 @@ def _check_model_pipelines(
         name = model.get("pipeline")
         if not isinstance(name, str) or not name:
             continue
+        if name == AUTO:
+            problems += _check_auto(doc, i, available, validator, pipelines, problems)
+            continue
         path = available.get(name)
         if path is None:
             message = f"no pipeline {name!r} in {display_path(folder)}{suggestion(name, available)}"
@@ -155,6 +161,27 @@ def _check_model_pipelines(
             pipelines[name] = loaded
             problems += _check_demo_family(doc, i, model, loaded)
     return pipelines, problems
+
+
+def _check_auto(
+    doc: YamlDoc,
+    index: int,
+    available: dict[str, Path],
+    validator: PipelineSource,
+    pipelines: dict[str, LoadedPipeline],
+    seen: list[Problem],
+) -> list[Problem]:
+    """`pipeline: auto`: every pipeline of the folder with a detect section is a candidate."""
+    problems: list[Problem] = []
+    for name, path in available.items():
+        loaded, file_problems = validator.pipeline(path)
+        problems += [p for p in file_problems if p not in seen and p not in problems]
+        if loaded is not None and loaded.detect is not None:
+            pipelines[name] = loaded
+    if not problems and not any(p.detect for p in pipelines.values()):
+        message = "pipeline auto: no pipeline in the folder has a `detect:` section"
+        problems.append(doc.problem(("models", index, "pipeline"), message))
+    return problems
 
 
 def _pipeline_files(folder: Path) -> dict[str, Path]:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeserve.config.detect_rules import DetectSection
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -119,7 +121,11 @@ class ModelEntry(Strict):
         min_length=1,
         description="demo:<family>, a local mlx-lm model folder, or a Hugging Face repo id.",
     )
-    pipeline: str = Field(..., min_length=1, description="Pipeline name: pipelines/<name>.yaml.")
+    pipeline: str = Field(
+        ...,
+        min_length=1,
+        description="Pipeline name (pipelines/<name>.yaml), or `auto` to pick it from the model folder.",
+    )
     engine: Literal["mlx", "replay"] = "mlx"
     aliases: list[str] = Field(
         default_factory=list, description="Other names (fnmatch globs) routed to this model."
@@ -157,6 +163,9 @@ class ServerConfig(Strict):
 class PipelineFile(Strict):
     family: str = Field(..., min_length=1, description="Model family this pipeline serves.")
     description: str = ""
+    detect: DetectSection | None = Field(
+        None, description="How `pipeline: auto` recognizes models of this family."
+    )
     stages: list[dict[str, Any]] = Field(
         ..., min_length=1, description="Ordered stages; each item is {stage_kind: {params}}."
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipeserve.config.detect_rules import DetectSection
 from pipeserve.config.loader import YamlDoc
 from pipeserve.config.models import PipelineFile
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
@@ -36,6 +37,7 @@ class LoadedPipeline:
     family: str
     description: str
     stages: tuple[StageEntry, ...]
+    detect: DetectSection | None = None
 
 
 def stage_registry() -> Mapping[str, StageSpec]:
@@ -83,6 +85,7 @@ def check_pipeline(
         family=parsed.family,
         description=parsed.description,
         stages=tuple(s for s in stages if s is not None),
+        detect=parsed.detect,
     )
     return pipeline, []
 

@@ -118,10 +118,12 @@ class Report:
 
 
 def validate_paths(
-    files: Iterable[Path], registry: Mapping[str, StageSpec] | None = None
+    files: Iterable[Path],
+    registry: Mapping[str, StageSpec] | None = None,
+    validator: Validator | None = None,
 ) -> Report:
     """Validate files of either kind together; each problem is reported once."""
-    validator = Validator(registry)
+    validator = validator or Validator(registry)
     report = Report()
     for path in files:
         report.files.append(path)

@@ -1,0 +1,74 @@
+"""`pipeserve validate --explain`: per model, which pipeline serves it and the evidence.
+
+For `pipeline: auto` entries this is the detection the server will make; for named
+pipelines it also says what auto would have chosen, so a mismatch stands out. Model
+folders are found without downloading: demo models are built (offline), hub models are
+looked up in the local Hugging Face cache only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeserve.config.config_checks import LoadedConfig, _pipeline_files
+from pipeserve.config.detect import AUTO, DetectionError, detect_pipeline, read_evidence
+from pipeserve.config.loader import display_path
+from pipeserve.config.pipeline_checks import LoadedPipeline
+from pipeserve.config.validate import Validator
+
+Locate = Callable[[str], Path | None]
+
+
+def local_folder(source: str) -> Path | None:
+    """The model folder of a source when it is here (demo models are built), else None."""
+    from pipeserve.engine.demo import demo_source, ensure_demo_model
+
+    family = demo_source(source)
+    if family is not None:
+        return ensure_demo_model(family)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, local_files_only=True))
+    except (ImportError, OSError, ValueError):  # not a repo id, or not in the local cache
+        return None
+
+
+def candidates(loaded: LoadedConfig, validator: Validator) -> dict[str, LoadedPipeline]:
+    """Every valid pipeline of the config's folder that has a detect section."""
+    folder = loaded.path.parent / loaded.config.pipelines_dir
+    found: dict[str, LoadedPipeline] = {}
+    for name, path in _pipeline_files(folder).items():
+        pipeline, _ = validator.pipeline(path)
+        if pipeline is not None and pipeline.detect is not None:
+            found[name] = pipeline
+    return found
+
+
+def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_folder) -> list[str]:
+    """Lines describing each model's pipeline choice; raises DetectionError if auto fails."""
+    pool = candidates(loaded, validator)
+    lines = [f"{display_path(loaded.path)}:"]
+    for entry in loaded.config.models:
+        folder = locate(entry.source)
+        if folder is None:
+            where = f"{entry.source} is not here yet (downloaded when the server starts)"
+            lines.append(f"  {entry.name}: pipeline {entry.pipeline}; {where}")
+            continue
+        detection = detect_pipeline(read_evidence(folder), pool)
+        if entry.pipeline == AUTO:
+            lines.append(f"  {entry.name}: auto -> {detection.describe()}")
+            continue
+        verdict = "agrees" if detection.pipeline == entry.pipeline else "DIFFERS"
+        lines.append(
+            f"  {entry.name}: pipeline {entry.pipeline} (named in the config); "
+            f"auto would choose {detection.describe()} [{verdict}]"
+        )
+    return lines
+
+
+__all__ = ["DetectionError", "explain", "local_folder"]
