@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pipeserve.config.detect_rules import DetectSection
 from pipeserve.config.loader import YamlDoc
 from pipeserve.config.models import PipelineFile
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
-from pipeserve.stages.base import STAGE_REGISTRY, StageParams, StageRole, StageSpec
+from pipeserve.stages.base import STAGE_REGISTRY, StageRole, StageSpec
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class StageEntry:
     """One validated stage of a pipeline: build it with spec.factory(params, env)."""
 
     kind: str
-    params: StageParams
+    params: BaseModel
     role: StageRole
     spec: StageSpec
 

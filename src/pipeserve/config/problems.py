@@ -12,7 +12,16 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import UnionType
-from typing import TYPE_CHECKING, Any, TypeAlias, Union, get_args, get_origin
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+    TypeAlias,
+    Union,
+    get_args,
+    get_origin,
+    runtime_checkable,
+)
 
 from pydantic import BaseModel, ValidationError
 
@@ -72,7 +81,7 @@ def pydantic_problems(
         path = _data_path(base, tuple(error["loc"]))
         full = prefix + path
         if error["type"] == "extra_forbidden":
-            fields = _fields_at(model, path[:-1])
+            fields = _fields_at(model, path[:-1], base)
             message = f"unknown key {path[-1]!r}{suggestion(path[-1], fields)}"
             problems.append(doc.problem(full, message, prefer_key=True))
         else:
@@ -130,12 +139,23 @@ def _data_path(data: Any, loc: PathKey) -> PathKey:
     return tuple(path)
 
 
-def _fields_at(model: type[BaseModel], path: PathKey) -> list[str]:
+@runtime_checkable
+class Variants(Protocol):
+    """A model that validates as one of several models, chosen by the data (a union)."""
+
+    @classmethod
+    def variant_for(cls, data: Any) -> type[BaseModel] | None: ...
+
+
+def _fields_at(model: type[BaseModel], path: PathKey, data: Any) -> list[str]:
     current: Any = model
     for part in path:
         current = _descend(current, part)
+        data = data_at(data, (part,))
         if current is None:
             return []
+    if isinstance(current, Variants):
+        current = current.variant_for(data)
     if isinstance(current, type) and issubclass(current, BaseModel):
         return list(current.model_fields)
     return []

@@ -6,10 +6,12 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.errors import ApiError
-from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, Chain, Stage, StageParams, StageRole
+from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, Chain, Stage, StageRole
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,7 @@ class StageDecl:
     """One validated pipeline stage: its kind, params and role."""
 
     kind: str
-    params: StageParams
+    params: BaseModel
     role: StageRole
 
 

@@ -91,14 +91,14 @@ class BuildEnv:
     runtime: ModelRuntime | None = None
 
 
-P = TypeVar("P", bound=StageParams)
+P = TypeVar("P", bound=BaseModel)
 StageFactory: TypeAlias = Callable[[Any, BuildEnv], Stage]
 
 
 @dataclass(frozen=True)
 class StageSpec:
     kind: str
-    params_model: type[StageParams]
+    params_model: type[BaseModel]  # a StageParams, or a RootModel union (tool_calls)
     factory: StageFactory
     role: StageRole
     description: str

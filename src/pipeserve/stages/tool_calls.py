@@ -1,6 +1,7 @@
-"""`tool_calls`: turn generated tokens into content and tool calls (json | glm | kimi | harmony).
+"""`tool_calls`: turn generated tokens into content and tool calls, in a registered format.
 
-Markers and the tool_choice prefills default per format and can be overridden in YAML.
+Each format (stages/toolfmt/<name>_format.py) brings its own params model: its markers
+and the tool_choice prefills default per format and can be overridden in YAML.
 For tool_choice `required` / `function`, prepare() appends the format's opening text to
 the prompt (ctx.assistant_prefill) and the parser starts as if the model had written it;
 for `none` no calls are parsed. A response with at least one call that ended with valid
@@ -14,60 +15,98 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import Literal
+from typing import Annotated, Any, Union
 
-from pydantic import Field
+from pydantic import (
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    RootModel,
+    SerializeAsAny,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from pipeserve.events import ContentDelta, Event, Finish, TokenText, Usage
-from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
+from pipeserve.stages.base import BuildEnv, RequestContext, register_stage
 from pipeserve.stages.thinking import THINK_CLOSE_KEY
-from pipeserve.stages.toolfmt import DEFAULTS
-from pipeserve.stages.toolfmt.base import CallSink, ToolFormat
-from pipeserve.stages.toolfmt.glm_format import GlmFormat
-from pipeserve.stages.toolfmt.harmony_format import HarmonyFormat, load_encoding
-from pipeserve.stages.toolfmt.json_format import JsonFormat
-from pipeserve.stages.toolfmt.kimi_format import KimiFormat
+from pipeserve.stages.toolfmt.base import CallSink
+from pipeserve.stages.toolfmt.registry import (
+    TOOL_FORMATS,
+    ToolFormatParams,
+    ToolFormatSpec,
+    load_builtin_formats,
+)
 from pipeserve.stages.toolfmt.turn import TurnShaper
 
 _PREFILL_KEY = "tool_calls.prefill"
 
+load_builtin_formats()
 
-class ToolCallsParams(StageParams):
-    format: Literal["json", "glm", "kimi", "harmony"]
-    start: str | None = Field(None, description="Call open marker (default per format).")
-    end: str | None = Field(None, description="Call close marker (default per format).")
-    section_start: str | None = Field(None, description="kimi: opens the calls section.")
-    section_end: str | None = Field(None, description="kimi: closes the calls section.")
-    args_marker: str | None = Field(
-        None, description="kimi: separates the call id from its arguments."
-    )
-    prefill_required: str | None = Field(None, description="Prompt suffix forcing some call.")
-    prefill_function: str | None = Field(None, description="Prompt suffix forcing {name}.")
-    reasoning_channels: list[str] = Field(
-        ["analysis"], description="harmony: channels that are reasoning."
-    )
+
+class ToolCallsParams(RootModel[SerializeAsAny[ToolFormatParams]]):
+    """The params of the format named by `format`: a union over the registered formats.
+
+    Built from the registry when validating (and for the JSON schema), so a format
+    registered later is accepted without changing this class.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    @field_validator("root", mode="wrap")
+    @classmethod
+    def _by_format(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if not isinstance(value, dict):
+            return handler(value)  # an already-built format params model, or a type error
+        name = value.get("format")
+        spec = TOOL_FORMATS.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise _format_error(name, "format" in value)
+        return spec.params_model.model_validate(value)
+
+    @classmethod
+    def variant_for(cls, data: Any) -> type[ToolFormatParams] | None:
+        """The format params model that `data` selects (for config error hints)."""
+        name = data.get("format") if isinstance(data, dict) else None
+        spec = TOOL_FORMATS.get(name) if isinstance(name, str) else None
+        return spec.params_model if spec else None
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        models = tuple(TOOL_FORMATS[name].params_model for name in sorted(TOOL_FORMATS))
+        union = Annotated[Union[models], Field(discriminator="format")]  # noqa: UP007
+        return handler(TypeAdapter(union).core_schema)
+
+
+def _format_error(name: object, given: bool) -> ValidationError:
+    """The error a Literal of the registered names would give (config adds did-you-mean)."""
+    names = sorted(TOOL_FORMATS)
+    expected = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
+    if not given:
+        error: Any = {"type": "missing", "loc": ("format",), "input": {}}
+    else:
+        ctx = {"expected": expected}
+        error = {"type": "literal_error", "loc": ("format",), "input": name, "ctx": ctx}
+    return ValidationError.from_exception_data("ToolCallsParams", [error])
 
 
 class ToolCallsStage:
-    def __init__(self, params: ToolCallsParams) -> None:
-        base = DEFAULTS[params.format]
-        chosen = {
-            k: getattr(params, k)
-            for k in base.__dataclass_fields__
-            if getattr(params, k) is not None
-        }
-        self.format = params.format
-        self.cfg = dataclasses.replace(base, **chosen)
-        self.reasoning_channels = frozenset(params.reasoning_channels)
+    def __init__(self, params: ToolCallsParams | ToolFormatParams) -> None:
+        chosen = params.root if isinstance(params, ToolCallsParams) else params
+        self.params = chosen
+        self.spec: ToolFormatSpec[Any] = TOOL_FORMATS[chosen.format]
 
     def prepare(self, ctx: RequestContext) -> None:
         choice = ctx.request.tool_choice
         if choice.mode not in ("required", "function") or not ctx.request.tools:
             return
-        if choice.mode == "function" and choice.name:
-            prefill = self.cfg.prefill_function.replace("{name}", choice.name)
-        else:
-            prefill = self.cfg.prefill_required
+        prefill = self.params.forced_prefill(choice.name if choice.mode == "function" else None)
         if not prefill:
             return
         close = ctx.scratch.get(THINK_CLOSE_KEY) if ctx.prompt_opened_thinking else None
@@ -78,11 +117,11 @@ class ToolCallsStage:
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         calls_enabled = ctx.request.tool_choice.mode != "none"
-        if not calls_enabled and self.format != "harmony":
+        if not calls_enabled and not self.spec.parses_without_calls:
             yield from _as_content(events)
             return
         sink = CallSink(ctx.request.tools)
-        parser = self._parser(sink, calls_enabled)
+        parser = self.spec.factory(self.params, sink, calls_enabled)
         shaper = TurnShaper(single=not ctx.request.parallel_tool_calls)
         out: list[Event] = []
         prefill = ctx.scratch.get(_PREFILL_KEY, "")
@@ -122,18 +161,6 @@ class ToolCallsStage:
             parser.finish("cancelled", out)
             yield from _shaped(out, shaper)
 
-    def _parser(self, sink: CallSink, calls_enabled: bool) -> ToolFormat:
-        cfg = self.cfg
-        if self.format == "json":
-            return JsonFormat(sink, cfg.start, cfg.end)
-        if self.format == "glm":
-            return GlmFormat(sink, cfg.start, cfg.end)
-        if self.format == "kimi":
-            return KimiFormat(
-                sink, cfg.start, cfg.end, cfg.section_start, cfg.section_end, cfg.args_marker
-            )
-        return HarmonyFormat(load_encoding(), sink, self.reasoning_channels, calls_enabled)
-
 
 def _finish_reason(reason: str, shaper: TurnShaper) -> str:
     if shaper.closed and reason != "error":
@@ -159,10 +186,10 @@ def _as_content(events: Iterator[Event]) -> Iterator[Event]:
 
 @register_stage("tool_calls", ToolCallsParams)
 def build_tool_calls(params: ToolCallsParams, env: BuildEnv) -> ToolCallsStage:
-    """Parse tool calls (json | glm | kimi | harmony) out of generated tokens."""
+    """Parse tool calls (in a registered format) out of generated tokens."""
     stage = ToolCallsStage(params)
-    if params.format == "harmony" and env.runtime is not None:
-        load_encoding()  # load once at build time, not on the first request
+    if stage.spec.warm_up is not None and env.runtime is not None:
+        stage.spec.warm_up()  # once at build time, not on the first request
     return stage
 
 

@@ -10,12 +10,15 @@ malformed call is delivered as the raw text it was.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from pipeserve.events import Event
-from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, content
+from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, ToolFormat, content
 from pipeserve.stages.toolfmt.coerce import coerce_text_value, property_schema
 from pipeserve.stages.toolfmt.markers import MarkerSet
+from pipeserve.stages.toolfmt.registry import ToolFormatParams, register_tool_format
 
 _KEY, _KEY_END, _VALUE, _VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 _ARG = re.compile(
@@ -39,10 +42,8 @@ def parse_glm_body(body: str, sink: CallSink) -> tuple[str, dict[str, Any]] | No
             return None
         key = match.group(1).strip()
         value = match.group(2)
-        if value.startswith("\n"):
-            value = value[1:]
-        if value.endswith("\n"):
-            value = value[:-1]
+        value = value.removeprefix("\n")
+        value = value.removesuffix("\n")
         arguments[key] = coerce_text_value(value, property_schema(schema, key))
         pos = match.end()
     return name, arguments
@@ -80,3 +81,21 @@ class GlmFormat(MarkerParser):
         if self.raw is not None:
             content("".join(self.raw), out)
             self.raw = None
+
+
+class GlmParams(ToolFormatParams):
+    MARKER_FIELDS: ClassVar[tuple[str, ...]] = ("start", "end")
+
+    format: Literal["glm"]
+    start: str = Field("<tool_call>", description="Opens a call.")
+    end: str = Field("</tool_call>", description="Closes a call.")
+    prefill_required: str = Field("<tool_call>", description="Prompt suffix forcing some call.")
+    prefill_function: str = Field(
+        "<tool_call>{name}\n", description="Prompt suffix forcing a call to {name}."
+    )
+
+
+@register_tool_format("glm", GlmParams)
+def glm_parser(params: GlmParams, sink: CallSink, calls_enabled: bool) -> ToolFormat:
+    """GLM-4.5+: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`."""
+    return GlmFormat(sink, params.start, params.end)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from pipeserve.events import ContentDelta, Event, ReasoningDelta, TokenText
-from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, content
+from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, ToolFormat, content
+from pipeserve.stages.toolfmt.registry import CallFrame, ToolFormatParams, register_tool_format
 
 _MAX_HEADER_TOKENS = 64  # a header that long is not a header: deliver it as text
 _ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -133,3 +136,26 @@ class HarmonyFormat:
         content("".join(self.header) + text, out)
         self.kind, self.call, self.header = None, None, []
         self.parser = self._new_parser(None)
+
+
+class HarmonyParams(ToolFormatParams):
+    format: Literal["harmony"]
+    reasoning_channels: list[str] = Field(
+        ["analysis"], description="Channels whose messages are reasoning."
+    )
+    prefill_required: str = Field(
+        "<|channel|>commentary to=functions.", description="Prompt suffix forcing some call."
+    )
+    prefill_function: str = Field(
+        "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+        description="Prompt suffix forcing a call to {name}.",
+    )
+
+    def call_frame(self, name: str) -> CallFrame:
+        return CallFrame(self.forced_prefill(name), "<|call|>")
+
+
+@register_tool_format("harmony", HarmonyParams, parses_without_calls=True, warm_up=load_encoding)
+def harmony_parser(params: HarmonyParams, sink: CallSink, calls_enabled: bool) -> ToolFormat:
+    """GPT-OSS Harmony: channels and `to=functions.NAME` recipients, token by token."""
+    return HarmonyFormat(load_encoding(), sink, frozenset(params.reasoning_channels), calls_enabled)

@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import json
 import re
+from typing import ClassVar, Literal
+
+from pydantic import Field
 
 from pipeserve.events import Event
 from pipeserve.stages.toolfmt.base import (
     CallSink,
     MarkerParser,
     StreamedArgs,
+    ToolFormat,
     content,
     parse_json_calls,
 )
 from pipeserve.stages.toolfmt.markers import MarkerSet
+from pipeserve.stages.toolfmt.registry import (
+    CallFrame,
+    ToolFormatParams,
+    json_call_frame,
+    register_tool_format,
+)
 
 _HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
@@ -110,3 +120,25 @@ class JsonFormat(MarkerParser):
         if self.call is not None:
             self.call.cut(out)
             self.call = None
+
+
+class JsonParams(ToolFormatParams):
+    MARKER_FIELDS: ClassVar[tuple[str, ...]] = ("start", "end")
+
+    format: Literal["json"]
+    start: str = Field("<tool_call>", description="Opens a call.")
+    end: str = Field("</tool_call>", description="Closes a call.")
+    prefill_required: str = Field("<tool_call>\n", description="Prompt suffix forcing some call.")
+    prefill_function: str = Field(
+        '<tool_call>\n{"name": "{name}", "arguments": ',
+        description="Prompt suffix forcing a call to {name}.",
+    )
+
+    def call_frame(self, name: str) -> CallFrame:
+        return json_call_frame(self.start, self.end, name)
+
+
+@register_tool_format("json", JsonParams)
+def json_parser(params: JsonParams, sink: CallSink, calls_enabled: bool) -> ToolFormat:
+    """Qwen / Hermes: `<tool_call>{"name": .., "arguments": {..}}</tool_call>`."""
+    return JsonFormat(sink, params.start, params.end)

@@ -9,10 +9,20 @@ streamer. A call whose id does not name a function is delivered as its raw text.
 from __future__ import annotations
 
 import re
+from typing import ClassVar, Literal
+
+from pydantic import Field
 
 from pipeserve.events import Event
-from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, StreamedArgs, content
+from pipeserve.stages.toolfmt.base import (
+    CallSink,
+    MarkerParser,
+    StreamedArgs,
+    ToolFormat,
+    content,
+)
 from pipeserve.stages.toolfmt.markers import MarkerSet
+from pipeserve.stages.toolfmt.registry import CallFrame, ToolFormatParams, register_tool_format
 
 _CALL_ID = re.compile(r"\s*(?:functions\.)?([^\s:<>]+(?::[^\s:<>\d][^\s:<>]*)*)(?::\d+)?\s*")
 CONTENT, SECTION, CALL_ID, ARGS = range(4)
@@ -112,3 +122,47 @@ class KimiFormat(MarkerParser):
         elif self.state == CALL_ID:
             content("".join(self.raw), out)
         self.args, self.raw, self.state = None, [], CONTENT
+
+
+_SECTION = "<|tool_calls_section_begin|>"
+_CALL = "<|tool_call_begin|>"
+_ARGS = "<|tool_call_argument_begin|>"
+
+
+class KimiParams(ToolFormatParams):
+    MARKER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "section_start",
+        "start",
+        "args_marker",
+        "end",
+        "section_end",
+    )
+
+    format: Literal["kimi"]
+    start: str = Field(_CALL, description="Opens a call.")
+    end: str = Field("<|tool_call_end|>", description="Closes a call.")
+    section_start: str = Field(_SECTION, description="Opens the calls section.")
+    section_end: str = Field("<|tool_calls_section_end|>", description="Closes the section.")
+    args_marker: str = Field(_ARGS, description="Separates the call id from its arguments.")
+    prefill_required: str = Field(_SECTION + _CALL, description="Prompt suffix forcing some call.")
+    prefill_function: str = Field(
+        _SECTION + _CALL + "functions.{name}:0" + _ARGS,
+        description="Prompt suffix forcing a call to {name}.",
+    )
+
+    def call_frame(self, name: str) -> CallFrame:
+        prefix = f"{self.section_start}{self.start}functions.{name}:0{self.args_marker}"
+        return CallFrame(prefix, self.end + self.section_end)
+
+
+@register_tool_format("kimi", KimiParams)
+def kimi_parser(params: KimiParams, sink: CallSink, calls_enabled: bool) -> ToolFormat:
+    """Kimi K2: a calls section of `functions.NAME:IDX` calls with JSON arguments."""
+    return KimiFormat(
+        sink,
+        params.start,
+        params.end,
+        params.section_start,
+        params.section_end,
+        params.args_marker,
+    )
