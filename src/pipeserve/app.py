@@ -90,7 +90,7 @@ def add_endpoint(
         endpoint.route,
         GenerationResource(endpoint.route, protocol, table, allowed, options, metrics),
     )
-    if hasattr(protocol, "count_tokens_body"):
+    if protocol.counts_tokens:
         route = endpoint.route + "/count_tokens"
         app.add_route(route, CountTokensResource(route, protocol, table, allowed, options))
 

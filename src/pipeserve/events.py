@@ -7,6 +7,7 @@ does not handle.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -100,6 +101,16 @@ class KeepAlive:
     """Nothing happened for a while (queue wait, long prefill): lets encoders ping."""
 
 
+def arguments_valid(text: str) -> bool:
+    """Complete call arguments (ToolCallEnd): a JSON object, or nothing at all (`{}`)."""
+    if not text.strip():
+        return True
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 Event: TypeAlias = (
     TokenText
     | PromptReady
@@ -115,6 +126,7 @@ Event: TypeAlias = (
 )
 
 __all__ = [
+    "arguments_valid",
     "ContentDelta",
     "ErrorEvent",
     "Event",

@@ -15,7 +15,6 @@ from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_strea
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta
 from pipeserve.api.openai_chat import OpenAIChat
-from pipeserve.api.openai_common import LOGPROBS_SCRATCH_KEY
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
@@ -432,8 +431,8 @@ def test_json_tokens_without_text_stages_are_content_with_logprobs() -> None:
 
 
 def logprob_script(ctx: RequestContext) -> Iterator[Event]:
-    """What generate + thinking stages produce: logprobs recorded in scratch, lazily."""
-    records = ctx.scratch.setdefault(LOGPROBS_SCRATCH_KEY, [])
+    """What generate + thinking stages produce: logprobs recorded in ctx.logprob_records, lazily."""
+    records = ctx.logprob_records
     records.append(TokenText("<think>", 1, -0.01))
     records.append(TokenText("hmm", 2, -0.02))
     yield ReasoningDelta("hmm")
@@ -445,7 +444,7 @@ def logprob_script(ctx: RequestContext) -> Iterator[Event]:
     yield Usage(5, 4)
 
 
-def test_json_logprobs_from_scratch_skip_reasoning() -> None:
+def test_json_logprobs_from_the_context_records_skip_reasoning() -> None:
     req = decode(logprobs=True, top_logprobs=1)
     ctx = make_ctx(req)
     body = PROTOCOL.encode_json(iter(logprob_script(ctx)), ctx)

@@ -21,7 +21,6 @@ from openai import OpenAI, Stream
 from pipeserve.api.base import RequestMeta, WireProtocol
 from pipeserve.api.openai_chat import OpenAIChat
 from pipeserve.api.openai_common import (
-    LOGPROBS_SCRATCH_KEY,
     LogprobCursor,
     openai_error_body,
     param_path,
@@ -159,7 +158,7 @@ def test_logprob_cursor_hands_out_records_once() -> None:
     )
     ctx = make_ctx(req)
     tops = (TopLogprob("a", -0.1, 1), TopLogprob("b", -2.0, 2))
-    records = ctx.scratch.setdefault(LOGPROBS_SCRATCH_KEY, [])
+    records = ctx.logprob_records
     cursor = LogprobCursor(ctx)
     records += [TokenText("a", 1, -0.1, tops), TokenText("é", 3, -0.5)]
     first = cursor.take()

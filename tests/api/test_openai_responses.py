@@ -15,7 +15,6 @@ from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_strea
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta
-from pipeserve.api.openai_common import LOGPROBS_SCRATCH_KEY
 from pipeserve.api.openai_responses import OpenAIResponses
 from pipeserve.errors import ApiError
 from pipeserve.events import (
@@ -530,12 +529,12 @@ def test_json_length_is_incomplete() -> None:
     assert response.max_output_tokens == 16
 
 
-def test_json_logprobs_from_scratch() -> None:
+def test_json_logprobs_from_the_context_records() -> None:
     req = decode(include=["message.output_text.logprobs"], top_logprobs=0)
     ctx = make_ctx(req)
 
     def run() -> Any:
-        records = ctx.scratch.setdefault(LOGPROBS_SCRATCH_KEY, [])
+        records = ctx.logprob_records
         records.append(TokenText("Hi", 1, -0.5))
         yield ContentDelta("Hi")
         yield Finish("stop")

@@ -185,5 +185,5 @@ def test_keepalive_param_reaches_stream(runtime):
     ctx = context(runtime, max_tokens=2)
     generate = stage(runtime, keepalive_interval=0.25)
     generate.prepare(ctx)
-    assert ctx.scratch["generate.stream"].keepalive_interval == 0.25
+    assert ctx.generation.keepalive_interval == 0.25
     collect(generate(iter(()), ctx))

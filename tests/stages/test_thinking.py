@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeserve.events import Finish, TokenText, Usage
-from pipeserve.stages.thinking import THINK_CLOSE_KEY, ThinkingParams, build_thinking
+from pipeserve.stages.thinking import ThinkingParams, build_thinking
 
 from .helpers import ENV, make_ctx, run, splits, summarize, token_events, without_usage
 
@@ -153,7 +153,7 @@ def test_prompt_opened_thinking_is_read_lazily() -> None:
     stage = build_thinking(ThinkingParams(), ENV)
     ctx = make_ctx(opened_thinking=True)
     stage.prepare(ctx)
-    assert ctx.scratch[THINK_CLOSE_KEY] == "</think>\n\n"
+    assert ctx.think_close == "</think>\n\n"
     ctx.prompt_opened_thinking = False  # e.g. a forced tool call closed the block in the prefill
     out = summarize(stage(iter(token_events(["plain"])), ctx))
     assert without_usage(out) == [("content", "plain"), ("finish", "stop")]

@@ -35,6 +35,8 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from pipeserve.api.anthropic_decode import AnthropicGenerationRequest
+from pipeserve.context import RequestContext
 from pipeserve.errors import ErrorKind
 from pipeserve.events import (
     ContentDelta,
@@ -49,9 +51,8 @@ from pipeserve.events import (
     ToolCallEnd,
     ToolCallStart,
     Usage,
+    arguments_valid,
 )
-from pipeserve.stages.base import RequestContext
-from pipeserve.stages.toolfmt.base import arguments_valid
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,10 @@ class _MessageStream:
         self.held_tool: ToolCallStart | None = None  # the call being buffered
         self.held_fragments = 0
         self.signature = _Signature()
-        self.omit_thinking = bool(getattr(ctx.request, "omit_thinking", False))
+        request = ctx.request
+        self.omit_thinking = (
+            isinstance(request, AnthropicGenerationRequest) and request.omit_thinking
+        )
         self.prompt_tokens = len(ctx.prompt_token_ids or [])
         self.cached_tokens = 0
         self.finish: Finish | None = None

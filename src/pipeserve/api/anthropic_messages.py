@@ -16,10 +16,10 @@ from pipeserve.api.anthropic_decode import decode_body
 from pipeserve.api.anthropic_encode import ERROR_KINDS, ERROR_TYPES, message_events
 from pipeserve.api.base import RequestMeta, WireProtocol, context_overflow, register_protocol
 from pipeserve.api.sse import sse_event
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ErrorKind
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
-from pipeserve.stages.base import RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class AnthropicMessages(WireProtocol):
     name: ClassVar[str] = "anthropic-messages"
     overload_status: ClassVar[int] = 529
     client_header: ClassVar[str | None] = "anthropic-version"
+    counts_tokens: ClassVar[bool] = True
 
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
         return decode_body(body)

@@ -10,10 +10,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
-from pipeserve.stages.base import RequestContext
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class WireProtocol(ABC):
     # A request header only this protocol's clients send: routing errors (404/405) on
     # paths no endpoint owns are rendered in this protocol's shape when it is present.
     client_header: ClassVar[str | None] = None
+    # True: the protocol also serves `<route>/count_tokens` (the two count_tokens_* methods).
+    counts_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
@@ -47,6 +49,14 @@ class WireProtocol(ABC):
     @abstractmethod
     def error_body(self, error: ApiError) -> dict[str, Any]:
         """The protocol's own error JSON for `error`."""
+
+    def count_tokens_body(self, body: Any, meta: RequestMeta) -> GenerationRequest:
+        """Decode a count_tokens body (only where counts_tokens is True)."""
+        raise NotImplementedError(f"{self.name} does not count tokens")
+
+    def count_tokens_response(self, input_tokens: int) -> dict[str, Any]:
+        """The count_tokens answer body (only where counts_tokens is True)."""
+        raise NotImplementedError(f"{self.name} does not count tokens")
 
     def stream_fault(self, error: ApiError, events_sent: int) -> dict[str, Any]:
         """The `error` SSE event's data when the encoder itself failed after

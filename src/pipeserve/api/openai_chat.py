@@ -33,6 +33,7 @@ from pipeserve.api.openai_common import (
     unsupported,
     validate,
 )
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import Event
 from pipeserve.request import (
@@ -43,7 +44,6 @@ from pipeserve.request import (
     ToolChoice,
     ToolSpec,
 )
-from pipeserve.stages.base import RequestContext
 
 TEXT_PARTS = frozenset({"text", "input_text"})
 IMAGE_PARTS = frozenset({"image_url", "input_image", "input_audio", "file", "image"})
@@ -318,7 +318,9 @@ class OpenAIChat(WireProtocol):
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
         try:
-            yield from ChatStreamEncoder(ctx).run(events)
+            request = ctx.request
+            usage = isinstance(request, ChatGenerationRequest) and request.include_usage
+            yield from ChatStreamEncoder(ctx, include_usage=usage).run(events)
         finally:
             close_events(events)
 

@@ -29,6 +29,7 @@ from pipeserve.api.openai_common import (
     openai_error_body,
 )
 from pipeserve.api.sse import sse_event
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
@@ -42,9 +43,8 @@ from pipeserve.events import (
     ToolCallEnd,
     ToolCallStart,
     Usage,
+    arguments_valid,
 )
-from pipeserve.stages.base import RequestContext
-from pipeserve.stages.toolfmt.base import arguments_valid
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 # Fields OpenAI sends on every completion and chunk: the tier that served the request
@@ -113,11 +113,11 @@ def accumulate(events: Iterator[Event], ctx: RequestContext) -> Accumulated:
 class ChatStreamEncoder:
     """Turns events into `chat.completion.chunk` SSE frames (one instance per request)."""
 
-    def __init__(self, ctx: RequestContext) -> None:
+    def __init__(self, ctx: RequestContext, include_usage: bool = False) -> None:
         self.ctx = ctx
         self.id = new_id("chatcmpl-")
         self.created = now()
-        self.include_usage = bool(getattr(ctx.request, "include_usage", False))
+        self.include_usage = include_usage
         self.cursor = LogprobCursor(ctx)
         self.calls: dict[int, _Call] = {}
         self.usage = Usage(0, 0)

@@ -5,7 +5,7 @@ types); the first error becomes an ApiError whose `param` is the OpenAI-style pa
 (`messages[0].content[1].type`). Encoding: ids, error bodies, usage and logprobs.
 
 Logprobs handoff: stages after `generate` turn TokenText into ContentDelta, which has
-no logprob. The generate stage appends each TokenText to `ctx.scratch["logprobs"]` when
+no logprob. The generate stage appends each TokenText to `ctx.logprob_records` when
 the request asked for logprobs; an encoder hands out, with each content chunk, the
 records appended since its previous chunk (LogprobCursor). A TokenText that reaches the
 encoder directly (a pipeline without text stages) carries its own logprob.
@@ -22,12 +22,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeserve.api.base import context_overflow
 from pipeserve.api.sse import sse_comment
+from pipeserve.context import RequestContext
 from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
 from pipeserve.events import ErrorEvent, Event, TokenText, Usage
 from pipeserve.request import ReasoningOptions, ToolChoice, ToolSpec
-from pipeserve.stages.base import RequestContext
 
-LOGPROBS_SCRATCH_KEY = "logprobs"
 KEEPALIVE_FRAME = sse_comment("keep-alive")
 MAX_TOP_LOGPROBS = 20
 
@@ -262,7 +261,7 @@ def split_namespace(name: str) -> tuple[str | None, str]:
 
 
 class LogprobCursor:
-    """Per-chunk logprob records: those appended to ctx.scratch since the last take."""
+    """Per-chunk logprob records: those appended to ctx.logprob_records since the last take."""
 
     def __init__(self, ctx: RequestContext) -> None:
         self.ctx = ctx
@@ -270,13 +269,9 @@ class LogprobCursor:
         self.top = min(ctx.request.top_logprobs, MAX_TOP_LOGPROBS)
         self.position = 0
 
-    def _records(self) -> list[TokenText]:
-        records = self.ctx.scratch.get(LOGPROBS_SCRATCH_KEY)
-        return records if isinstance(records, list) else []
-
     def take(self, direct: TokenText | None = None) -> list[dict[str, Any]]:
         """Entries for a content chunk; `direct` is a TokenText the encoder got itself."""
-        records = self._records()
+        records = self.ctx.logprob_records
         pending, self.position = records[self.position :], len(records)
         if not self.wanted:
             return []
@@ -285,14 +280,14 @@ class LogprobCursor:
 
     def skip(self) -> None:
         """Drop records of non-content output (reasoning, tool-call markup)."""
-        self.position = len(self._records())
+        self.position = len(self.ctx.logprob_records)
 
-    def entry(self, token: Any) -> dict[str, Any] | None:
-        logprob = getattr(token, "logprob", None)
+    def entry(self, token: TokenText) -> dict[str, Any] | None:
+        logprob = token.logprob
         if logprob is None:
             return None
-        text = str(getattr(token, "text", ""))
-        tops = list(getattr(token, "top_logprobs", ()))[: self.top]
+        text = token.text
+        tops = token.top_logprobs[: self.top]
         return {
             "token": text,
             "logprob": float(logprob),
@@ -306,7 +301,6 @@ class LogprobCursor:
 
 __all__ = [
     "KEEPALIVE_FRAME",
-    "LOGPROBS_SCRATCH_KEY",
     "Lenient",
     "LogprobCursor",
     "api_error_from_event",

@@ -32,6 +32,7 @@ from pipeserve.api.openai_common import (
 )
 from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
 from pipeserve.api.sse import sse_event
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import Event
 from pipeserve.request import (
@@ -42,7 +43,6 @@ from pipeserve.request import (
     ToolChoice,
     ToolSpec,
 )
-from pipeserve.stages.base import RequestContext
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 IMAGE_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url"})
@@ -397,6 +397,11 @@ def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
 # ---------------------------------------------------------------- protocol
 
 
+def _echo_of(ctx: RequestContext) -> dict[str, Any]:
+    request = ctx.request
+    return request.echo if isinstance(request, ResponsesGenerationRequest) else {}
+
+
 @register_protocol
 class OpenAIResponses(WireProtocol):
     name = "openai-responses"
@@ -405,7 +410,7 @@ class OpenAIResponses(WireProtocol):
         return decode_responses(body)
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
-        builder = ResponsesBuilder(ctx)
+        builder = ResponsesBuilder(ctx, _echo_of(ctx))
         try:
             for event in events:
                 builder.feed(event)
@@ -416,7 +421,7 @@ class OpenAIResponses(WireProtocol):
         return last["response"]
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        builder = ResponsesBuilder(ctx)
+        builder = ResponsesBuilder(ctx, _echo_of(ctx))
         try:
             yield from _frames(builder.start())
             for event in events:

@@ -28,6 +28,7 @@ from pipeserve.api.openai_common import (
     responses_usage,
     split_namespace,
 )
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
@@ -41,9 +42,8 @@ from pipeserve.events import (
     ToolCallEnd,
     ToolCallStart,
     Usage,
+    arguments_valid,
 )
-from pipeserve.stages.base import RequestContext
-from pipeserve.stages.toolfmt.base import arguments_valid
 
 Frame = dict[str, Any] | bytes
 SEALED_REASONING = "reasoning.encrypted_content"
@@ -81,11 +81,11 @@ class _Open:
 
 
 class ResponsesBuilder:
-    def __init__(self, ctx: RequestContext) -> None:
+    def __init__(self, ctx: RequestContext, echo: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
         self.id = new_id("resp_")
         self.created_at = now()
-        self.echo: dict[str, Any] = dict(getattr(ctx.request, "echo", {}) or {})
+        self.echo: dict[str, Any] = dict(echo or {})  # request fields the Response repeats
         self.seal = SEALED_REASONING in self.echo.get("include", ())
         self.sequence = 0
         self.output: list[dict[str, Any]] = []

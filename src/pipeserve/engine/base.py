@@ -8,7 +8,7 @@ PromptReady, TokenText per generated token, then exactly one Finish and one Usag
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,7 +26,7 @@ class GenerationJob:
     logprobs: bool = False
     top_logprobs: int = 0
     mock_completion: str | None = None  # replay engine: the raw completion to stream
-    extra: dict[str, Any] = field(default_factory=dict)
+    keepalive_interval: float | None = None  # seconds of silence before a KeepAlive event
 
 
 class TokenStream(Protocol):
@@ -37,8 +37,16 @@ class TokenStream(Protocol):
 
 
 class Engine(Protocol):
+    """What stages and the server use of an engine (MlxEngine, ReplayEngine)."""
+
+    accepts_mock_response: bool  # the request's mock_response is replayed (replay only)
+    max_tokens_limit: int | None  # upper bound on a request's max_tokens
+
     def submit(self, job: GenerationJob) -> TokenStream:
         """Queue a job. Raises ApiError("overloaded") when the model's queue is full."""
+
+    def stats(self) -> dict[str, float]:
+        """Live counters for the metrics endpoint."""
 
     def close(self) -> None: ...
 
@@ -55,4 +63,3 @@ class ModelRuntime:
     eos_token_ids: frozenset[int]
     context_length: int | None = None
     default_max_tokens: int = 4096
-    stats: dict[str, Any] = field(default_factory=dict)

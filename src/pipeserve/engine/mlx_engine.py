@@ -57,12 +57,10 @@ class MlxEngine:
         load_model: Callable[[], Any],
         tokenizer: Any,
         options: EngineOptions | None = None,
-        keepalive_interval: float | None = None,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.options = options or EngineOptions()
-        self.keepalive_interval = keepalive_interval
         self.max_tokens_limit = self.options.max_tokens_limit
         self._capacity = self.options.max_batch + self.options.queue_size
         self._detokenizers = Detokenizers(tokenizer)
@@ -93,7 +91,7 @@ class MlxEngine:
         channel = Channel()
         sequence = Sequence(job, channel, self._detokenizers.new(), self.tokenizer)
         stream = EngineStream(
-            channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval
+            channel, lambda: self._inbox.put(("cancel", key)), job.keepalive_interval
         )
         self._inbox.put(("submit", key, sequence))
         return stream

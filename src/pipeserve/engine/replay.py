@@ -53,14 +53,12 @@ class ReplayEngine:
         default_completion: str = "",
         delay: float = 0.0,
         capacity: int = 1024,
-        keepalive_interval: float | None = None,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.default_completion = default_completion
         self.delay = delay
-        self.keepalive_interval = keepalive_interval
         self.max_tokens_limit: int | None = None
         self._capacity = capacity
         self._detokenizers = Detokenizers(tokenizer)
@@ -98,7 +96,7 @@ class ReplayEngine:
         replay = _Replay(seq, tokens, stop_at=stop_at, key=key)
         self._inbox.put(("submit", replay))
         return EngineStream(
-            channel, lambda: self._inbox.put(("cancel", key)), self.keepalive_interval
+            channel, lambda: self._inbox.put(("cancel", key)), job.keepalive_interval
         )
 
     def stats(self) -> dict[str, float]:

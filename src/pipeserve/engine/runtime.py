@@ -16,7 +16,7 @@ from pipeserve.engine.loader import context_length, eos_token_ids, load_tokenize
 log = logging.getLogger("pipeserve.engine")
 
 
-def build_runtime(entry: ModelEntry, keepalive_interval: float | None = None) -> ModelRuntime:
+def build_runtime(entry: ModelEntry) -> ModelRuntime:
     """Resolve the source, load the tokenizer (and the weights for engine mlx), start the engine."""
     model_dir = resolve_source(entry.source)
     tokenizer = load_tokenizer(model_dir)
@@ -27,15 +27,13 @@ def build_runtime(entry: ModelEntry, keepalive_interval: float | None = None) ->
 
         engine = ReplayEngine(
             entry.name, tokenizer, eos, entry.replay.completion, entry.replay.delay,
-            capacity=options.max_batch + options.queue_size, keepalive_interval=keepalive_interval,
+            capacity=options.max_batch + options.queue_size,
         )  # fmt: skip
         engine.max_tokens_limit = options.max_tokens_limit
     else:
         from pipeserve.engine.mlx_engine import build_mlx_engine
 
-        engine = build_mlx_engine(
-            entry.name, model_dir, tokenizer, options, keepalive_interval=keepalive_interval
-        )
+        engine = build_mlx_engine(entry.name, model_dir, tokenizer, options)
     log.info(
         "model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos)
     )
@@ -48,5 +46,4 @@ def build_runtime(entry: ModelEntry, keepalive_interval: float | None = None) ->
         eos_token_ids=eos,
         context_length=options.context_length or context_length(model_dir),
         default_max_tokens=options.default_max_tokens,
-        stats={},
     )

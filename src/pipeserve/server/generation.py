@@ -13,15 +13,14 @@ import falcon
 
 from pipeserve.api.base import RequestMeta, WireProtocol
 from pipeserve.api.sse import sse_event
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
-from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, Usage
+from pipeserve.events import ErrorEvent, Event, Finish, Usage
 from pipeserve.request import GenerationRequest
 from pipeserve.server.body import read_json_body, replace_lone_surrogates
 from pipeserve.server.disconnect import StalledWriteGuard, watch_disconnect
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
-from pipeserve.stages.base import RequestContext
-from pipeserve.stages.generate import KEEPALIVE_KEY
 
 log = logging.getLogger("pipeserve.http")
 MOCK_HEADER = "x-mock-response"
@@ -88,9 +87,11 @@ class GenerationResource:
             served = self.models.resolve(request.model, self.allowed)
             label = served.name
             ctx = RequestContext(
-                request=request, request_id=request_id(req), model_name=request.model
+                request=request,
+                request_id=request_id(req),
+                model_name=request.model,
+                keepalive_interval=self.options.keepalive_interval,
             )
-            ctx.scratch[KEEPALIVE_KEY] = self.options.keepalive_interval
             served.chain.prepare(ctx)
         except ApiError as error:
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))
@@ -137,7 +138,7 @@ class GenerationResource:
             return
         try:
             body = self.protocol.encode_json(events, ctx)
-        except ApiError as error:
+        except ApiError:
             if ctx.cancel_reason == "client_disconnected":
                 error = ApiError("invalid_request", CLIENT_CLOSED)
             self.metrics.count_request(self.route, served.name, self.errors.render(resp, error))
@@ -246,4 +247,4 @@ def request_id(req: falcon.Request) -> str:
     return str(getattr(req.context, "request_id", None) or "req_" + new_request_id())
 
 
-__all__ = ["GenerationResource", "HttpOptions", "KeepAlive", "ProtocolErrors"]
+__all__ = ["GenerationResource", "HttpOptions", "ProtocolErrors"]

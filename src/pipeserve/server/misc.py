@@ -11,6 +11,7 @@ import falcon
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeserve.api.base import WireProtocol, context_overflow
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.server.body import read_json_body
 from pipeserve.server.generation import (
@@ -22,7 +23,6 @@ from pipeserve.server.generation import (
 )
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
-from pipeserve.stages.base import RequestContext
 
 STARTED_AT = int(time.time())
 STARTED_AT_ISO = datetime.fromtimestamp(STARTED_AT, timezone.utc).isoformat().replace("+00:00", "Z")
@@ -127,12 +127,12 @@ class CountTokensResource:
         try:
             check_api_key(req, self.options.api_key)
             body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
-            request = self.protocol.count_tokens_body(body, request_meta(req, self.route))  # type: ignore[attr-defined]
+            request = self.protocol.count_tokens_body(body, request_meta(req, self.route))
             served = self.models.resolve(request.model, self.allowed)
             ctx = RequestContext(
                 request=request, request_id=request_id(req), model_name=request.model, dry_run=True
             )
-            resp.media = self.protocol.count_tokens_response(prompt_tokens(served, ctx))  # type: ignore[attr-defined]
+            resp.media = self.protocol.count_tokens_response(prompt_tokens(served, ctx))
         except ApiError as error:
             self.errors.render(resp, error)
         except Exception as exc:  # a bug in a stage's prepare: still answer in protocol shape

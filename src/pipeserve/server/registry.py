@@ -69,10 +69,4 @@ class ModelTable:
         return model
 
     def stats(self) -> dict[str, dict[str, object]]:
-        out: dict[str, dict[str, object]] = {}
-        for model in self.models:
-            engine_stats = getattr(model.runtime.engine, "stats", None)
-            out[model.name] = (
-                dict(engine_stats()) if callable(engine_stats) else dict(model.runtime.stats)
-            )
-        return out
+        return {model.name: dict(model.runtime.engine.stats()) for model in self.models}

@@ -1,14 +1,15 @@
-"""Stage kinds. Importing this package registers every built-in stage kind."""
+"""Stage kinds: `load_builtin_stages()` imports the built-in stage modules, which register
+themselves (importing this package alone registers nothing). See docs/extending.md."""
 
 from __future__ import annotations
 
 import importlib
 
+from pipeserve.context import RequestContext
 from pipeserve.stages.base import (
     STAGE_REGISTRY,
     BuildEnv,
     Chain,
-    RequestContext,
     Stage,
     StageParams,
     StageSpec,

@@ -1,21 +1,21 @@
-"""The stage contract, the stage registry and the per-request context.
+"""The stage contract and the stage registry (the per-request context is pipeserve.context).
 
 A stage kind is registered under a short snake_case name with its parameter model
 (which drives YAML validation and the JSON schema). At build time the factory gets the
 validated params and a BuildEnv; per request the stage is called on an iterator of
-events and returns an iterator of events (DESIGN.md section 3).
+events and returns an iterator of events (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from pipeserve.context import RequestContext
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest
 
 if TYPE_CHECKING:
     from pipeserve.engine.base import ModelRuntime
@@ -27,41 +27,6 @@ class StageParams(BaseModel):
     """Base class of every stage's parameter model: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-@dataclass
-class RequestContext:
-    """Per-request facts shared along the chain. Stages keep their own state locally."""
-
-    request: GenerationRequest
-    request_id: str
-    model_name: str
-    dry_run: bool = False  # prepare only (count_tokens): never submit to the engine
-    prompt: str | None = None  # rendered prompt text (render stage)
-    prompt_token_ids: list[int] | None = None  # tokenized prompt (render or generate)
-    prompt_opened_thinking: bool = False  # the prompt ends inside an open think block
-    assistant_prefill: str = ""  # text appended after the generation prompt (forced tool call)
-    cancelled: bool = False
-    cancel_reason: str | None = None
-    scratch: dict[str, Any] = field(default_factory=dict)
-    _cancel_callbacks: list[Callable[[], None]] = field(default_factory=list)
-
-    def on_cancel(self, callback: Callable[[], None]) -> None:
-        """Run callback when the request is cancelled (immediately if it already was)."""
-        if self.cancelled:
-            callback()
-        else:
-            self._cancel_callbacks.append(callback)
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Stop generation for this request (client gone, stop sequence hit, timeout)."""
-        if self.cancelled:
-            return
-        self.cancelled = True
-        self.cancel_reason = reason
-        callbacks, self._cancel_callbacks = self._cancel_callbacks, []
-        for callback in callbacks:
-            callback()
 
 
 class Stage(Protocol):
@@ -153,3 +118,18 @@ class Chain:
         for stage in self.stages:
             events = stage(events, ctx)
         return events
+
+
+__all__ = [
+    "STAGE_REGISTRY",
+    "BuildEnv",
+    "Chain",
+    "RequestContext",
+    "Stage",
+    "StageFactory",
+    "StageParams",
+    "StageRole",
+    "StageSpec",
+    "StreamStage",
+    "register_stage",
+]

@@ -23,10 +23,6 @@ from pipeserve.events import Event, TokenText
 from pipeserve.request import GenerationRequest, SamplingParams
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 
-STREAM_KEY = "generate.stream"
-PROMPT_IDS_KEY = "generate.prompt_token_ids"
-LOGPROBS_KEY = "logprobs"  # ctx.scratch: TokenText records for logprobs (openai_common)
-KEEPALIVE_KEY = "keepalive_interval"  # ctx.scratch: the server's keep-alive interval
 DEFAULT_KEEPALIVE = 5.0
 
 
@@ -60,8 +56,7 @@ class GenerateStage:
             raise ContextLengthError(len(prompt), limit)
         check_sampling(request.sampling)
         check_logit_bias(request.sampling.logit_bias, runtime.tokenizer)
-        accepts_mock = bool(getattr(runtime.engine, "accepts_mock_response", False))
-        if request.mock_response is not None and not accepts_mock:
+        if request.mock_response is not None and not runtime.engine.accepts_mock_response:
             raise ApiError(
                 "invalid_request",
                 f"mock_response is only accepted by replay models; {ctx.model_name!r} runs a real model.",
@@ -76,17 +71,14 @@ class GenerateStage:
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs if request.logprobs else 0,
             mock_completion=request.mock_response,
+            keepalive_interval=(
+                self.params.keepalive_interval or ctx.keepalive_interval or DEFAULT_KEEPALIVE
+            ),
         )
-        ctx.scratch[PROMPT_IDS_KEY] = prompt
         if ctx.dry_run:
             return
         stream = runtime.engine.submit(job)
-        keepalive = (
-            self.params.keepalive_interval or ctx.scratch.get(KEEPALIVE_KEY) or DEFAULT_KEEPALIVE
-        )
-        if hasattr(stream, "keepalive_interval"):
-            stream.keepalive_interval = keepalive
-        ctx.scratch[STREAM_KEY] = stream
+        ctx.generation = stream
         ctx.on_cancel(stream.cancel)
 
     def prompt_ids(self, ctx: RequestContext, runtime: ModelRuntime) -> list[int]:
@@ -110,7 +102,7 @@ class GenerateStage:
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ApiError("invalid_request", "max_tokens must be at least 1.", "max_tokens")
         wanted = request.max_tokens or runtime.default_max_tokens
-        cap = getattr(runtime.engine, "max_tokens_limit", None)
+        cap = runtime.engine.max_tokens_limit
         if cap is not None:
             wanted = min(wanted, cap)
         if runtime.context_length is not None:
@@ -119,7 +111,7 @@ class GenerateStage:
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         yield from events
-        stream = ctx.scratch.get(STREAM_KEY)
+        stream = ctx.generation
         if stream is None:
             return
         if not ctx.request.logprobs:
@@ -127,7 +119,7 @@ class GenerateStage:
             return
         # Later stages turn tokens into text deltas; encoders that report logprobs read
         # the sampled tokens (with their logprobs) from here, in generation order.
-        records: list[TokenText] = ctx.scratch.setdefault(LOGPROBS_KEY, [])
+        records = ctx.logprob_records
         for event in stream:
             if isinstance(event, TokenText):
                 records.append(event)

@@ -14,9 +14,6 @@ from pipeserve.events import ContentDelta, Event, Finish, ReasoningDelta, TokenT
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 from pipeserve.stages.toolfmt.markers import MarkerSet, Splitter
 
-# ctx.scratch key: text that closes an open think block (used by tool_calls' prefill).
-THINK_CLOSE_KEY = "thinking.close"
-
 
 class ThinkingParams(StageParams):
     start: str = "<think>"
@@ -102,7 +99,7 @@ class ThinkingStage:
         self.end_set = MarkerSet([params.end])
 
     def prepare(self, ctx: RequestContext) -> None:
-        ctx.scratch[THINK_CLOSE_KEY] = self.params.end + "\n\n"
+        ctx.think_close = self.params.end + "\n\n"  # tool_calls' prefill leaves the block
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         state: _Split | None = None

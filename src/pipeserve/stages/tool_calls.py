@@ -33,7 +33,6 @@ from pydantic_core import CoreSchema
 
 from pipeserve.events import ContentDelta, Event, Finish, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, register_stage
-from pipeserve.stages.thinking import THINK_CLOSE_KEY
 from pipeserve.stages.toolfmt.base import CallSink
 from pipeserve.stages.toolfmt.registry import (
     TOOL_FORMATS,
@@ -42,8 +41,6 @@ from pipeserve.stages.toolfmt.registry import (
     load_builtin_formats,
 )
 from pipeserve.stages.toolfmt.turn import TurnShaper
-
-_PREFILL_KEY = "tool_calls.prefill"
 
 load_builtin_formats()
 
@@ -109,11 +106,11 @@ class ToolCallsStage:
         prefill = self.params.forced_prefill(choice.name if choice.mode == "function" else None)
         if not prefill:
             return
-        close = ctx.scratch.get(THINK_CLOSE_KEY) if ctx.prompt_opened_thinking else None
+        close = ctx.think_close if ctx.prompt_opened_thinking else ""
         if close:  # leave the think block the prompt opened before forcing the call
             ctx.prompt_opened_thinking = False
-        ctx.assistant_prefill += (close or "") + prefill
-        ctx.scratch[_PREFILL_KEY] = prefill
+        ctx.assistant_prefill += close + prefill
+        ctx.forced_call = prefill
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         calls_enabled = ctx.request.tool_choice.mode != "none"
@@ -124,9 +121,8 @@ class ToolCallsStage:
         parser = self.spec.factory(self.params, sink, calls_enabled)
         shaper = TurnShaper(single=not ctx.request.parallel_tool_calls)
         out: list[Event] = []
-        prefill = ctx.scratch.get(_PREFILL_KEY, "")
-        if prefill:
-            parser.prefill(prefill, out)
+        if ctx.forced_call:
+            parser.prefill(ctx.forced_call, out)
             yield from _shaped((e for e in out if type(e) is not ContentDelta), shaper)
             out.clear()
         finished = False

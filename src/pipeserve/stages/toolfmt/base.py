@@ -143,16 +143,6 @@ class MarkerParser:
         raise NotImplementedError
 
 
-def arguments_valid(text: str) -> bool:
-    """Complete call arguments: a JSON object (or nothing at all, meaning `{}`)."""
-    if not text.strip():
-        return True
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def content(text: str, out: list[Event]) -> None:
     if text:
         out.append(ContentDelta(text))

@@ -21,9 +21,8 @@ from pipeserve.events import (
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
+    arguments_valid,
 )
-from pipeserve.stages.toolfmt.base import arguments_valid
-
 
 _TURN_OUTPUT = (ContentDelta, ReasoningDelta, ToolCallStart, ToolCallArgsDelta, ToolCallEnd)
 
