@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "pipeserve.engine": ENGINE,
     "pipeserve.stages": PIPELINE,
     "pipeserve.api": PIPELINE,
+    "pipeserve.store": PIPELINE,  # the response store the Responses protocol reads and writes
     "pipeserve.config": CONFIG,  # validates YAML against the stage registry
     "pipeserve.server": SERVER,
     "pipeserve.app": ROOT,  # the composition root wires everything together

@@ -26,14 +26,20 @@ from pipeserve.server.misc import (
 )
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.routing import RequestIdMiddleware, RoutingErrors
+from pipeserve.server.stored_responses import add_stored_response_routes
+from pipeserve.store import ResponseStore
 
 log = logging.getLogger("pipeserve.app")
 
 
 def create_app(
-    config: ServerConfig, models: Sequence[ServedModel], api_key: str | None = None
+    config: ServerConfig,
+    models: Sequence[ServedModel],
+    api_key: str | None = None,
+    store: ResponseStore | None = None,
 ) -> falcon.App:
-    """Build the WSGI app for already-loaded models (see pipeserve.serving for loading)."""
+    """Build the WSGI app for already-loaded models (see pipeserve.serving for loading).
+    Without a response store, Responses endpoints are stateless."""
     app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
@@ -52,6 +58,9 @@ def create_app(
     for endpoint in config.endpoints:
         served[endpoint.route] = protocols[endpoint.api]()
         add_endpoint(app, endpoint, served[endpoint.route], table, options, metrics)
+        if store is not None and hasattr(served[endpoint.route], "use_store"):
+            served[endpoint.route].use_store(store)  # type: ignore[attr-defined]
+            add_stored_response_routes(app, endpoint.route, served[endpoint.route], store, options)
     app.add_error_handler(falcon.HTTPError, RoutingErrors(served, protocols["openai-chat"]()))
     models_resource = ModelsResource(table)
     app.add_route("/v1/models", models_resource)

@@ -42,6 +42,7 @@ class ApiError(Exception):
     message: str
     param: str | None = None
     retry_after: float | None = None
+    code: str | None = None  # a protocol's machine-readable code, when it defines one
 
     def __str__(self) -> str:
         return self.message

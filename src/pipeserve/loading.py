@@ -13,6 +13,7 @@ from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.server.registry import ServedModel, StageDecl, build_chain
 from pipeserve.stages import load_builtin_stages
 from pipeserve.stages.base import BuildEnv
+from pipeserve.store import response_store
 
 log = logging.getLogger("pipeserve.loading")
 
@@ -48,7 +49,8 @@ def build_app_from_loaded(loaded: LoadedConfig, api_key: str | None = None) -> f
             entry.engine,
             entry.pipeline,
         )
-    return create_app(loaded.config, served, api_key=api_key)
+    store = response_store(loaded.config.server, loaded.path.parent)
+    return create_app(loaded.config, served, api_key=api_key, store=store)
 
 
 def stage_decls(pipeline: Any) -> list[StageDecl]:

@@ -105,6 +105,8 @@ def serve(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("BLAS: %s", describe_blas(not_used))
+    if not check_response_store(config, path.parent):
+        return 1
     folders = fetch_sources(config)
     if folders is None:
         return 1
@@ -152,6 +154,27 @@ def fetch_sources(config: Any) -> dict[str, Path] | None:
             log.info("model %s: source %s is at %s", entry.name, entry.source, path)
             folders[entry.name] = path
     return folders
+
+
+def check_response_store(config: Any, config_dir: Path) -> bool:
+    """Create or check the response store before forking, so that a corrupt or unwritable
+    file stops the start with a clear message instead of failing every worker."""
+    from pipeserve.store import StoreError, response_store
+
+    store = response_store(config.server, config_dir)
+    if store is None:
+        return True
+    try:
+        store.open_checked()
+    except StoreError as error:
+        print(
+            f"pipeserve: the response store {store.path} cannot be used: {error}. Fix or remove the"
+            " file, set server.responses_store.path elsewhere, or set server.responses_store: false.",
+            file=sys.stderr,
+        )
+        return False
+    log.info("responses are stored in %s", store.path)
+    return True
 
 
 def default_home() -> Path:

@@ -212,6 +212,7 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
         code = "model_not_found"
     elif context_overflow(error) is not None:
         code = "context_length_exceeded"
+    code = error.code or code
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 

@@ -1,9 +1,10 @@
 """OpenAI Responses (`/v1/responses`): request decoder and encoders.
 
-Nothing is stored: `previous_response_id`, `conversation`, `prompt` and `item_reference`
-inputs are refused (400 naming them); clients resend the history (as Codex does).
-Output items are built strictly one after another; the JSON encoder runs the same item
-builder as the stream and returns its final response object.
+With the response store (openai_responses_state.py), `previous_response_id` and
+`item_reference` inputs are resolved and responses are stored; without it they are
+refused (400 naming them) and clients resend the history (as Codex does). `conversation`
+and `prompt` are always refused. Output items are built strictly one after another; the
+JSON encoder runs the same item builder as the stream and returns its final response object.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pipeserve.api.openai_common import (
     validate,
 )
 from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
+from pipeserve.api.openai_responses_state import ResolvedInput, ResponsesState
 from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
@@ -43,6 +45,7 @@ from pipeserve.request import (
     ToolChoice,
     ToolSpec,
 )
+from pipeserve.store import ResponseStore
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 IMAGE_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url"})
@@ -127,6 +130,7 @@ class ResponsesGenerationRequest(GenerationRequest):
     """GenerationRequest plus the request fields a Response object echoes back."""
 
     echo: dict[str, Any] = field(default_factory=dict)
+    stored_input: list[dict[str, Any]] | None = None  # input items to store; None: not stored
 
 
 # ---------------------------------------------------------------- decode: input items
@@ -189,11 +193,8 @@ class _History:
             )
             if texts:
                 self.reasoning.append("\n".join(texts))
-        elif kind == "item_reference":  # nothing is stored: dropping it would lose history
-            raise invalid(
-                f"'{path}': item_reference cannot be resolved (nothing is stored); send the item.",
-                path,
-            )
+        elif kind == "item_reference":  # resolved before folding (openai_responses_state)
+            raise invalid(f"'{path}': item_reference cannot be resolved here.", path)
         # other item types (web_search_call, tool_search_*, compaction...) are skipped
 
 
@@ -217,14 +218,16 @@ def _part_texts(parts: list[Any] | None) -> list[str]:
     ]
 
 
-def _messages(req: ResponsesRequestIn) -> list[Message]:
+def _messages(req: ResponsesRequestIn, resolved: ResolvedInput) -> list[Message]:
     history = _History()
     if req.instructions:
         history.messages.append(Message("system", req.instructions))
-    if isinstance(req.input, str):
-        history.messages.append(Message("user", req.input))
-    elif isinstance(req.input, list):
-        for i, item in enumerate(req.input):
+    for item in resolved.earlier:  # stored items: already validated when they were stored
+        history.add(item, "previous_response_id")
+    if isinstance(resolved.items, str):
+        history.messages.append(Message("user", resolved.items))
+    elif isinstance(resolved.items, list):
+        for i, item in enumerate(resolved.items):
             history.add(item, f"input[{i}]")
     elif req.input is None:
         raise invalid("Missing required parameter: 'input'.", "input")
@@ -315,11 +318,6 @@ def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
 
 def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
-    if req.previous_response_id is not None:
-        raise invalid(
-            "previous_response_id is not supported: this server stores no responses; resend the full input.",
-            "previous_response_id",
-        )
     if req.conversation is not None:
         raise invalid(
             "conversation is not supported: this server stores no conversations.", "conversation"
@@ -333,10 +331,11 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
     refuse_structured_output((req.text or {}).get("format"), "text.format")
 
 
-def decode_responses(body: Any) -> ResponsesGenerationRequest:
+def decode_responses(body: Any, state: ResponsesState | None = None) -> ResponsesGenerationRequest:
     req = validate(ResponsesRequestIn, body)
     _refuse_unhonoured(req)
-    messages = _messages(req)
+    resolved = (state or ResponsesState()).resolve(req.input, req.previous_response_id, req.store)
+    messages = _messages(req, resolved)
     choice = _tool_choice(req.tool_choice)
     tools = _allowed(req.tool_choice, _tools(req.tools))
     check_tool_choice(choice, tools, "tool_choice")
@@ -361,11 +360,12 @@ def decode_responses(body: Any) -> ResponsesGenerationRequest:
         top_logprobs=req.top_logprobs or 0,
         mock_response=req.mock_response,
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        echo=_echo(req),
+        echo=_echo(req, stored=resolved.record is not None),
+        stored_input=resolved.record,
     )
 
 
-def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
+def _echo(req: ResponsesRequestIn, stored: bool) -> dict[str, Any]:
     sent = {key: value for key, value in (req.text or {}).items() if value is not None}
     text = {"format": {"type": "text"}, "verbosity": "medium", **sent}
     reasoning = req.reasoning
@@ -391,6 +391,8 @@ def _echo(req: ResponsesRequestIn) -> dict[str, Any]:
         "safety_identifier": req.safety_identifier,
         "prompt_cache_key": req.prompt_cache_key,
         "prompt_cache_retention": req.prompt_cache_retention,
+        "store": stored,
+        "previous_response_id": req.previous_response_id,
     }
 
 
@@ -406,8 +408,20 @@ def _echo_of(ctx: RequestContext) -> dict[str, Any]:
 class OpenAIResponses(WireProtocol):
     name = "openai-responses"
 
+    def __init__(self) -> None:
+        self.state = ResponsesState()  # stateless until the app gives it a store
+
+    def use_store(self, store: ResponseStore) -> None:
+        self.state = ResponsesState(store)
+
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
-        return decode_responses(body)
+        return decode_responses(body, self.state)
+
+    def keep(self, ctx: RequestContext, response: dict[str, Any]) -> None:
+        """Store the finished response (before the client can see it end)."""
+        request = ctx.request
+        if isinstance(request, ResponsesGenerationRequest):
+            self.state.keep(request.stored_input, response)
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         builder = ResponsesBuilder(ctx, _echo_of(ctx))
@@ -418,6 +432,7 @@ class OpenAIResponses(WireProtocol):
             close_events(events)
         last = builder.final()[-1]
         assert isinstance(last, dict)
+        self.keep(ctx, last["response"])
         return last["response"]
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
@@ -432,9 +447,14 @@ class OpenAIResponses(WireProtocol):
                     return
                 yield from _frames(frames)
             try:
-                yield from _frames(builder.final())
+                final = builder.final()
             except ApiError as err:
                 yield from _frames([builder.failed(err)])
+                return
+            last = final[-1]
+            if isinstance(last, dict):
+                self.keep(ctx, last["response"])
+            yield from _frames(final)
         finally:
             close_events(events)
 

@@ -126,9 +126,9 @@ class ResponsesBuilder:
             "metadata": echo.get("metadata", {}),
             "truncation": echo.get("truncation", "disabled"),
             "max_tool_calls": echo.get("max_tool_calls"),
-            "store": False,  # nothing is stored, whatever the request asked
+            "store": echo.get("store", False),
             "background": False,
-            "previous_response_id": None,
+            "previous_response_id": echo.get("previous_response_id"),
             "conversation": None,
             "prompt": None,
             "prompt_cache_key": echo.get("prompt_cache_key"),

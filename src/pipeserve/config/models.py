@@ -18,6 +18,23 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ResponsesStoreOptions(Strict):
+    """Where stored Responses live (SQLite, shared by all workers) and how long."""
+
+    path: str | None = Field(
+        None,
+        description="SQLite file; default <PIPESERVE_HOME>/responses.sqlite3; a relative path is"
+        " relative to this config file's folder.",
+    )
+    max_age_days: float = Field(30.0, gt=0, description="Older stored responses expire.")
+    max_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="Size bound of the database; the oldest expire first."
+    )
+    lock_timeout: float = Field(
+        2.0, gt=0, le=60, description="Seconds a request may wait for the database lock (503 after)."
+    )
+
+
 class ServerSection(Strict):
     host: str = Field(
         "127.0.0.1", description="Bind address. Keep 127.0.0.1 unless you mean to expose it."
@@ -51,6 +68,16 @@ class ServerSection(Strict):
         description='Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"];'
         ' ["*"] allows any origin; empty (the default) sends no CORS headers.',
     )
+    responses_store: ResponsesStoreOptions | Literal[False] = Field(
+        default_factory=ResponsesStoreOptions,
+        description="OpenAI Responses stored for previous_response_id, item_reference and"
+        " GET/DELETE /v1/responses/{id}; false: nothing is stored (clients resend history).",
+    )
+
+    @field_validator("responses_store", mode="before")
+    @classmethod
+    def _store_true_means_defaults(cls, value: object) -> object:
+        return {} if value is True or value is None else value
 
 
 class PrefixCacheOptions(Strict):

@@ -1,0 +1,172 @@
+"""Responses state: what the response store adds to a request, and what it keeps.
+
+Before generation: `previous_response_id` becomes the earlier turns' input and output
+items (instructions are not carried over), and `item_reference` inputs become the stored
+items they name. After generation: a response asked to be stored (`store` defaults to
+true) is saved with its input items, before its last event or body is sent, so that a
+client's next request (on any worker) finds it. Without a store both inputs are refused
+with a 400 saying so, and responses echo `store: false`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeserve.api.openai_common import new_id
+from pipeserve.errors import ApiError, invalid
+from pipeserve.store import MissingResponse, ResponseStore, StoreBusy
+
+log = logging.getLogger("pipeserve.responses")
+
+ID_PREFIXES = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "custom_tool_call": "ctc_",
+    "custom_tool_call_output": "ctco_",
+    "reasoning": "rs_",
+}
+STORED_STATUSES = frozenset({"completed", "incomplete"})
+NOTHING_STORED = "this server stores no responses (server.responses_store: false)"
+
+
+@dataclass
+class ResolvedInput:
+    """A request's conversation with the store's parts filled in."""
+
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # previous_response_id chain
+    items: Any = None  # `input` with every item_reference replaced by its item
+    record: list[dict[str, Any]] | None = None  # input items to store; None: not stored
+
+
+class ResponsesState:
+    def __init__(self, store: ResponseStore | None = None) -> None:
+        self.store = store
+
+    # ------------------------------------------------------------ before generation
+
+    def resolve(
+        self, raw_input: Any, previous_id: str | None, store_requested: bool | None
+    ) -> ResolvedInput:
+        if self.store is None:
+            return self._stateless(raw_input, previous_id)
+        try:
+            earlier = self._earlier(previous_id)
+            items = self._dereference(raw_input)
+        except StoreBusy as exc:
+            raise store_busy() from exc
+        except sqlite3.Error as exc:
+            log.exception("response store read failed")
+            raise ApiError("internal", f"the response store failed: {exc}") from exc
+        record = input_records(items) if store_requested is not False else None
+        return ResolvedInput(earlier, items, record)
+
+    def _stateless(self, raw_input: Any, previous_id: str | None) -> ResolvedInput:
+        if previous_id is not None:
+            message = (
+                f"previous_response_id cannot be resolved: {NOTHING_STORED}; resend the full input."
+            )
+            raise invalid(message, "previous_response_id")
+        for i, item in enumerate(raw_input if isinstance(raw_input, list) else []):
+            if isinstance(item, dict) and item.get("type") == "item_reference":
+                message = f"'input[{i}]': item_reference cannot be resolved: {NOTHING_STORED}; send the item."
+                raise invalid(message, f"input[{i}]")
+        return ResolvedInput(items=raw_input)
+
+    def _earlier(self, previous_id: str | None) -> list[dict[str, Any]]:
+        if previous_id is None:
+            return []
+        assert self.store is not None
+        try:
+            return self.store.history(previous_id)
+        except MissingResponse as missing:
+            message = f"Previous response with id '{missing.response_id}' not found."
+            if missing.response_id != previous_id:
+                message += f" It is earlier in the chain of '{previous_id}' (deleted or expired)."
+            raise ApiError(
+                "invalid_request",
+                message,
+                "previous_response_id",
+                code="previous_response_not_found",
+            ) from missing
+
+    def _dereference(self, raw_input: Any) -> Any:
+        if not isinstance(raw_input, list):
+            return raw_input
+        wanted = {i: item.get("id") for i, item in enumerate(raw_input) if is_reference(item)}
+        if not wanted:
+            return raw_input
+        for i, item_id in wanted.items():
+            if not isinstance(item_id, str) or not item_id:
+                raise invalid(
+                    f"'input[{i}].id': an item_reference needs the item's id.", f"input[{i}].id"
+                )
+        assert self.store is not None
+        found = self.store.items([str(item_id) for item_id in wanted.values()])
+        items = list(raw_input)
+        for i, item_id in wanted.items():
+            if item_id not in found:
+                raise ApiError("not_found", f"Item with id '{item_id}' not found.", f"input[{i}]")
+            items[i] = found[item_id]
+        return items
+
+    # ------------------------------------------------------------ after generation
+
+    def keep(self, record: list[dict[str, Any]] | None, response: dict[str, Any]) -> None:
+        """Store a finished response; on a store fault it is answered unstored (store false)."""
+        if self.store is None or record is None or response.get("status") not in STORED_STATUSES:
+            return
+        try:
+            self.store.save(response, record, response.get("previous_response_id"))
+        except (StoreBusy, sqlite3.Error, OSError):
+            log.exception("response %s could not be stored", response.get("id"))
+            response["store"] = False
+
+
+def is_reference(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "item_reference"
+
+
+def store_busy() -> ApiError:
+    return ApiError("unavailable", "the response store is busy; retry shortly", retry_after=1)
+
+
+def input_records(items: Any) -> list[dict[str, Any]]:
+    """Input items as stored and listed by /input_items: typed, each with an id."""
+    if isinstance(items, str):
+        return [record({"type": "message", "role": "user", "content": items})]
+    return [record(item) for item in items or [] if isinstance(item, dict)]
+
+
+def record(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type") or ("message" if "role" in item else "item")
+    stored = {**item, "type": kind}
+    if not stored.get("id"):
+        stored["id"] = new_id(ID_PREFIXES.get(kind, "item_"))
+    if kind == "message":
+        stored["content"] = message_parts(stored.get("role"), stored.get("content"))
+        stored.setdefault("status", "completed")
+    elif kind in ("function_call", "function_call_output"):
+        stored.setdefault("status", "completed")
+    return stored
+
+
+def message_parts(role: Any, content: Any) -> Any:
+    """Message content as typed parts: output_text for assistant text, else input_text."""
+    assistant = role == "assistant"
+    if isinstance(content, str):
+        content = [{"type": "output_text" if assistant else "input_text", "text": content}]
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "output_text":
+            part = {"annotations": [], **part}
+        parts.append(part)
+    return parts
+
+
+__all__ = ["ResolvedInput", "ResponsesState", "input_records", "store_busy"]

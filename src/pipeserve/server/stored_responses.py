@@ -1,0 +1,140 @@
+"""Stored Responses over HTTP: `GET` / `DELETE /v1/responses/{id}` (GET also as a
+replayed stream with `?stream=true`) and `GET /v1/responses/{id}/input_items` (a page,
+`after` / `limit` / `order` as OpenAI defines them). Unknown, deleted and expired ids
+are a 404 naming the id, in the Responses error shape."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import falcon
+
+from pipeserve.api.base import WireProtocol
+from pipeserve.api.openai_responses_replay import replay_events
+from pipeserve.api.openai_responses_state import store_busy
+from pipeserve.api.sse import sse_event
+from pipeserve.errors import ApiError, invalid
+from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key
+from pipeserve.store import ResponseStore, StoreBusy
+
+T = TypeVar("T")
+DEFAULT_LIMIT = 20
+MAX_LIMIT = 100
+
+
+class _StoreResource:
+    def __init__(self, protocol: WireProtocol, store: ResponseStore, options: HttpOptions) -> None:
+        self.store = store
+        self.options = options
+        self.errors = ProtocolErrors(protocol)
+
+    def answer(self, req: falcon.Request, resp: falcon.Response, work: Callable[[], T]) -> None:
+        """Run `work` (which fills resp); store faults and ApiErrors become protocol errors."""
+        try:
+            check_api_key(req, self.options.api_key)
+            work()
+        except StoreBusy:
+            self.errors.render(resp, store_busy())
+        except sqlite3.Error as exc:
+            self.errors.render(resp, ApiError("internal", f"the response store failed: {exc}"))
+        except ApiError as error:
+            self.errors.render(resp, error)
+
+
+def not_found(response_id: str) -> ApiError:
+    return ApiError("not_found", f"Response with id '{response_id[:200]}' not found.")
+
+
+class StoredResponseResource(_StoreResource):
+    def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        def work() -> None:
+            body = self.store.get(response_id)
+            if body is None:
+                raise not_found(response_id)
+            if not _flag(req, "stream"):
+                resp.media = body
+                return
+            after = _int_param(req, "starting_after", minimum=-1)
+            resp.content_type = "text/event-stream; charset=utf-8"
+            resp.set_header("Cache-Control", "no-cache")
+            frames = [sse_event(e, e["type"]) for e in replay_events(body, after)]
+            resp.data = b"".join(frames)
+
+        self.answer(req, resp, work)
+
+    def on_delete(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        def work() -> None:
+            if not self.store.delete(response_id):
+                raise not_found(response_id)
+            resp.media = {"id": response_id, "object": "response.deleted", "deleted": True}
+
+        self.answer(req, resp, work)
+
+
+class InputItemsResource(_StoreResource):
+    def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        def work() -> None:
+            limit = _int_param(req, "limit", minimum=1, maximum=MAX_LIMIT)
+            order = req.get_param("order") or "desc"
+            if order not in ("asc", "desc"):
+                raise invalid(f"order: {order[:50]!r} is not one of asc, desc", "order")
+            ascending: Literal["asc", "desc"] = "asc" if order == "asc" else "desc"
+            page = self.store.input_items(
+                response_id, req.get_param("after"), limit or DEFAULT_LIMIT, ascending
+            )
+            if page is None:
+                raise not_found(response_id)
+            resp.media = _page(page.items, page.has_more)
+
+        self.answer(req, resp, work)
+
+
+def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    first = items[0]["id"] if items else None
+    last = items[-1]["id"] if items else None
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": first,
+        "last_id": last,
+        "has_more": has_more,
+    }
+
+
+def _flag(req: falcon.Request, name: str) -> bool:
+    value = (req.get_param(name) or "").lower()
+    if value in ("", "false", "0"):
+        return False
+    if value in ("true", "1"):
+        return True
+    raise invalid(f"{name}: expected true or false", name)
+
+
+def _int_param(
+    req: falcon.Request, name: str, minimum: int, maximum: int | None = None
+) -> int | None:
+    raw = req.get_param(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise invalid(f"{name}: expected an integer", name) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise invalid(f"{name}: must be {bound}", name)
+    return value
+
+
+def add_stored_response_routes(
+    app: falcon.App, route: str, protocol: WireProtocol, store: ResponseStore, options: HttpOptions
+) -> None:
+    app.add_route(route + "/{response_id}", StoredResponseResource(protocol, store, options))
+    app.add_route(
+        route + "/{response_id}/input_items", InputItemsResource(protocol, store, options)
+    )
+
+
+__all__ = ["add_stored_response_routes"]

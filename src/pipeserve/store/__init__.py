@@ -1,0 +1,50 @@
+"""Server-side state: the SQLite response store of the OpenAI Responses API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeserve.config.models import ResponsesStoreOptions, ServerSection
+from pipeserve.store.responses_db import (
+    ItemPage,
+    MissingResponse,
+    ResponseStore,
+    StoreBusy,
+    StoreError,
+)
+
+DEFAULT_FILE = "responses.sqlite3"
+
+
+def store_path(options: ResponsesStoreOptions, config_dir: Path) -> Path:
+    """The configured file: absolute, relative to the config's folder, or in PIPESERVE_HOME."""
+    if options.path:
+        path = Path(options.path).expanduser()
+        return path if path.is_absolute() else config_dir / path
+    from pipeserve.engine.demo import pipeserve_home
+
+    return pipeserve_home() / DEFAULT_FILE
+
+
+def response_store(server: ServerSection, config_dir: Path) -> ResponseStore | None:
+    """The store the config asks for (None: `responses_store: false`), not yet opened."""
+    options = server.responses_store
+    if options is False:
+        return None
+    return ResponseStore(
+        store_path(options, config_dir),
+        options.max_age_days,
+        options.max_bytes,
+        options.lock_timeout,
+    )
+
+
+__all__ = [
+    "ItemPage",
+    "MissingResponse",
+    "ResponseStore",
+    "StoreBusy",
+    "StoreError",
+    "response_store",
+    "store_path",
+]
