@@ -15,6 +15,7 @@ import falcon
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import WireProtocol
 from pipeserve.config.models import EndpointEntry, ServerConfig, ServerSection
+from pipeserve.server.auth import KeyRing
 from pipeserve.server.generation import GenerationResource, HttpOptions
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.misc import (
@@ -25,6 +26,7 @@ from pipeserve.server.misc import (
     RootResource,
 )
 from pipeserve.server.registry import ModelTable, ServedModel
+from pipeserve.server.request_log import RequestLogMiddleware
 from pipeserve.server.routing import RequestIdMiddleware, RoutingErrors
 from pipeserve.server.stored_responses import add_stored_response_routes
 from pipeserve.store import ResponseStore
@@ -35,22 +37,24 @@ log = logging.getLogger("pipeserve.app")
 def create_app(
     config: ServerConfig,
     models: Sequence[ServedModel],
-    api_key: str | None = None,
+    api_keys: Sequence[str] = (),
     store: ResponseStore | None = None,
 ) -> falcon.App:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading).
-    Without a response store, Responses endpoints are stateless."""
+    Without a response store, Responses endpoints are stateless. `api_keys` are the
+    environment's keys, valid next to the config's server.api_keys."""
     app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
     table = ModelTable(list(models))
     metrics = Metrics(table.stats)
     server = config.server
+    keys = KeyRing.build(server.api_keys, api_keys)
     options = HttpOptions(
         server.max_body_bytes,
         server.request_timeout,
         server.keepalive_interval,
-        api_key,
+        keys,
         server.body_read_timeout,
     )
     protocols = load_builtin_protocols()
@@ -62,18 +66,19 @@ def create_app(
             served[endpoint.route].use_store(store)  # type: ignore[attr-defined]
             add_stored_response_routes(app, endpoint.route, served[endpoint.route], store, options)
     app.add_error_handler(falcon.HTTPError, RoutingErrors(served, protocols["openai-chat"]()))
-    models_resource = ModelsResource(table)
+    models_resource = ModelsResource(table, keys)
     app.add_route("/v1/models", models_resource)
     app.add_route("/v1/models/{model_id}", models_resource, suffix="one")
     app.add_route("/health", HealthResource(table))
-    app.add_route("/metrics", MetricsResource(metrics))
+    app.add_route("/metrics", MetricsResource(metrics, keys))
     app.add_route("/", RootResource())
     return app
 
 
 def middleware(server: ServerSection) -> list[object]:
-    """Request ids always; CORS (with preflight answers) only for configured origins."""
-    chain: list[object] = [RequestIdMiddleware()]
+    """Request ids and the request log always; CORS (with preflight answers) only for
+    configured origins."""
+    chain: list[object] = [RequestIdMiddleware(), RequestLogMiddleware()]
     origins = server.cors_allow_origins
     if origins:
         allow = "*" if "*" in origins else origins

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,17 @@ from pipeserve.store import response_store
 log = logging.getLogger("pipeserve.loading")
 
 
-def build_app_from_config(path: Path | str, api_key: str | None = None) -> falcon.App:
+def build_app_from_config(path: Path | str, api_keys: Sequence[str] = ()) -> falcon.App:
     """Everything a worker needs: one runtime per model, one chain per model."""
     from pipeserve.config import load_server_config
     from pipeserve.config.auto import resolve_auto_with
     from pipeserve.engine.loader import resolve_source
 
     loaded = resolve_auto_with(load_server_config(Path(path)), resolve_source)
-    return build_app_from_loaded(loaded, api_key)
+    return build_app_from_loaded(loaded, api_keys)
 
 
-def build_app_from_loaded(loaded: LoadedConfig, api_key: str | None = None) -> falcon.App:
+def build_app_from_loaded(loaded: LoadedConfig, api_keys: Sequence[str] = ()) -> falcon.App:
     """The app of a validated config whose `pipeline: auto` entries are resolved."""
     from pipeserve.engine.runtime import build_runtime
 
@@ -50,7 +51,7 @@ def build_app_from_loaded(loaded: LoadedConfig, api_key: str | None = None) -> f
             entry.pipeline,
         )
     store = response_store(loaded.config.server, loaded.path.parent)
-    return create_app(loaded.config, served, api_key=api_key, store=store)
+    return create_app(loaded.config, served, api_keys=api_keys, store=store)
 
 
 def stage_decls(pipeline: Any) -> list[StageDecl]:

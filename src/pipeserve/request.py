@@ -84,3 +84,6 @@ class GenerationRequest:
     top_logprobs: int = 0
     mock_response: str | None = None  # replay engine only
     parallel_tool_calls: bool = True
+    # Client-sent chat-template variables (Chat's chat_template_kwargs), already checked
+    # safe by the decoder (api/template_kwargs.py); the pipeline's own kwargs come first.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -8,6 +8,7 @@ and forks workers; each worker, after gevent's monkey patching, loads its models
 from __future__ import annotations
 
 import logging
+import logging.config
 import multiprocessing
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 
 from pipeserve import blas
+from pipeserve.logs import logging_config
 from pipeserve.settings import Settings
 
 log = logging.getLogger("pipeserve.serving")
@@ -25,11 +27,11 @@ log = logging.getLogger("pipeserve.serving")
 
 class PipeserveApplication(BaseApplication):  # type: ignore[misc]
     def __init__(
-        self, config_path: Path, options: dict[str, Any], api_key: str | None, loaded: Any = None
+        self, config_path: Path, options: dict[str, Any], api_keys: list[str], loaded: Any = None
     ) -> None:
         self.config_path = config_path
         self.options = options
-        self.api_key = api_key
+        self.api_keys = api_keys
         # The validated config with `pipeline: auto` resolved, made in the master; forked
         # workers build from it instead of re-reading a file that may have changed since.
         self.loaded = loaded
@@ -47,8 +49,8 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         if os.environ.get(blas.MARKER) and in_use != "openblas":
             log.warning("OpenBLAS was preloaded but is not mapped in this worker; matmuls are slow")
         if self.loaded is not None:
-            return build_app_from_loaded(self.loaded, api_key=self.api_key)
-        return build_app_from_config(self.config_path, api_key=self.api_key)
+            return build_app_from_loaded(self.loaded, api_keys=self.api_keys)
+        return build_app_from_config(self.config_path, api_keys=self.api_keys)
 
 
 def gunicorn_options(
@@ -67,7 +69,10 @@ def gunicorn_options(
         "graceful_timeout": int(server.graceful_timeout),
         "keepalive": 75,
         "loglevel": log_level,
-        "accesslog": "-",
+        # One format for every line (server.log_format); the request log replaces the
+        # access log (pipeserve.logs).
+        "logconfig_dict": logging_config(server.log_format, log_level),
+        "accesslog": None,
         "errorlog": "-",
         "limit_request_line": 8190,
         # gunicorn's pure-Python parser rescans the whole header block on every 8 KB read,
@@ -101,9 +106,8 @@ def serve(
     config = loaded.config
     home = settings.home or default_home()
     not_used = blas.reexec_with_openblas(settings.blas, home)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_level = settings.log_level or config.server.log_level
+    logging.config.dictConfig(logging_config(config.server.log_format, log_level))
     log.info("BLAS: %s", describe_blas(not_used))
     if not check_response_store(config, path.parent):
         return 1
@@ -122,9 +126,9 @@ def serve(
         if port is not None
         else (settings.port if settings.port is not None else config.server.port),
         workers or settings.workers or config.server.workers,
-        settings.log_level,
+        log_level,
     )
-    PipeserveApplication(path, options, settings.api_key, loaded).run()
+    PipeserveApplication(path, options, settings.env_api_keys(), loaded).run()
     return 0
 
 

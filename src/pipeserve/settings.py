@@ -27,7 +27,16 @@ class Settings(BaseSettings):
     blas: str = Field(
         "auto", description="auto: OpenBLAS on Linux when available; off: the bundled BLAS."
     )
-    log_level: str = Field("info")
+    log_level: str | None = Field(None, description="Overrides server.log_level.")
     api_key: str | None = Field(
         None, description="When set, requests must carry it (Bearer or x-api-key)."
     )
+    api_keys: str | None = Field(
+        None, description="Several keys, separated by commas or whitespace (each for every model)."
+    )
+
+    def env_api_keys(self) -> list[str]:
+        """Keys from PIPESERVE_API_KEY and PIPESERVE_API_KEYS, in that order."""
+        keys = [self.api_key] if self.api_key else []
+        keys += (self.api_keys or "").replace(",", " ").split()
+        return keys

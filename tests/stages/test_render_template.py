@@ -324,3 +324,14 @@ def test_kimi_tool_results_reuse_the_call_ids(demo_tokenizer: Callable[[str], An
         prompt is not None
         and '## Return of functions.get_weather:0\n{"temp": 20}<|im_end|>' in prompt
     )
+
+
+def test_request_template_kwargs_override_the_pipelines(
+    demo_tokenizer: Callable[[str], Any],
+) -> None:
+    stage = make_stage(
+        "qwen3", demo_tokenizer("qwen3"), chat_template_kwargs={"enable_thinking": False, "a": 1}
+    )
+    ctx = rendered(stage, template_kwargs={"enable_thinking": True, "custom": "x"})
+    assert ctx.prompt is not None and ctx.prompt.endswith("<|im_start|>assistant\n")
+    assert stage.template_kwargs(ctx.request) == {"enable_thinking": True, "a": 1, "custom": "x"}  # type: ignore[attr-defined]

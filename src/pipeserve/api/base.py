@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pipeserve.context import RequestContext
+from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
@@ -33,6 +34,8 @@ class WireProtocol(ABC):
     client_header: ClassVar[str | None] = None
     # True: the protocol also serves `<route>/count_tokens` (the two count_tokens_* methods).
     counts_tokens: ClassVar[bool] = False
+    # Content-Type of a streamed answer (Ollama streams NDJSON, the others SSE).
+    stream_content_type: ClassVar[str] = "text/event-stream; charset=utf-8"
 
     @abstractmethod
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
@@ -62,6 +65,10 @@ class WireProtocol(ABC):
         """The `error` SSE event's data when the encoder itself failed after
         `events_sent` events; Chat and Anthropic send their usual error body."""
         return self.error_body(error)
+
+    def fault_frame(self, error: ApiError, events_sent: int) -> bytes:
+        """The bytes that end a stream whose encoder failed: an SSE `error` event."""
+        return sse_event(self.stream_fault(error, events_sent), "error")
 
     def error_status(self, error: ApiError) -> int:
         if error.kind == "overloaded":

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
+from pipeserve.api.template_kwargs import decode_template_kwargs
 from pipeserve.api.openai_chat_encode import ChatStreamEncoder, accumulate, completion_body
 from pipeserve.api.openai_common import (
     Lenient,
@@ -99,6 +100,7 @@ class ChatRequestIn(Lenient):
     parallel_tool_calls: bool | None = None
     mock_response: str | None = None
     logit_bias: Any = None  # checked by _logit_bias
+    chat_template_kwargs: Any = None  # checked by api/template_kwargs
     # Known fields this server cannot honour: refused when set to anything but a no-op
     # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
     # prediction, verbosity, prompt_cache_key, safety_identifier, web_search_options --
@@ -284,6 +286,9 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         logit_bias=_logit_bias(req.logit_bias),
         seed=seed_value(req.seed),
     )
+    template_kwargs, reasoning = decode_template_kwargs(
+        req.chat_template_kwargs, reasoning_options(req.reasoning_effort, "reasoning_effort")
+    )
     return ChatGenerationRequest(
         model=req.model,
         messages=messages,
@@ -293,7 +298,8 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         max_tokens=req.max_completion_tokens or req.max_tokens,
         stop=_stop(req.stop),
         stream=bool(req.stream),
-        reasoning=reasoning_options(req.reasoning_effort, "reasoning_effort"),
+        reasoning=reasoning,
+        template_kwargs=template_kwargs,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
         mock_response=req.mock_response,

@@ -22,7 +22,11 @@ from pipeserve.config.problems import PathKey, Problem, pydantic_problems, sugge
 
 # Mirrors pipeserve.api's protocol names (a test keeps them equal); a constant here so
 # validation does not import the protocol modules.
-KNOWN_APIS: tuple[str, ...] = ("openai-chat", "anthropic-messages", "openai-responses")
+KNOWN_APIS: tuple[str, ...] = (
+    "openai-chat",
+    "anthropic-messages",
+    "openai-responses",
+)
 YAML_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 
 
@@ -69,6 +73,7 @@ def check_config(
     problems += _unique(doc, "models", models, "name", "model name")
     problems += _unique(doc, "endpoints", endpoints, "route", "route", normalize=_route_key)
     problems += _check_endpoints(doc, endpoints, {m.get("name") for _, m in models})
+    problems += _check_key_scopes(doc, {m.get("name") for _, m in models})
     pipelines, pipeline_problems = _check_model_pipelines(doc, models, validator)
     problems += pipeline_problems
     if problems or parsed is None:
@@ -126,6 +131,21 @@ def _check_endpoints(
             if isinstance(name, str) and name not in names:
                 message = f"no model named {name!r}{suggestion(name, names)}"
                 problems.append(doc.problem(("endpoints", i, "models", j), message))
+    return problems
+
+
+def _check_key_scopes(doc: YamlDoc, model_names: set[Any]) -> list[Problem]:
+    """A key scoped to a model that does not exist is a typo, not an empty scope."""
+    names = {n for n in model_names if isinstance(n, str)}
+    server = doc.data.get("server")
+    keys = server.get("api_keys") if isinstance(server, dict) else None
+    problems = []
+    for i, entry in enumerate(keys if isinstance(keys, list) else []):
+        scope = entry.get("models") if isinstance(entry, dict) else None
+        for j, name in enumerate(scope if isinstance(scope, list) else []):
+            if isinstance(name, str) and name not in names:
+                message = f"no model named {name!r}{suggestion(name, names)}"
+                problems.append(doc.problem(("server", "api_keys", i, "models", j), message))
     return problems
 
 

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from pipeserve.config.detect_rules import DetectSection
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class ApiKeyEntry(Strict):
+    key: SecretStr = Field(
+        ..., min_length=1, description="The key clients send (Bearer or x-api-key)."
+    )
+    name: str | None = Field(
+        None, description="A label for logs and errors (the key itself is never logged)."
+    )
+    models: list[str] | None = Field(
+        None, description="Model names this key may use (default: all); others are not found."
+    )
 
 
 class ResponsesStoreOptions(Strict):
@@ -31,7 +43,10 @@ class ResponsesStoreOptions(Strict):
         1 << 30, ge=1 << 20, description="Size bound of the database; the oldest expire first."
     )
     lock_timeout: float = Field(
-        2.0, gt=0, le=60, description="Seconds a request may wait for the database lock (503 after)."
+        2.0,
+        gt=0,
+        le=60,
+        description="Seconds a request may wait for the database lock (503 after).",
     )
 
 
@@ -63,6 +78,18 @@ class ServerSection(Strict):
         " generation cancelled.",
     )
     graceful_timeout: float = Field(30.0, ge=0)
+    api_keys: list[ApiKeyEntry] = Field(
+        default_factory=list,
+        description="Keys clients must send (with PIPESERVE_API_KEYS / PIPESERVE_API_KEY); none: open."
+        " A plain string is a key for every model.",
+    )
+    log_format: Literal["human", "json"] = Field(
+        "human",
+        description="Request and server logs: human-readable lines or one JSON object per line.",
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="Least severe level logged (PIPESERVE_LOG_LEVEL overrides)."
+    )
     cors_allow_origins: list[str] = Field(
         default_factory=list,
         description='Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"];'
@@ -78,6 +105,14 @@ class ServerSection(Strict):
     @classmethod
     def _store_true_means_defaults(cls, value: object) -> object:
         return {} if value is True or value is None else value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _plain_keys(cls, value: Any) -> Any:
+        """`- sk-...` is shorthand for `- {key: sk-...}`."""
+        if isinstance(value, list):
+            return [{"key": item} if isinstance(item, str) else item for item in value]
+        return value
 
 
 class PrefixCacheOptions(Strict):
@@ -164,7 +199,9 @@ class ModelEntry(Strict):
 class EndpointEntry(Strict):
     route: str = Field(..., description="URL path, e.g. /v1/chat/completions.")
     api: str = Field(
-        ..., description="Wire protocol: openai-chat, anthropic-messages or openai-responses."
+        ...,
+        description="Wire protocol: openai-chat, anthropic-messages, openai-responses,"
+        " openai-completions or ollama (a route prefix such as /api).",
     )
     models: list[str] | None = Field(
         None, description="Restrict to these model names (default: all)."

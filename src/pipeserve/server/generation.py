@@ -7,20 +7,21 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import falcon
 
 from pipeserve.api.base import RequestMeta, WireProtocol
-from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, Usage
 from pipeserve.request import GenerationRequest
+from pipeserve.server.auth import KeyRing
 from pipeserve.server.body import read_json_body, replace_lone_surrogates
 from pipeserve.server.disconnect import StalledWriteGuard, watch_disconnect
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
+from pipeserve.server.request_log import LoggedBody, RequestRecord, record_of
 
 log = logging.getLogger("pipeserve.http")
 MOCK_HEADER = "x-mock-response"
@@ -38,7 +39,7 @@ class HttpOptions:
     max_body_bytes: int
     request_timeout: float
     keepalive_interval: float = 5.0
-    api_key: str | None = None
+    keys: KeyRing = field(default_factory=KeyRing)
     # The server's patience with a stalled client in either direction: seconds without
     # request-body bytes (408), or one response write blocked on a client that does not
     # read (connection reset, generation cancelled).
@@ -81,11 +82,15 @@ class GenerationResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = time.monotonic()
         label = "-"
+        record = record_of(req) or RequestRecord(request_id(req), req.method, req.path)
+        record.protocol = self.protocol.name
         try:
-            check_api_key(req, self.options.api_key)
+            grant = self.options.keys.authenticate(req)
+            record.key = grant.key_name
             request = self.decode(req)
-            served = self.models.resolve(request.model, self.allowed)
-            label = served.name
+            record.stream = request.stream
+            served = self.models.resolve(request.model, grant.scope(self.allowed))
+            label = record.model = served.name
             ctx = RequestContext(
                 request=request,
                 request_id=request_id(req),
@@ -94,16 +99,18 @@ class GenerationResource:
             )
             served.chain.prepare(ctx)
         except ApiError as error:
+            record.error = error.kind
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))
             return
         except Exception as exc:  # a bug in a stage's prepare: still answer in protocol shape
+            record.error = "internal"
             log.exception("request preparation failed")
             status = self.errors.render(
                 resp, ApiError("internal", f"internal error: {type(exc).__name__}")
             )
             self.metrics.count_request(self.route, label, status)
             return
-        self.respond(req, resp, served, ctx, started)
+        self.respond(req, resp, served, ctx, started, record)
 
     def decode(self, req: falcon.Request) -> GenerationRequest:
         body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
@@ -121,26 +128,30 @@ class GenerationResource:
         served: ServedModel,
         ctx: RequestContext,
         started: float,
+        record: RequestRecord,
     ) -> None:
         stop_watching = watch_disconnect(req.env, lambda: ctx.cancel("client_disconnected"))
+        ctx.on_cancel(lambda: record.note_cancel(ctx.cancel_reason))
         deadline = started + self.options.request_timeout
         events = guarded(served.chain.run(ctx), ctx, deadline)
-        events = self.metrics.observe_stream(events, served.name, started)
+        events = record.observe(self.metrics.observe_stream(events, served.name, started))
         if ctx.request.stream:
-            resp.content_type = "text/event-stream; charset=utf-8"
+            resp.content_type = self.protocol.stream_content_type
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
             body = closing_stream(
                 self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol
             )
-            resp.stream = self.write_guard(req, body)
+            resp.stream = self.write_guard(req, body, record)
             self.metrics.count_request(self.route, served.name, 200)
             return
         try:
             body = self.protocol.encode_json(events, ctx)
-        except ApiError:
+        except ApiError as raised:
+            error = raised
             if ctx.cancel_reason == "client_disconnected":
                 error = ApiError("invalid_request", CLIENT_CLOSED)
+            record.error = error.kind
             self.metrics.count_request(self.route, served.name, self.errors.render(resp, error))
             return
         finally:
@@ -152,12 +163,16 @@ class GenerationResource:
         payload = resp.render_body() or b""
         resp.media = None
         resp.content_length = len(payload)
-        resp.stream = self.write_guard(req, iter([payload]))
+        resp.stream = self.write_guard(req, iter([payload]), record)
         self.metrics.count_request(self.route, served.name, 200)
 
-    def write_guard(self, req: falcon.Request, body: Iterator[bytes]) -> StalledWriteGuard:
+    def write_guard(
+        self, req: falcon.Request, body: Iterator[bytes], record: RequestRecord
+    ) -> StalledWriteGuard:
+        """The body as handed to the server: its log line is written when it is closed."""
+        record.deferred = True
         return StalledWriteGuard(
-            body, req.env.get("gunicorn.socket"), self.options.body_read_timeout
+            LoggedBody(body, record), req.env.get("gunicorn.socket"), self.options.body_read_timeout
         )
 
 
@@ -196,7 +211,7 @@ def closing_stream(
         log.exception("stream encoder failed")
         ctx.cancel("error")
         error = ApiError("internal", f"internal error while streaming: {type(exc).__name__}")
-        yield sse_event(protocol.stream_fault(error, events_sent), "error")
+        yield protocol.fault_frame(error, events_sent)
     finally:
         stop_watching()
         ctx.cancel("response_closed")
@@ -205,20 +220,6 @@ def closing_stream(
 def request_meta(req: falcon.Request, route: str) -> RequestMeta:
     headers = {k.lower(): v for k, v in req.headers.items()}
     return RequestMeta(route=route, headers=headers, query=dict(req.params))
-
-
-def check_api_key(req: falcon.Request, api_key: str | None) -> None:
-    if not api_key:
-        return
-    bearer = req.get_header("Authorization") or ""
-    given = req.get_header("x-api-key") or (
-        bearer[7:] if bearer.lower().startswith("bearer ") else ""
-    )
-    if given != api_key:
-        raise ApiError(
-            "authentication",
-            "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)",
-        )
 
 
 def decode_header_text(value: str) -> str:

@@ -12,17 +12,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeserve.api.base import WireProtocol, context_overflow
 from pipeserve.context import RequestContext
+from pipeserve.api.openai_common import openai_error_body
 from pipeserve.errors import ApiError
+from pipeserve.server.auth import Grant, KeyRing
 from pipeserve.server.body import read_json_body
-from pipeserve.server.generation import (
-    HttpOptions,
-    ProtocolErrors,
-    check_api_key,
-    request_id,
-    request_meta,
-)
+from pipeserve.server.generation import HttpOptions, ProtocolErrors, request_id, request_meta
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
+from pipeserve.server.request_log import record_of
 
 STARTED_AT = int(time.time())
 STARTED_AT_ISO = datetime.fromtimestamp(STARTED_AT, timezone.utc).isoformat().replace("+00:00", "Z")
@@ -49,16 +46,41 @@ class RootResource:
         resp.content_type = falcon.MEDIA_JSON
 
 
+def openai_auth(req: falcon.Request, resp: falcon.Response, keys: KeyRing) -> Grant | None:
+    """The request's grant, or None after answering 401 (OpenAI's shape: these routes are
+    shared by both SDKs, which read `error.message` alike)."""
+    try:
+        grant = keys.authenticate(req)
+    except ApiError as error:
+        resp.status = falcon.HTTP_401
+        resp.media = openai_error_body(error)
+        return None
+    record = record_of(req)
+    if record is not None:
+        record.key = grant.key_name
+    return grant
+
+
 class ModelsResource:
     """`GET /v1/models` in a shape both SDKs read: OpenAI's list (object/data, cards with
     object/created/owned_by) plus Anthropic's page fields (has_more, first_id, last_id;
-    cards with type/display_name/created_at)."""
+    cards with type/display_name/created_at). With API keys, a key sees its own models."""
 
-    def __init__(self, models: ModelTable) -> None:
+    def __init__(self, models: ModelTable, keys: KeyRing | None = None) -> None:
         self.models = models
+        self.keys = keys or KeyRing()
+
+    def visible(self, req: falcon.Request, resp: falcon.Response) -> list[str] | None:
+        grant = openai_auth(req, resp, self.keys)
+        if grant is None:
+            return None
+        scope = grant.scope(None)
+        return [m.name for m in self.models.models if scope is None or m.name in scope]
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        names = [m.name for m in self.models.models]
+        names = self.visible(req, resp)
+        if names is None:
+            return
         resp.media = {
             "object": "list",
             "data": [self._card(name) for name in names],
@@ -70,7 +92,10 @@ class ModelsResource:
     on_head = on_get
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        if model_id not in {m.name for m in self.models.models}:
+        names = self.visible(req, resp)
+        if names is None:
+            return
+        if model_id not in names:
             resp.status = falcon.HTTP_404
             resp.media = {
                 "error": {
@@ -97,10 +122,22 @@ class ModelsResource:
 
 
 class MetricsResource:
-    def __init__(self, metrics: Metrics) -> None:
+    """Prometheus text. With API keys it needs one that is not limited to some models
+    (the metrics name every model)."""
+
+    def __init__(self, metrics: Metrics, keys: KeyRing | None = None) -> None:
         self.metrics = metrics
+        self.keys = keys or KeyRing()
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        grant = openai_auth(req, resp, self.keys)
+        if grant is None:
+            return
+        if grant.models is not None:
+            resp.status = falcon.HTTP_403
+            message = "this API key is limited to some models; /metrics needs an unrestricted key"
+            resp.media = openai_error_body(ApiError("permission", message))
+            return
         resp.content_type = CONTENT_TYPE_LATEST
         resp.data = self.metrics.render()
 
@@ -125,10 +162,10 @@ class CountTokensResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
-            check_api_key(req, self.options.api_key)
+            grant = self.options.keys.authenticate(req)
             body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
             request = self.protocol.count_tokens_body(body, request_meta(req, self.route))
-            served = self.models.resolve(request.model, self.allowed)
+            served = self.models.resolve(request.model, grant.scope(self.allowed))
             ctx = RequestContext(
                 request=request, request_id=request_id(req), model_name=request.model, dry_run=True
             )

@@ -16,7 +16,7 @@ from pipeserve.api.openai_responses_replay import replay_events
 from pipeserve.api.openai_responses_state import store_busy
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
-from pipeserve.server.generation import HttpOptions, ProtocolErrors, check_api_key
+from pipeserve.server.generation import HttpOptions, ProtocolErrors
 from pipeserve.store import ResponseStore, StoreBusy
 
 T = TypeVar("T")
@@ -33,7 +33,7 @@ class _StoreResource:
     def answer(self, req: falcon.Request, resp: falcon.Response, work: Callable[[], T]) -> None:
         """Run `work` (which fills resp); store faults and ApiErrors become protocol errors."""
         try:
-            check_api_key(req, self.options.api_key)
+            self.options.keys.authenticate(req)
             work()
         except StoreBusy:
             self.errors.render(resp, store_busy())

@@ -112,7 +112,7 @@ class ChatTemplateStage(RenderStage):
         return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
 
     def template_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
-        kwargs = dict(self.params.chat_template_kwargs)
+        kwargs = {**self.params.chat_template_kwargs, **request.template_kwargs}
         if request.reasoning.enabled is not None:
             kwargs["enable_thinking"] = request.reasoning.enabled
         if request.reasoning.effort is not None:

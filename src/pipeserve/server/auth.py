@@ -1,0 +1,97 @@
+"""API keys: which key a request carries, compared in constant time, and what it may use.
+
+Keys come from `server.api_keys` (optionally scoped to models) and from the environment
+(PIPESERVE_API_KEY, PIPESERVE_API_KEYS: every model). Only SHA-256 digests are kept,
+and the given key's digest is compared with every one of them (hmac.compare_digest, no
+early exit), so neither a key's length nor its position leaks through timing. A key
+scoped to some models sees the others as not found, in the protocol's own shape. No key
+is ever logged: a request log names the key by its `name` (or `key-N`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import falcon
+
+from pipeserve.config.models import ApiKeyEntry
+from pipeserve.errors import ApiError
+
+MISSING_KEY = "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What an authenticated request may use; `models` None means every model."""
+
+    key_name: str | None = None
+    models: frozenset[str] | None = None
+
+    def scope(self, allowed: set[str] | None) -> set[str] | None:
+        """The endpoint's model restriction narrowed to this key's models."""
+        if self.models is None:
+            return allowed
+        return set(self.models) if allowed is None else allowed & self.models
+
+
+OPEN = Grant()  # no keys configured
+
+
+@dataclass(frozen=True)
+class _Key:
+    digest: bytes
+    grant: Grant
+
+
+class KeyRing:
+    def __init__(self, keys: Sequence[_Key] = ()) -> None:
+        self._keys = tuple(keys)
+
+    @classmethod
+    def build(cls, entries: Sequence[ApiKeyEntry], env_keys: Iterable[str] = ()) -> KeyRing:
+        keys = [
+            _Key(
+                _digest(entry.key.get_secret_value()),
+                Grant(
+                    entry.name or f"key-{i + 1}",
+                    frozenset(entry.models) if entry.models is not None else None,
+                ),
+            )
+            for i, entry in enumerate(entries)
+        ]
+        keys += [_Key(_digest(key), Grant("env-key")) for key in env_keys if key]
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, req: falcon.Request) -> Grant:
+        """The grant of the request's key; ApiError 401 when keys are set and it has none."""
+        if not self._keys:
+            return OPEN
+        found: Grant | None = None
+        for given in map(_digest, presented_keys(req)):
+            for key in self._keys:  # every key is compared, match or not
+                if hmac.compare_digest(given, key.digest) and found is None:
+                    found = key.grant
+        if found is None:
+            raise ApiError("authentication", MISSING_KEY)
+        return found
+
+
+def presented_keys(req: falcon.Request) -> tuple[str, str]:
+    """The x-api-key header (Anthropic clients) and the Bearer token (OpenAI, Ollama)."""
+    bearer = req.get_header("Authorization") or ""
+    token = bearer[7:] if bearer[:7].lower() == "bearer " else ""
+    return (req.get_header("x-api-key") or "").strip(), token.strip()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+__all__ = ["MISSING_KEY", "OPEN", "Grant", "KeyRing", "presented_keys"]
