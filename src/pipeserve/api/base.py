@@ -10,8 +10,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pipeserve.context import RequestContext
 from pipeserve.api.sse import sse_event
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest

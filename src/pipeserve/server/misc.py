@@ -11,8 +11,8 @@ import falcon
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeserve.api.base import WireProtocol, context_overflow
-from pipeserve.context import RequestContext
 from pipeserve.api.openai_common import openai_error_body
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.server.auth import Grant, KeyRing
 from pipeserve.server.body import read_json_body
