@@ -18,7 +18,6 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.template_kwargs import decode_template_kwargs
 from pipeserve.api.openai_chat_encode import ChatStreamEncoder, accumulate, completion_body
 from pipeserve.api.openai_common import (
     Lenient,
@@ -34,6 +33,7 @@ from pipeserve.api.openai_common import (
     unsupported,
     validate,
 )
+from pipeserve.api.template_kwargs import decode_template_kwargs
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import Event
