@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     # the YAML schema types (data only): engines read their options from them
     "pipeserve.config.models": CORE,
     "pipeserve.config.detect_rules": CORE,
+    "pipeserve.config.memory": CORE,  # parses server.memory_budget (schema-level)
     "pipeserve.engine": ENGINE,
     "pipeserve.stages": PIPELINE,
     "pipeserve.api": PIPELINE,
@@ -35,6 +36,8 @@ LAYERS: dict[str, int] = {
     "pipeserve.server": SERVER,
     "pipeserve.app": ROOT,  # the composition root wires everything together
     "pipeserve.loading": ROOT,
+    "pipeserve.live_app": ROOT,  # a worker's app, rebuilt in place by a config reload
+    "pipeserve.reload": ROOT,  # SIGHUP: validate in the master, apply in the workers
     "pipeserve.serving": ROOT,
     "pipeserve.cli": ROOT,
     "pipeserve.__main__": ROOT,

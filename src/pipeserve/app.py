@@ -39,15 +39,17 @@ def create_app(
     models: Sequence[ServedModel],
     api_keys: Sequence[str] = (),
     store: ResponseStore | None = None,
+    metrics: Metrics | None = None,
 ) -> falcon.App:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading).
     Without a response store, Responses endpoints are stateless. `api_keys` are the
-    environment's keys, valid next to the config's server.api_keys."""
+    environment's keys, valid next to the config's server.api_keys. metrics: kept across
+    config reloads (pipeserve.live_app); new when omitted."""
     app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
     table = ModelTable(list(models))
-    metrics = Metrics(table.stats)
+    metrics = metrics or Metrics(table.stats)
     server = config.server
     keys = KeyRing.build(server.api_keys, api_keys)
     options = HttpOptions(

@@ -35,7 +35,24 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         # The validated config with `pipeline: auto` resolved, made in the master; forked
         # workers build from it instead of re-reading a file that may have changed since.
         self.loaded = loaded
+        self.folders: dict[str, Path] = {}  # source -> fetched folder, for reloads
         super().__init__()
+
+    def run(self) -> None:
+        from pipeserve.reload import ReloadingArbiter, Snapshot
+
+        self.snapshot = Snapshot()  # the last valid config, for workers told to reload
+        try:
+            ReloadingArbiter(self).run()
+        except RuntimeError as e:  # as gunicorn's BaseApplication.run
+            print(f"\nError: {e}\n", file=sys.stderr)
+            sys.exit(1)
+
+    def reload_worker(self, wsgi: Any, worker_log: Any) -> None:
+        """In a worker told by the master (SIGHUP) that a new config is valid: apply it."""
+        from pipeserve.reload import reload_worker
+
+        reload_worker(self, wsgi, worker_log)
 
     def load_config(self) -> None:
         for key, value in self.options.items():
@@ -49,7 +66,8 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         if os.environ.get(blas.MARKER) and in_use != "openblas":
             log.warning("OpenBLAS was preloaded but is not mapped in this worker; matmuls are slow")
         if self.loaded is not None:
-            return build_app_from_loaded(self.loaded, api_keys=self.api_keys)
+            workers = int(self.cfg.workers or 1)
+            return build_app_from_loaded(self.loaded, api_keys=self.api_keys, workers=workers)
         return build_app_from_config(self.config_path, api_keys=self.api_keys)
 
 
@@ -128,32 +146,38 @@ def serve(
         workers or settings.workers or config.server.workers,
         log_level,
     )
-    PipeserveApplication(path, options, settings.env_api_keys(), loaded).run()
+    application = PipeserveApplication(path, options, settings.env_api_keys(), loaded)
+    application.folders = {e.source: folders[e.name] for e in config.models}
+    application.run()
     return 0
 
 
-def fetch_sources(config: Any) -> dict[str, Path] | None:
+def fetch_sources(config: Any, known: dict[str, Path] | None = None) -> dict[str, Path] | None:
     """Build demo models and download hub models once, before forking: a worker that
-    spends minutes downloading would be killed by gunicorn's timeout.
+    spends minutes downloading would be killed by gunicorn's timeout. Returns each model's
+    folder (None after reporting a failure); `known` (source -> folder) are not fetched again.
 
     It runs in a spawned child, never in the master: building a demo model runs MLX, and
     MLX's stream threads do not survive gunicorn's fork (a worker forked from a master
     that ran MLX hung at its first `mx.clear_cache`, waiting on a thread it does not have).
     """
+    known = known or {}
+    folders = {e.name: known[e.source] for e in config.models if e.source in known}
+    missing = [e for e in config.models if e.source not in known]
+    if not missing:
+        return folders
     from pipeserve.engine.loader import resolve_source
 
-    folders: dict[str, Path] = {}
     with ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn")
     ) as child:
-        for entry in config.models:
+        for entry in missing:
             try:
                 path = child.submit(resolve_source, entry.source).result()
             except Exception as exc:  # report every kind of failure plainly, then refuse to start
-                print(
-                    f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}",
-                    file=sys.stderr,
-                )
+                message = f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}"
+                print(message, file=sys.stderr)
+                log.error("%s", message)
                 return None
             log.info("model %s: source %s is at %s", entry.name, entry.source, path)
             folders[entry.name] = path

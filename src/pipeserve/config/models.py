@@ -90,6 +90,12 @@ class ServerSection(Strict):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
         "info", description="Least severe level logged (PIPESERVE_LOG_LEVEL overrides)."
     )
+    memory_budget: int | str | None = Field(
+        None,
+        description="Memory the resident models may use, per server: bytes, a size such as"
+        ' "8GiB", or a share such as "60%" of RAM (of GPU memory where MLX has a GPU). Idle'
+        " on_demand models are unloaded, least recently used first, to make room. Default: no limit.",
+    )
     cors_allow_origins: list[str] = Field(
         default_factory=list,
         description='Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"];'
@@ -112,6 +118,15 @@ class ServerSection(Strict):
         """`- sk-...` is shorthand for `- {key: sk-...}`."""
         if isinstance(value, list):
             return [{"key": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget_readable(cls, value: int | str | None) -> int | str | None:
+        from pipeserve.config.memory import parse_budget
+
+        if value is not None:
+            parse_budget(value)  # raises ValueError with the accepted forms
         return value
 
 
@@ -191,6 +206,16 @@ class ModelEntry(Strict):
     engine: Literal["mlx", "replay"] = "mlx"
     aliases: list[str] = Field(
         default_factory=list, description="Other names (fnmatch globs) routed to this model."
+    )
+    load: Literal["startup", "on_demand"] = Field(
+        "startup",
+        description="startup: loaded when the server starts and kept; on_demand: loaded by the"
+        " first request for it, unloaded when idle for keep_alive seconds or to make room.",
+    )
+    keep_alive: float | None = Field(
+        300.0,
+        ge=0,
+        description="on_demand models: idle seconds before unloading (null: only to make room).",
     )
     options: EngineOptions = Field(default_factory=EngineOptions)
     replay: ReplayOptions = Field(default_factory=ReplayOptions)

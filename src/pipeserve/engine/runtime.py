@@ -8,24 +8,64 @@ runtime.engine.close()              # at worker shutdown
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 from pipeserve.config.models import ModelEntry
-from pipeserve.engine.base import ModelRuntime
+from pipeserve.engine.base import Engine, ModelRuntime
 from pipeserve.engine.loader import context_length, eos_token_ids, load_tokenizer, resolve_source
 
 log = logging.getLogger("pipeserve.engine")
 
 
-def build_runtime(entry: ModelEntry) -> ModelRuntime:
-    """Resolve the source, load the tokenizer (and the weights for engine mlx), start the engine."""
+def build_runtime(
+    entry: ModelEntry,
+    manage: Callable[[Callable[[], Engine], Path], Engine] | None = None,
+    tokenizers: dict[Path, Any] | None = None,
+) -> ModelRuntime:
+    """Resolve the source, load the tokenizer (and the weights for engine mlx), start the engine.
+
+    manage(start, model_dir), when given, decides when the engine starts (load on demand:
+    pipeserve.server.fleet); it returns the engine the runtime uses. tokenizers, when
+    given, is a cache by model folder (engines copy their detokenizers, so models of one
+    folder can share the tokenizer).
+    """
     model_dir = resolve_source(entry.source)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = tokenizers.get(model_dir) if tokenizers is not None else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizers is not None:
+            tokenizers[model_dir] = tokenizer
     eos = eos_token_ids(tokenizer, model_dir)
+    options = entry.options
+    start = partial(start_engine, entry, model_dir, tokenizer, eos)
+    engine = manage(start, model_dir) if manage is not None else start()
+    return ModelRuntime(
+        name=entry.name,
+        family=entry.pipeline,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        engine=engine,
+        eos_token_ids=eos,
+        context_length=options.context_length or context_length(model_dir),
+        default_max_tokens=options.default_max_tokens,
+    )
+
+
+def start_engine(
+    entry: ModelEntry,
+    model_dir: Path,
+    tokenizer: Any,
+    eos: frozenset[int],
+) -> Engine:
+    """The entry's engine over its tokenizer; engine mlx loads the weights (blocking)."""
     options = entry.options
     if entry.engine == "replay":
         from pipeserve.engine.replay import ReplayEngine
 
-        engine = ReplayEngine(
+        engine: Engine = ReplayEngine(
             entry.name, tokenizer, eos, entry.replay.completion, entry.replay.delay,
             capacity=options.max_batch + options.queue_size,
         )  # fmt: skip
@@ -37,13 +77,4 @@ def build_runtime(entry: ModelEntry) -> ModelRuntime:
     log.info(
         "model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos)
     )
-    return ModelRuntime(
-        name=entry.name,
-        family=entry.pipeline,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        engine=engine,
-        eos_token_ids=eos,
-        context_length=options.context_length or context_length(model_dir),
-        default_max_tokens=options.default_max_tokens,
-    )
+    return engine

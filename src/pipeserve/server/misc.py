@@ -83,7 +83,9 @@ class ModelsResource:
             return
         resp.media = {
             "object": "list",
-            "data": [self._card(name) for name in names],
+            "data": [
+                self._card(m.name) | residency(m) for m in self.models.models if m.name in names
+            ],
             "has_more": False,
             "first_id": names[0] if names else None,
             "last_id": names[-1] if names else None,
@@ -95,7 +97,8 @@ class ModelsResource:
         names = self.visible(req, resp)
         if names is None:
             return
-        if model_id not in names:
+        model = next((m for m in self.models.models if m.name == model_id), None)
+        if model is None or model_id not in names:
             resp.status = falcon.HTTP_404
             resp.media = {
                 "error": {
@@ -106,7 +109,7 @@ class ModelsResource:
                 }
             }
             return
-        resp.media = self._card(model_id)
+        resp.media = self._card(model_id) | residency(model)
 
     @staticmethod
     def _card(name: str) -> dict[str, Any]:
@@ -119,6 +122,12 @@ class ModelsResource:
             "display_name": name,
             "created_at": STARTED_AT_ISO,
         }
+
+
+def residency(model: ServedModel) -> dict[str, Any]:
+    """state (loaded / loading / not-loaded), load policy and memory, as LM Studio lists them."""
+    describe = getattr(model.runtime.engine, "describe", None)
+    return dict(describe()) if callable(describe) else {}
 
 
 class MetricsResource:

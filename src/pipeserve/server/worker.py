@@ -10,6 +10,7 @@ handler ends as if the client had left), while requests in progress finish norma
 
 from __future__ import annotations
 
+import signal
 import socket
 from typing import Any
 
@@ -24,6 +25,17 @@ class PipeserveWorker(GeventWorker):  # type: ignore[misc]
         self._connections: dict[int, socket.socket] = {}
         self._busy: set[int] = set()
         super().init_process()
+
+    def init_signals(self) -> None:
+        super().init_signals()
+        # gunicorn resets HUP to its default (terminate) in workers; here it means "the
+        # master validated a new config: apply it" (pipeserve.reload).
+        signal.signal(signal.SIGHUP, self.handle_hup)
+
+    def handle_hup(self, sig: int, frame: Any) -> None:
+        reload = getattr(self.app, "reload_worker", None)  # PipeserveApplication's
+        if reload is not None:
+            gevent.spawn(reload, self.wsgi, self.log)  # not inside the signal handler
 
     def run(self) -> None:
         gevent.spawn(self._release_idle_at_shutdown)

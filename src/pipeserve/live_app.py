@@ -1,0 +1,172 @@
+"""The WSGI app of a worker, replaceable in place when the config is reloaded.
+
+`LiveApp(loaded)` builds every model's runtime (tokenizer; weights now for `load: startup`,
+on first request for `load: on_demand`), its stage chain, and the Falcon app. `reload(new)`
+builds what changed, swaps the app for new requests, and leaves requests in progress on
+the objects they started with. A model whose runtime-relevant entry (source, engine,
+options, load policy) is unchanged keeps its runtime and weights; if only its pipeline or
+aliases changed, only its chain is rebuilt. Removed or replaced models unload once their
+last request ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import falcon
+
+from pipeserve.app import create_app
+from pipeserve.config.config_checks import LoadedConfig
+from pipeserve.config.memory import budget_bytes
+from pipeserve.config.models import ModelEntry
+from pipeserve.config.pipeline_checks import LoadedPipeline
+from pipeserve.server.fleet import Fleet
+from pipeserve.server.fleet_metrics import FleetCollector
+from pipeserve.server.managed_engine import ManagedEngine, run_off_hub
+from pipeserve.server.metrics import Metrics
+from pipeserve.server.registry import ModelTable, ServedModel, StageDecl, build_chain
+from pipeserve.stages import load_builtin_stages
+from pipeserve.stages.base import BuildEnv
+from pipeserve.store import response_store
+
+log = logging.getLogger("pipeserve.reload")
+
+
+@dataclass(frozen=True)
+class Slot:
+    runtime_key: str
+    chain_key: str
+    model: ServedModel
+
+
+def runtime_key(entry: ModelEntry) -> str:
+    """What, if changed, needs the model itself reloaded (not only its chain)."""
+    return json.dumps(entry.model_dump(exclude={"aliases", "pipeline"}), sort_keys=True)
+
+
+def chain_key(entry: ModelEntry, pipeline: LoadedPipeline) -> str:
+    stages = [(s.kind, s.params.model_dump(mode="json")) for s in pipeline.stages]
+    return json.dumps([entry.pipeline, entry.aliases, pipeline.family, stages], sort_keys=True)
+
+
+class LiveApp:
+    def __init__(
+        self, loaded: LoadedConfig, api_keys: Sequence[str] = (), workers: int = 1
+    ) -> None:
+        load_builtin_stages()
+        self.api_keys = tuple(api_keys)
+        self.workers = workers
+        self.fleet = Fleet()
+        self.slots: dict[str, Slot] = {}
+        self.tokenizers: dict[Path, Any] = {}  # by model folder, shared by its models
+        self.table = ModelTable([])
+        self.reloads: Counter[str] = Counter()
+        self.metrics = Metrics(lambda: self.table.stats())
+        self.metrics.registry.register(FleetCollector(self.fleet, lambda: dict(self.reloads)))
+        self._reload_lock = threading.Lock()
+        self.app = self._apply(loaded)
+        self.fleet.start_reaper()
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        return self.app(environ, start_response)  # type: ignore[no-any-return]
+
+    def reload(self, loaded: LoadedConfig) -> bool:
+        """Apply a validated config; on failure the running one stays. True when applied."""
+        with self._reload_lock:
+            try:
+                self.app = self._apply(loaded)
+            except Exception:
+                log.exception("reload failed in this worker; the previous config keeps serving")
+                self.reloads["failed"] += 1
+                return False
+            self.reloads["applied"] += 1
+            return True
+
+    def _apply(self, loaded: LoadedConfig) -> falcon.App:
+        server = loaded.config.server
+        self.fleet.budget = budget_bytes(server.memory_budget, self.workers)
+        self.fleet.room_timeout = server.request_timeout
+        created: list[ManagedEngine] = []
+        try:
+            slots = {
+                e.name: self._slot(e, loaded.pipelines[e.pipeline], created)
+                for e in loaded.config.models
+            }
+            for slot in slots.values():
+                engine = managed(slot.model)
+                if slot.model.entry.load == "startup" and engine.engine is None:
+                    self.fleet.load_now(engine)
+        except BaseException:
+            for engine in created:
+                engine.close()
+            raise
+        app = create_app(
+            loaded.config,
+            [s.model for s in slots.values()],
+            api_keys=self.api_keys,
+            store=response_store(server, loaded.path.parent),
+            metrics=self.metrics,
+        )
+        kept = {id(managed(s.model)) for s in slots.values()}
+        gone = [managed(s.model) for s in self.slots.values() if id(managed(s.model)) not in kept]
+        self.fleet.set_current([managed(s.model) for s in slots.values()], gone)
+        self._log_changes(slots)
+        self.slots, self.table = slots, ModelTable([s.model for s in slots.values()])
+        in_use = {s.model.runtime.model_dir for s in slots.values()}
+        self.tokenizers = {d: t for d, t in self.tokenizers.items() if d in in_use}
+        return app
+
+    def _slot(
+        self, entry: ModelEntry, pipeline: LoadedPipeline, created: list[ManagedEngine]
+    ) -> Slot:
+        old = self.slots.get(entry.name)
+        rkey, ckey = runtime_key(entry), chain_key(entry, pipeline)
+        if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
+            return old
+        if old is not None and old.runtime_key == rkey:
+            runtime = replace(old.model.runtime, family=entry.pipeline)
+        else:
+            runtime = run_off_hub(lambda: build_runtime(entry, self.fleet, self.tokenizers))
+            created.append(runtime.engine)
+        env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
+        decls = [StageDecl(kind=s.kind, params=s.params, role=s.role) for s in pipeline.stages]
+        served = ServedModel(
+            entry=entry, family=pipeline.family, runtime=runtime, chain=build_chain(decls, env)
+        )
+        return Slot(rkey, ckey, served)
+
+    def _log_changes(self, slots: dict[str, Slot]) -> None:
+        if not self.slots:
+            return
+        for name, slot in slots.items():
+            old = self.slots.get(name)
+            if old is None:
+                log.info("reload: model %s added", name)
+            elif old.runtime_key != slot.runtime_key:
+                log.info("reload: model %s changed; reloaded", name)
+            elif old is not slot:
+                log.info("reload: model %s: pipeline or aliases changed; weights kept", name)
+        for name in self.slots.keys() - slots.keys():
+            log.info("reload: model %s removed (unloads when its requests end)", name)
+
+    def close(self) -> None:
+        self.fleet.close()
+
+
+def managed(model: ServedModel) -> ManagedEngine:
+    engine = model.runtime.engine
+    assert isinstance(engine, ManagedEngine)
+    return engine
+
+
+def build_runtime(entry: ModelEntry, fleet: Fleet, tokenizers: dict[Path, Any]) -> Any:
+    from pipeserve.engine.runtime import build_runtime as build
+
+    return build(entry, manage=fleet.manager_for(entry), tokenizers=tokenizers)

@@ -1,0 +1,113 @@
+"""Live reload: SIGHUP to the gunicorn master re-reads and re-validates the config.
+
+gunicorn's own HUP replaces every worker with one that re-reads the files, so a broken
+YAML made the new workers fail to boot and gunicorn shut the whole server down. Here the
+master validates first (validation only: no MLX runs in the master, see serving.py) and
+keeps serving the old config when the new one is invalid, logging each positioned
+problem. A valid config is fetched (new sources, in a spawned child), its `pipeline: auto`
+entries are resolved, and it is handed to the workers as a pickled snapshot; each worker
+applies it in place (pipeserve.live_app): unchanged models keep their weights,
+streams in progress finish on the objects they started with. Workers forked later (a
+replaced worker) start from the master's last valid config, never from the file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gunicorn.arbiter import Arbiter
+
+RESTART_ONLY = ("host", "port", "workers")
+
+
+class Snapshot:
+    """The last valid config, as a file only this user can read, for workers to load."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="pipeserve-config-"))
+        self.path = self.folder / "config.pickle"
+        owner = os.getpid()
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(self.folder, True))
+
+    def write(self, loaded: Any) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(loaded))
+        os.replace(tmp, self.path)
+
+    def read(self) -> Any:
+        return pickle.loads(self.path.read_bytes())
+
+
+class ReloadingArbiter(Arbiter):  # type: ignore[misc]
+    """gunicorn's master, with HUP meaning: validate, then reload the workers in place."""
+
+    def handle_hup(self) -> None:
+        app = self.app
+        self.log.info("Hang up: re-reading %s", app.config_path)
+        loaded = reread(app, self.log)
+        if loaded is None:
+            return
+        app.loaded = loaded
+        app.snapshot.write(loaded)
+        for pid in list(self.WORKERS):
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:  # exited meanwhile; its replacement forks the new config
+                pass
+        self.log.info("config %s is valid; workers reload it in place", app.config_path)
+
+
+def reread(app: Any, log: Any) -> Any:
+    """The new config, validated, fetched and resolved; None (logged) when it is unusable."""
+    from pipeserve.config import ConfigError, load_server_config
+    from pipeserve.config.auto import resolve_auto
+    from pipeserve.serving import fetch_sources
+
+    try:
+        loaded = load_server_config(app.config_path)
+    except ConfigError as error:
+        for problem in error.problems:
+            log.error("%s", problem)
+        log.error(
+            "reload refused: %s is invalid; the running config keeps serving", app.config_path
+        )
+        return None
+    folders = fetch_sources(loaded.config, known=app.folders)
+    if folders is None:
+        log.error("reload refused: a model source could not be fetched (see above)")
+        return None
+    try:
+        loaded = resolve_auto(loaded, folders)
+    except ConfigError as error:
+        for problem in error.problems:
+            log.error("%s", problem)
+        log.error("reload refused; the running config keeps serving")
+        return None
+    app.folders.update({e.source: folders[e.name] for e in loaded.config.models})
+    warn_restart_only(app.loaded, loaded, log)
+    return loaded
+
+
+def warn_restart_only(old: Any, new: Any, log: Any) -> None:
+    for key in RESTART_ONLY:
+        before, after = getattr(old.config.server, key), getattr(new.config.server, key)
+        if before != after:
+            log.warning("server.%s changed (%s -> %s): takes effect at restart", key, before, after)
+
+
+def reload_worker(app: Any, wsgi: Any, log: Any) -> None:
+    """In a worker, on SIGHUP from the master: apply the master's snapshot in place."""
+    try:
+        loaded = app.snapshot.read()
+    except (OSError, pickle.UnpicklingError, AttributeError) as exc:
+        log.error("reload: cannot read the master's config snapshot: %s", exc)
+        return
+    if wsgi.reload(loaded):
+        log.info("worker %d: reloaded %s", os.getpid(), app.config_path)

@@ -1,0 +1,65 @@
+"""Prometheus view of the fleet: which models are resident, their memory, loads, unloads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pipeserve.server.fleet import Fleet
+
+
+class FleetCollector(Collector):
+    def __init__(self, fleet: Fleet, reloads: Callable[[], dict[str, int]]) -> None:
+        self.fleet = fleet
+        self.reloads = reloads
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        fleet = self.fleet
+        resident = GaugeMetricFamily(
+            "pipeserve_model_resident", "1 while the model's weights are loaded", labels=["model"]
+        )
+        memory = GaugeMetricFamily(
+            "pipeserve_model_memory_bytes",
+            "Resident model memory: weights as stored plus the prefix cache",
+            labels=["model"],
+        )
+        for engine in fleet.current.values():
+            resident.add_metric([engine.name], float(engine.state == "loaded"))
+            memory.add_metric([engine.name], float(engine.memory_bytes()))
+        yield resident
+        yield memory
+        yield GaugeMetricFamily(
+            "pipeserve_resident_models", "Models loaded or loading", value=len(fleet.resident())
+        )
+        yield GaugeMetricFamily(
+            "pipeserve_resident_models_peak",
+            "Most models loaded or loading at once since the worker started",
+            value=fleet.peak_resident,
+        )
+        yield GaugeMetricFamily(
+            "pipeserve_resident_memory_bytes",
+            "Memory of the loaded models (as counted against the budget)",
+            value=fleet.resident_bytes(),
+        )
+        if fleet.budget is not None:
+            yield GaugeMetricFamily(
+                "pipeserve_memory_budget_bytes", "This worker's memory budget", value=fleet.budget
+            )
+        loads = CounterMetricFamily("pipeserve_model_loads", "Model loads", labels=["model"])
+        for name, count in sorted(fleet.loads.items()):
+            loads.add_metric([name], count)
+        yield loads
+        unloads = CounterMetricFamily(
+            "pipeserve_model_unloads", "Model unloads by reason", labels=["model", "reason"]
+        )
+        for (name, reason), count in sorted(fleet.unloads.items()):
+            unloads.add_metric([name, reason], count)
+        yield unloads
+        reloads = CounterMetricFamily(
+            "pipeserve_config_reloads", "Config reloads applied by this worker", labels=["outcome"]
+        )
+        for outcome, count in sorted(self.reloads().items()):
+            reloads.add_metric([outcome], count)
+        yield reloads

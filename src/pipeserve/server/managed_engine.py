@@ -1,0 +1,256 @@
+"""An engine whose weights come and go: the Engine a fleet-managed model's stages see.
+
+ManagedEngine wraps the real engine (mlx or replay) of one model. While the model is
+resident, `submit` goes straight to the real engine. While it is not, `submit` returns a
+PendingStream at once: the fleet loads the model in the background (other models keep
+serving) and the stream yields KeepAlive until it can hand the job to the real engine, so
+streaming clients get pings while they wait. Every submitted job counts as in flight until
+its stream ends or is cancelled; a model with nothing in flight is idle and may be unloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pipeserve.engine.base import Engine, GenerationJob, TokenStream
+from pipeserve.errors import ApiError
+from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
+from pipeserve.gevent_support import gevent_patched
+
+if TYPE_CHECKING:
+    from pipeserve.server.fleet import Fleet
+
+log = logging.getLogger("pipeserve.fleet")
+State = Literal["unloaded", "loading", "loaded"]
+DEFAULT_WAIT_PING = 5.0
+
+
+def run_off_hub(fn: Callable[[], Any]) -> Any:
+    """Run a blocking call (loading weights, joining an engine thread) on a real OS thread,
+    so that under gevent only the calling greenlet waits, not the whole worker."""
+    if gevent_patched():
+        import gevent
+
+        return gevent.get_hub().threadpool.apply(fn)
+    return fn()
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """Bytes of the weights as stored (safetensors files): the budget's estimate of a model."""
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+class ManagedEngine:
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], Engine],
+        fleet: Fleet,
+        *,
+        pinned: bool,
+        keep_alive: float | None,
+        size: int,
+        accepts_mock_response: bool,
+        max_tokens_limit: int | None,
+    ) -> None:
+        self.name = name
+        self.fleet = fleet
+        self.pinned = pinned  # load: startup -- never unloaded while configured
+        self.keep_alive = keep_alive
+        self.size = size
+        self.accepts_mock_response = accepts_mock_response
+        self.max_tokens_limit = max_tokens_limit
+        self.state: State = "unloaded"
+        self.engine: Engine | None = None
+        self.in_flight = 0
+        self.last_used = time.monotonic()
+        self.retired = False
+        self.load_error: ApiError | None = None
+        self.changed = threading.Event()  # set whenever a load attempt ends
+        self._start = start
+
+    # -- request side -----------------------------------------------------------------
+
+    def submit(self, job: GenerationJob) -> TokenStream:
+        if self.retired:
+            raise ApiError("unavailable", f"model {self.name} was removed by a config reload")
+        if self.engine is not None:
+            return self.submit_loaded(job)
+        return PendingStream(self, job)
+
+    def submit_loaded(self, job: GenerationJob) -> TokenStream:
+        assert self.engine is not None
+        stream = self.engine.submit(job)  # may raise overloaded: nothing is in flight then
+        self.acquire()
+        return TrackedStream(stream, self.release)
+
+    def acquire(self) -> None:
+        self.in_flight += 1
+        self.last_used = time.monotonic()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.last_used = time.monotonic()
+        self.fleet.notify()
+
+    def stats(self) -> dict[str, Any]:
+        inner = getattr(self.engine, "stats", None)
+        out: dict[str, Any] = dict(inner()) if callable(inner) else {}
+        out.update(resident=int(self.state == "loaded"), memory_bytes=self.memory_bytes())
+        return out
+
+    def memory_bytes(self) -> int:
+        """Weights as stored plus the live prefix cache, while resident."""
+        if self.state == "unloaded":
+            return 0
+        inner = getattr(self.engine, "stats", None)
+        cache = dict(inner()).get("prefix_cache_bytes", 0) if callable(inner) else 0
+        return self.size + int(cache)
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/models says about this model's residency."""
+        return {
+            "state": {"loaded": "loaded", "loading": "loading"}.get(self.state, "not-loaded"),
+            "load": "startup" if self.pinned else "on_demand",
+            "memory_bytes": self.memory_bytes(),
+        }
+
+    # -- fleet side ---------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Start the real engine (blocking off the hub). The fleet serializes this."""
+        self.state = "loading"
+        self.changed.clear()
+        started = time.monotonic()
+        try:
+            self.engine = run_off_hub(self._start)
+        except Exception as exc:  # a model that cannot load: its requests get the reason
+            log.exception("model %s failed to load", self.name)
+            self.state = "unloaded"
+            self.load_error = ApiError("unavailable", f"model {self.name} failed to load: {exc}")
+            raise self.load_error from exc
+        finally:
+            self.changed.set()
+        self.state = "loaded"
+        self.load_error = None
+        log.info("model %s loaded in %.1f s", self.name, time.monotonic() - started)
+
+    def unload(self, reason: str) -> None:
+        engine, self.engine = self.engine, None
+        self.state = "unloaded"
+        if engine is not None:
+            run_off_hub(engine.close)
+            run_off_hub(_free_cached_memory)
+        log.info("model %s unloaded (%s)", self.name, reason)
+
+    def close(self) -> None:
+        self.retired = True
+        self.unload("worker stopping")
+
+
+def _free_cached_memory() -> None:
+    """Give the freed weights back to the system (MLX keeps freed buffers cached)."""
+    import gc
+
+    gc.collect()
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()
+    except ImportError:  # a replay-only installation
+        pass
+
+
+class TrackedStream:
+    """A real engine's stream that releases its model's in-flight count exactly once."""
+
+    def __init__(self, inner: TokenStream, release: Callable[[], None]) -> None:
+        self.inner = inner
+        self._release = release
+        self._released = False
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            yield from self.inner
+        finally:
+            self.done()
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+        self.done()
+
+    def done(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+
+
+class PendingStream:
+    """The stream of a job whose model is not resident yet: pings until it is, then the
+    real stream. A model that cannot be loaded (or does not fit) ends the stream with an
+    in-protocol error."""
+
+    def __init__(self, managed: ManagedEngine, job: GenerationJob) -> None:
+        self.managed = managed
+        self.job = job
+        self.inner: TokenStream | None = None
+        self._cancelled = False
+        self._done = False
+        managed.acquire()  # waiting clients keep the model from being chosen for eviction
+        self._ready = managed.fleet.request_load(managed)
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            yield from self._wait()
+            if self._cancelled or self.inner is None:
+                return
+            yield from self.inner
+        finally:
+            self._finish()
+
+    def _wait(self) -> Iterator[Event]:
+        ping = self.job.keepalive_interval or DEFAULT_WAIT_PING
+        while self.managed.engine is None and not self._cancelled:
+            outcome = self._ready.wait(ping)
+            if outcome is None:
+                yield KeepAlive()
+            elif isinstance(outcome, ApiError):
+                yield from self._error(outcome)
+                return
+            elif self.managed.engine is None and not self._cancelled:
+                self._ready = self.managed.fleet.request_load(self.managed)  # loaded, then lost
+        if self._cancelled:
+            yield from self._end("cancelled")
+            return
+        try:
+            self.inner = self.managed.submit_loaded(self.job)
+        except ApiError as error:
+            yield from self._error(error)
+
+    def _error(self, error: ApiError) -> Iterator[Event]:
+        yield PromptReady(len(self.job.prompt_token_ids))
+        yield ErrorEvent(error.kind, error.message)
+        yield Finish("error")
+        yield Usage(len(self.job.prompt_token_ids), 0)
+
+    def _end(self, reason: Any) -> Iterator[Event]:
+        yield PromptReady(len(self.job.prompt_token_ids))
+        yield Finish(reason)
+        yield Usage(len(self.job.prompt_token_ids), 0)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self.inner is not None:
+            self.inner.cancel()
+        self._ready.wake()
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self.managed.release()
