@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "pipeserve.request": CORE,
     "pipeserve.errors": CORE,
     "pipeserve.context": CORE,
+    "pipeserve.constraint": CORE,
     "pipeserve.settings": CORE,
     "pipeserve.gevent_support": CORE,
     "pipeserve.blas": CORE,

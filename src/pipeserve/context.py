@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pipeserve.constraint import Envelope, GrammarPlan
 from pipeserve.events import Event, TokenText
 from pipeserve.request import GenerationRequest
 
@@ -30,6 +31,8 @@ class RequestContext:
     think_close: str = ""  # thinking: text that leaves an open think block
     assistant_prefill: str = ""  # text appended after the generation prompt (forced tool call)
     forced_call: str = ""  # tool_calls: the part of assistant_prefill that opens the call
+    envelope: Envelope | None = None  # thinking / tool_calls: how reasoning and answer are framed
+    grammar_plan: GrammarPlan | None = None  # tool_calls: a grammar to enforce (forced calls)
     generation: Iterable[Event] | None = None  # generate: the submitted job's events
     # generate, when request.logprobs: every sampled token in order; encoders pair them
     # with content chunks (api/openai_common.py LogprobCursor), since deltas carry none.

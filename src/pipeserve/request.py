@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeAlias
 
 Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
 ReasoningEffort: TypeAlias = Literal["minimal", "low", "medium", "high"]
+OutputKind: TypeAlias = Literal["json_schema", "json_object", "regex", "lark"]
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False  # arguments must validate against parameters
 
 
 @dataclass(slots=True)
@@ -44,6 +46,20 @@ class ToolChoice:
     """auto: model decides; none: no calls; required: at least one; function: that one."""
 
     mode: Literal["auto", "none", "required", "function"] = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFormat:
+    """What the answer must follow, enforced while decoding (structured output).
+
+    definition: the JSON schema (json_schema), the pattern (regex) or the grammar text
+    (lark); None for json_object. param: the request field a compile error names.
+    """
+
+    kind: OutputKind
+    definition: Any = None
+    param: str = "response_format"
     name: str | None = None
 
 
@@ -87,3 +103,4 @@ class GenerationRequest:
     # Client-sent chat-template variables (Chat's chat_template_kwargs), already checked
     # safe by the decoder (api/template_kwargs.py); the pipeline's own kwargs come first.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    output_format: OutputFormat | None = None  # structured output (None: free text)

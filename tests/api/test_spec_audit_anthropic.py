@@ -156,10 +156,10 @@ def test_engine_error_is_an_error_event_and_no_message_stop() -> None:
     ("fields", "param"),
     [
         (
-            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
-            "output_config.format",
+            {"output_config": {"format": {"type": "json_schema", "schema": "object"}}},
+            "output_config.format.schema",
         ),
-        ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, "output_format"),
+        ({"output_format": {"type": "xml", "schema": {"type": "object"}}}, "output_format.type"),
         ({"output_config": "high"}, "output_config"),
         ({"thinking": {"type": "adaptive", "display": "verbose"}}, "thinking.display"),
     ],
@@ -227,7 +227,7 @@ def test_thinking_display_omitted_keeps_only_the_signature(stream: bool) -> None
 
 def test_error_body_shape_for_a_refused_field() -> None:
     with pytest.raises(ApiError) as info:
-        decode(output_config={"format": {"type": "json_schema", "schema": {}}})
+        decode(output_config={"format": {"type": "json_schema"}})
     body = PROTOCOL.error_body(info.value)
     assert body == {
         "type": "error",

@@ -180,15 +180,15 @@ def sdk() -> tuple[Harness, Any]:
 
 
 REFUSED: list[tuple[dict[str, Any], str]] = [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     (
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object"}},
-            }
-        },
-        "response_format",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {"response_format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}},
+        "response_format.syntax",
     ),
     ({"logit_bias": {"token": 5}}, "logit_bias"),
     ({"logit_bias": {"42": 101}}, "logit_bias"),

@@ -208,10 +208,10 @@ def sdk() -> tuple[Harness, Any]:
 
 
 REFUSED: list[tuple[dict[str, Any], str]] = [
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     (
-        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
-        "text.format",
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": "object"}}},
+        "text.format.schema",
     ),
     ({"prompt": {"id": "pmpt_1", "version": "2"}}, "prompt"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),

@@ -11,8 +11,8 @@ Mapping rules (see also anthropic_schema for field validation):
 - Custom tools (no `type`, or `type: "custom"`) are kept; server tools are skipped.
 - `thinking.budget_tokens` must be >= 1024 (as the API enforces) but may exceed
   max_tokens (interleaved thinking, which Claude Code relies on).
-- Structured outputs (`output_config.format`, the beta `output_format`) are not enforced
-  here, so they are a 400 rather than silently free text; `output_config.effort` is read
+- Structured outputs (`output_config.format`, the beta `output_format`) become an
+  OutputFormat enforced while decoding (api/structured.py); `output_config.effort` is read
   leniently. metadata, service_tier, container, mcp_servers, context_management, speed
   and inference_geo are accepted and ignored.
 """
@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from pipeserve.api import anthropic_schema as s
+from pipeserve.api.structured import anthropic_output_format
 from pipeserve.errors import invalid
 from pipeserve.request import (
     GenerationRequest,
     Message,
+    OutputFormat,
     ReasoningEffort,
     ReasoningOptions,
     SamplingParams,
@@ -66,7 +68,6 @@ def decode_body(body: Any, *, count_tokens: bool = False) -> AnthropicGeneration
     req = s.check(model, body)
     if not req.messages:
         raise invalid("messages: at least one message is required", "messages")
-    refuse_structured_output(req)
     tools = decode_tools(req.tools or [])
     choice, parallel = decode_tool_choice(req.tool_choice, tools)
     return AnthropicGenerationRequest(
@@ -82,17 +83,16 @@ def decode_body(body: Any, *, count_tokens: bool = False) -> AnthropicGeneration
         reasoning=decode_reasoning(req.thinking, req.output_config),
         mock_response=req.mock_response,
         omit_thinking=req.thinking is not None and req.thinking.display == "omitted",
+        output_format=decode_output_format(req),
     )
 
 
-def refuse_structured_output(req: s.MessagesBody) -> None:
-    """A JSON-schema output format we do not enforce would silently give free text."""
-    for where, value in (
-        ("output_config.format", req.output_config.format if req.output_config else None),
-        ("output_format", req.output_format),
-    ):
-        if value is not None:
-            raise invalid(f"{where}: structured outputs are not supported by this server", where)
+def decode_output_format(req: s.MessagesBody) -> OutputFormat | None:
+    """output_config.format (GA) or the beta's output_format: a JSON schema to enforce."""
+    config = req.output_config.format if req.output_config else None
+    if config is not None:
+        return anthropic_output_format(config, "output_config.format")
+    return anthropic_output_format(req.output_format, "output_format")
 
 
 # -- content blocks -------------------------------------------------------------------
@@ -273,7 +273,9 @@ def decode_tools(raw: list[Any]) -> list[ToolSpec]:
             raise invalid(
                 f"tools.{i}.name: tool names must be unique ({tool.name!r})", f"tools.{i}.name"
             )
-        tools.append(ToolSpec(tool.name, tool.description or "", tool.input_schema))
+        tools.append(
+            ToolSpec(tool.name, tool.description or "", tool.input_schema, tool.strict is True)
+        )
     return tools
 
 

@@ -71,6 +71,7 @@ class ToolParam(Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # strict tool use: arguments valid against input_schema
 
 
 class ToolChoiceParam(Lenient):
@@ -88,7 +89,7 @@ class ThinkingParam(Lenient):
 
 class OutputConfigParam(Lenient):
     effort: Any = None  # read leniently: unknown efforts (newer clients) are ignored
-    format: Any = None  # structured outputs: not enforced here, refused in anthropic_decode
+    format: Any = None  # structured outputs: read by api/structured.py
 
 
 class MessagesBody(Lenient):

@@ -26,13 +26,13 @@ from pipeserve.api.openai_common import (
     close_events,
     openai_error_body,
     reasoning_options,
-    refuse_structured_output,
     seed_value,
     text_of_parts,
     tool_choice_mode,
     unsupported,
     validate,
 )
+from pipeserve.api.structured import openai_output_format
 from pipeserve.api.template_kwargs import decode_template_kwargs
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
@@ -169,7 +169,7 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
             f"{path}.function.parameters",
             "expected an object",
         )
-        spec = ToolSpec(name, str(fn.get("description") or ""))
+        spec = ToolSpec(name, str(fn.get("description") or ""), strict=fn.get("strict") is True)
         if params:
             spec.parameters = params
         specs.append(spec)
@@ -248,7 +248,6 @@ def _logit_bias(raw: Any) -> dict[int, float]:
 
 def _refuse_unhonoured(req: ChatRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
-    refuse_structured_output(req.response_format, "response_format")
     if req.modalities is not None:
         check(isinstance(req.modalities, list), "modalities", "expected an array")
         if any(m != "text" for m in req.modalities):
@@ -305,6 +304,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         mock_response=req.mock_response,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        output_format=openai_output_format(req.response_format, "response_format", flat=False),
     )
 
 

@@ -136,18 +136,6 @@ def tool_choice_mode(raw: Any) -> ToolChoice | None:
     return None
 
 
-def refuse_structured_output(fmt: Any, param: str) -> None:
-    """An output format other than plain text is a 400: nothing here enforces JSON, and
-    free text where a client expects it would be a silently wrong answer."""
-    if fmt is None:
-        return
-    check(isinstance(fmt, dict), param, "expected an object")
-    kind = fmt.get("type")
-    check(isinstance(kind, str), f"{param}.type")
-    if kind != "text":
-        raise unsupported(param, f"{kind!r} output is not enforced; only 'text' is available")
-
-
 def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> None:
     if choice.mode in ("required", "function") and not tools:
         raise invalid(f"'{param}' {choice.mode!r} is only allowed when tools are specified.", param)

@@ -24,7 +24,6 @@ from pipeserve.api.openai_common import (
     close_events,
     openai_error_body,
     reasoning_options,
-    refuse_structured_output,
     seed_value,
     text_of_parts,
     tool_choice_mode,
@@ -34,6 +33,7 @@ from pipeserve.api.openai_common import (
 from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
 from pipeserve.api.openai_responses_state import ResolvedInput, ResponsesState
 from pipeserve.api.sse import sse_event
+from pipeserve.api.structured import openai_output_format
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
 from pipeserve.events import Event
@@ -328,7 +328,6 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
         raise unsupported(
             "prompt", "stored prompt templates cannot be resolved; send 'instructions' and 'input'"
         )
-    refuse_structured_output((req.text or {}).get("format"), "text.format")
 
 
 def decode_responses(body: Any, state: ResponsesState | None = None) -> ResponsesGenerationRequest:
@@ -362,6 +361,9 @@ def decode_responses(body: Any, state: ResponsesState | None = None) -> Response
         parallel_tool_calls=req.parallel_tool_calls is not False,
         echo=_echo(req, stored=resolved.record is not None),
         stored_input=resolved.record,
+        output_format=openai_output_format(
+            (req.text or {}).get("format"), "text.format", flat=True
+        ),
     )
 
 

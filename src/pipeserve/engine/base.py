@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeserve.events import Event
 from pipeserve.request import SamplingParams
+
+if TYPE_CHECKING:
+    from pipeserve.engine.grammar import Constraint, GrammarCompiler
 
 
 @dataclass(slots=True)
@@ -27,6 +30,7 @@ class GenerationJob:
     top_logprobs: int = 0
     mock_completion: str | None = None  # replay engine: the raw completion to stream
     keepalive_interval: float | None = None  # seconds of silence before a KeepAlive event
+    constraint: Constraint | None = None  # structured output: the grammar to enforce
 
 
 class TokenStream(Protocol):
@@ -63,3 +67,4 @@ class ModelRuntime:
     eos_token_ids: frozenset[int]
     context_length: int | None = None
     default_max_tokens: int = 4096
+    grammar: GrammarCompiler | None = None  # structured output (None: not available)

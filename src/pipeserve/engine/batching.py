@@ -18,6 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.channel import Courier
+from pipeserve.engine.constraints import ConstraintSet
 from pipeserve.engine.prefix_cache import PrefixCache
 from pipeserve.engine.sampling import make_processors, make_sampler
 from pipeserve.engine.sequence import Sequence
@@ -41,6 +42,7 @@ class Batch:
         self.key_of: dict[int, int] = {}
         self._finished = 0
         self._stops: dict[frozenset[int], StopSequences] = {}
+        self._constraints: ConstraintSet | None = None  # made at the first constrained job
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
                      "requests_cancelled", "requests_failed", "engine_faults"):  # fmt: skip
             stats.setdefault(name, 0)
@@ -71,12 +73,14 @@ class Batch:
                 max_tokens=[job.max_tokens],
                 caches=[lookup.cache],
                 all_tokens=[list(prompt[: lookup.cached_tokens])],
-                samplers=[make_sampler(job.sampling, self.vocab_size)],
+                samplers=[self._sampler(key, job)],
                 logits_processors=[make_processors(job.sampling)],
                 stop_sequences=[self._stop_sequences(job.stop_token_ids)],
             )
         except Exception as exc:
             log.exception("request %s rejected by the engine", job.request_id)
+            if self._constraints is not None:
+                self._constraints.release(key)
             seq.finish(courier, "error", f"engine rejected the request: {exc}")
             self._count_finished("requests_failed")
             return
@@ -86,6 +90,14 @@ class Batch:
         self.stats["cached_tokens_total"] += lookup.cached_tokens
         self._update_stats()
 
+    def _sampler(self, key: int, job: Any) -> Any:
+        sampler = make_sampler(job.sampling, self.vocab_size)
+        if job.constraint is None:
+            return sampler
+        if self._constraints is None:
+            self._constraints = ConstraintSet()
+        return self._constraints.wrap(key, job.constraint, sampler)
+
     def _stop_sequences(self, ids: frozenset[int]) -> StopSequences:
         stops = self._stops.get(ids)
         if stops is None:
@@ -93,6 +105,8 @@ class Batch:
         return stops
 
     def step(self, courier: Courier) -> None:
+        if self._constraints is not None:
+            self._constraints.begin_step()
         try:
             prompt_responses, responses = self.gen.next()
             self._snapshot_prompts(prompt_responses)
@@ -169,6 +183,8 @@ class Batch:
         self._update_stats()
 
     def _forget(self, key: int) -> None:
+        if self._constraints is not None:
+            self._constraints.release(key)
         self.seqs.pop(key, None)
         uid = self.uid_of.pop(key, None)
         if uid is not None:
@@ -198,6 +214,8 @@ class Batch:
         self.seqs.clear()
         self.uid_of.clear()
         self.key_of.clear()
+        if self._constraints is not None:
+            self._constraints.clear()
         self.gen.close()
         self.gen = self._new_generator()  # its state may be inconsistent after a fault
         # A fault inside a compiled sampler can leave a tracer as the global key.

@@ -15,7 +15,14 @@ from typing import Any
 
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import Engine, ModelRuntime
-from pipeserve.engine.loader import context_length, eos_token_ids, load_tokenizer, resolve_source
+from pipeserve.engine.grammar import GrammarCompiler
+from pipeserve.engine.loader import (
+    context_length,
+    eos_token_ids,
+    load_tokenizer,
+    read_config,
+    resolve_source,
+)
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -51,6 +58,7 @@ def build_runtime(
         eos_token_ids=eos,
         context_length=options.context_length or context_length(model_dir),
         default_max_tokens=options.default_max_tokens,
+        grammar=GrammarCompiler(tokenizer, read_config(model_dir).get("vocab_size"), eos),
     )
 
 

@@ -17,11 +17,14 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeserve.constraint import GrammarPlan
 from pipeserve.engine.base import GenerationJob, ModelRuntime
+from pipeserve.engine.grammar import Constraint, GrammarError, run_off_hub
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event, TokenText
 from pipeserve.request import GenerationRequest, SamplingParams
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
+from pipeserve.stages.grammar_plan import response_grammar
 
 DEFAULT_KEEPALIVE = 5.0
 
@@ -74,6 +77,7 @@ class GenerateStage:
             keepalive_interval=(
                 self.params.keepalive_interval or ctx.keepalive_interval or DEFAULT_KEEPALIVE
             ),
+            constraint=constraint(ctx, runtime),
         )
         if ctx.dry_run:
             return
@@ -124,6 +128,37 @@ class GenerateStage:
             if isinstance(event, TokenText):
                 records.append(event)
             yield event
+
+
+def grammar_plan(ctx: RequestContext) -> GrammarPlan | None:
+    """What to enforce: a stage's plan (forced tool calls) or the client's output format."""
+    if ctx.grammar_plan is not None:
+        return ctx.grammar_plan
+    fmt = ctx.request.output_format
+    if fmt is None:
+        return None
+    envelope, opened = ctx.envelope, ctx.prompt_opened_thinking
+    return GrammarPlan(
+        lambda tokens: response_grammar(tokens, fmt, envelope, opened), param=fmt.param
+    )
+
+
+def constraint(ctx: RequestContext, runtime: ModelRuntime) -> Constraint | None:
+    """Compile the request's grammar (off the hub; cached per model); 400 when invalid."""
+    plan = grammar_plan(ctx)
+    if plan is None:
+        return None
+    compiler = runtime.grammar
+    if compiler is None:
+        raise ApiError(
+            "invalid_request", "structured output is not available for this model.", plan.param
+        )
+    try:
+        return run_off_hub(lambda: compiler.constraint(plan.build(compiler), plan.forced))
+    except GrammarError as exc:
+        raise ApiError(
+            "invalid_request", f"Invalid value for '{plan.param}': {exc}", plan.param
+        ) from None
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

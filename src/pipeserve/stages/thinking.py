@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+from pipeserve.constraint import Envelope
 from pipeserve.events import ContentDelta, Event, Finish, ReasoningDelta, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 from pipeserve.stages.toolfmt.markers import MarkerSet, Splitter
@@ -100,6 +101,12 @@ class ThinkingStage:
 
     def prepare(self, ctx: RequestContext) -> None:
         ctx.think_close = self.params.end + "\n\n"  # tool_calls' prefill leaves the block
+        # Structured output starts after the reasoning (stages/grammar_plan.py); with
+        # reasoning off no think block is allowed before the answer.
+        if ctx.request.reasoning.enabled is not False or ctx.prompt_opened_thinking:
+            ctx.envelope = Envelope(
+                reasoning_open=self.params.start, reasoning_close=self.params.end
+            )
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         state: _Split | None = None

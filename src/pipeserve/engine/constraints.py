@@ -1,0 +1,127 @@
+"""Constrained decoding inside mlx-lm's continuous batching (engine thread only).
+
+A constrained request's sampler is wrapped: before the real sampler (greedy,
+temperature, top-p, seeded ...) draws from its row, the row's log-probabilities
+outside the grammar's allowed-token mask become -inf (and are renormalised, so top-p
+and min-p see the constrained distribution); the token it returns is remembered and
+fed to the grammar matcher at the next step. Bias and penalty processors run before,
+on the logits, as usual. When the grammar is complete only EOS is allowed, so the
+request ends with a normal stop.
+
+Masks for all constrained rows of a step are computed together, on llguidance's
+threads, at the first constrained row's sampling call, after that step's forward pass
+has been started (`mx.async_eval`): the pass runs while the CPU consumes the previous
+tokens and computes the masks, instead of one after the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from pipeserve.engine.grammar import Constraint
+
+log = logging.getLogger("pipeserve.engine")
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+class RowConstraint:
+    """One request's matcher and its sampler wrapper."""
+
+    __slots__ = ("inner", "mask", "matcher", "owner", "previous", "sampled_at", "spec")
+
+    def __init__(self, owner: ConstraintSet, spec: Constraint, inner: Sampler) -> None:
+        self.owner = owner
+        self.spec = spec
+        self.matcher = spec.matcher
+        self.inner = inner
+        self.previous: mx.array | None = None  # token sampled last step, not yet consumed
+        self.mask: np.ndarray | None = None  # allowed tokens in the matcher's current state
+        self.sampled_at = -1  # the owner's step number of the last sampling call
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.mask is None:
+            self.owner.refresh(logprobs)
+        assert self.mask is not None
+        allowed = self.owner.allowed(self.mask, logprobs.shape[-1])
+        masked = mx.where(allowed, logprobs, -mx.inf)
+        masked = masked - mx.logsumexp(masked, axis=-1, keepdims=True)
+        token = self.inner(masked)
+        self.previous, self.mask, self.sampled_at = token, None, self.owner.step
+        return token
+
+
+class ConstraintSet:
+    """All constrained rows of one Batch; `begin_step` before each BatchGenerator step."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        import llguidance
+
+        self.executor = llguidance.LLExecutor(threads)
+        self.rows: dict[int, RowConstraint] = {}
+        self.step = 0
+
+    def wrap(self, key: int, spec: Constraint, sampler: Sampler) -> Sampler:
+        row = RowConstraint(self, spec, sampler)
+        self.rows[key] = row
+        return row
+
+    def release(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def refresh(self, logprobs: mx.array) -> None:
+        """Consume last step's tokens and compute the masks of every row that needs one.
+
+        Rows sampled earlier in this step are skipped: their new token is still being
+        computed and their next mask belongs to the next step.
+        """
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        due = [r for r in self.rows.values() if r.mask is None and r.sampled_at != self.step]
+        if not due:
+            return
+        mx.async_eval(logprobs)  # start this step's forward pass first
+        fed = [r for r in due if r.previous is not None]
+        if fed:
+            tokens = mx.concatenate([r.previous.reshape(-1) for r in fed]).tolist()  # type: ignore[union-attr]
+            for row, token in zip(fed, tokens):
+                row.previous = None
+                if not row.matcher.is_stopped():
+                    row.matcher.consume_token(int(token))
+        words = (max(r.spec.vocab_size for r in due) + 31) // 32
+        masks = np.zeros((len(due), words), dtype=np.int32)
+        fill_next_token_bitmask_par(
+            self.executor, [(r.matcher, i) for i, r in enumerate(due)], masks
+        )
+        for i, row in enumerate(due):
+            row.mask = masks[i]
+            if not row.mask.any():  # a matcher in an error state: end the answer
+                log.warning("grammar matcher failed: %s", row.matcher.get_error()[:200])
+                self._allow_eos(row)
+
+    @staticmethod
+    def _allow_eos(row: RowConstraint) -> None:
+        assert row.mask is not None
+        bits = row.mask.view(np.uint32)
+        for token in row.spec.eos_ids:
+            bits[token // 32] |= np.uint32(1 << (token % 32))
+
+    @staticmethod
+    def allowed(mask: np.ndarray, width: int) -> mx.array:
+        """The mask's bits as a (1, width) boolean row (tokens past the mask are banned)."""
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        if bits.shape[0] >= width:
+            bits = bits[:width]
+        else:
+            bits = np.concatenate([bits, np.zeros(width - bits.shape[0], dtype=np.uint8)])
+        return mx.array(bits.astype(np.bool_))[None]
