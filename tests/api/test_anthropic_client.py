@@ -157,7 +157,12 @@ def test_tool_round_trip_through_the_sdk() -> None:
     handler = Scripted(TOOL)
     sdk = client(handler)
     first = sdk.messages.create(
-        model="demo", max_tokens=256, messages=HELLO, tools=[WEATHER], tool_choice={"type": "any"}
+        model="demo",
+        max_tokens=256,
+        messages=HELLO,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        thinking={"type": "enabled", "budget_tokens": 1024},
     )
     use = first.content[1]
     assert first.stop_reason == "tool_use" and use.type == "tool_use"

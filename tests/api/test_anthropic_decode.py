@@ -51,7 +51,8 @@ def test_minimal_request() -> None:
     assert req.model == "m" and req.max_tokens == 64 and not req.stream
     assert req.messages == [Message("user", "hi")]
     assert req.tools == [] and req.tool_choice == ToolChoice() and req.parallel_tool_calls
-    assert req.reasoning == ReasoningOptions() and req.stop == []
+    assert req.reasoning == ReasoningOptions(enabled=False) and req.stop == []  # not asked: off
+    assert req.show_thinking is False
 
 
 def test_sampling_and_flags() -> None:
@@ -267,8 +268,8 @@ def test_tool_choice(choice: dict[str, Any], expected: ToolChoice, parallel: boo
             },
             ReasoningOptions(True, "high"),
         ),
-        ({"output_config": {"effort": "low"}}, ReasoningOptions(None, "low")),
-        ({"output_config": {"effort": "ludicrous"}}, ReasoningOptions()),
+        ({"output_config": {"effort": "low"}}, ReasoningOptions(False, "low")),
+        ({"output_config": {"effort": "ludicrous"}}, ReasoningOptions(False)),
     ],
 )
 def test_thinking(fields: dict[str, Any], expected: ReasoningOptions) -> None:

@@ -94,11 +94,15 @@ def without_ids(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": content}
 
 
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
 def body(**fields: Any) -> dict[str, Any]:
     return {
         "model": "demo",
         "max_tokens": 256,
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "thinking": THINKING,
         **fields,
     }
 

@@ -261,7 +261,12 @@ def replay_message(runtime: Any, body: dict[str, Any]) -> tuple[dict[str, Any], 
 
 def test_replay_tool_use_and_stop_sequence(qwen3_runtime: Any) -> None:
     plain, streamed = replay_message(
-        qwen3_runtime, {"tools": [WEATHER], "mock_response": QWEN3_CALL}
+        qwen3_runtime,
+        {
+            "tools": [WEATHER],
+            "mock_response": QWEN3_CALL,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        },
     )
     plain_message = SdkMessage.model_validate(plain)
     assert (

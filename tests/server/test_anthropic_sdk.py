@@ -53,6 +53,39 @@ def test_thinking_streamed_equals_final(client: Anthropic, family: Family) -> No
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
+def test_no_thinking_block_unless_asked(client: Anthropic, family: Family) -> None:
+    """A model that reasons anyway (the script does) shows no thinking block when the
+    request does not enable thinking; its tokens still count in usage."""
+    asked = {"type": "enabled", "budget_tokens": 1024}
+    mock = {"mock_response": family.reasoning}
+    with client.messages.stream(
+        model=family.model, max_tokens=64, messages=HELLO, extra_body=mock
+    ) as stream:
+        streamed = stream.get_final_message()
+    plain = client.messages.create(
+        model=family.model, max_tokens=64, messages=HELLO, extra_body=mock
+    )
+    shown = client.messages.create(
+        model=family.model, max_tokens=64, messages=HELLO, thinking=asked, extra_body=mock
+    )
+    for message in (streamed, plain):
+        assert [(b.type, b.text) for b in message.content] == [("text", "Hello there!")]  # type: ignore[union-attr]
+        assert message.usage.output_tokens == shown.usage.output_tokens
+    assert [b.type for b in shown.content] == ["thinking", "text"]
+
+
+def test_qwen3_template_renders_thinking_off_unless_asked(client: Anthropic) -> None:
+    """Qwen3's template closes an empty think block when thinking is off (its
+    enable_thinking switch, named in pipelines/qwen3.yaml): the prompt is longer."""
+    count = client.messages.count_tokens
+    off = count(model="replay-qwen3", messages=HELLO).input_tokens
+    on = count(
+        model="replay-qwen3", messages=HELLO, thinking={"type": "enabled", "budget_tokens": 1024}
+    ).input_tokens
+    assert off > on
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model)
 def test_tool_use_round_trip(client: Anthropic, family: Family) -> None:
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.messages.create(

@@ -22,12 +22,13 @@ from openai import OpenAI
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.server.scenarios import QWEN3
+from tests.server.scenarios import QWEN3, WEATHER_TOOL_SCHEMA
 from tests.server.serverproc import REPO, pipeserve_command, running_server
 
 pytestmark = pytest.mark.server
 
 MODEL = QWEN3.model
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL_SCHEMA}]
 ITEM = TypeAdapter(ResponseItem)
 EVENT = TypeAdapter(ResponseStreamEvent)
 CONFIG = """\
@@ -260,3 +261,27 @@ def test_an_unwritable_store_stops_the_start(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 1 and "cannot be used" in result.stderr
+
+
+def test_reasoning_summary_auto_is_non_empty_and_referencable(servers: Servers) -> None:
+    client = servers.client
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    first = create(
+        client,
+        QWEN3.tool_call,
+        input=[ask],
+        tools=TOOLS,
+        reasoning={"effort": "low", "summary": "auto"},
+    )
+    reasoning, call = first.output
+    assert reasoning.type == "reasoning" and call.type == "function_call"
+    assert [part.text for part in reasoning.summary] == ["I need the weather."]
+    # Referenced, the summary-only item brings its reasoning into the prompt (Qwen3 keeps
+    # the reasoning of a tool-calling turn after the last user message).
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    refs = [{"type": "item_reference", "id": item.id} for item in first.output]
+    by_reference = create(client, QWEN3.after_tool, input=[ask, *refs, result], tools=TOOLS)
+    in_full = create(client, input=[ask, *dump(first.output), result], tools=TOOLS, store=False)
+    no_reasoning = create(client, input=[ask, *dump([call]), result], tools=TOOLS, store=False)
+    assert by_reference.usage.input_tokens == in_full.usage.input_tokens
+    assert by_reference.usage.input_tokens > no_reasoning.usage.input_tokens

@@ -133,6 +133,16 @@ def test_qwen3_thinking_off_closes_the_block(qwen3: Stage) -> None:
     )
 
 
+def test_thinking_switch_is_the_pipeline_s_data(demo_tokenizer: Callable[[str], Any]) -> None:
+    """The template variable a request's thinking on/off sets comes from the YAML; a
+    template without one (null) renders the same prompt either way."""
+    off = ReasoningOptions(enabled=False)
+    renamed = make_stage("qwen3", demo_tokenizer("qwen3"), thinking_switch="enable_thinking")
+    assert rendered(renamed, reasoning=off).prompt.endswith("<think>\n\n</think>\n\n")  # type: ignore[union-attr]
+    none = make_stage("qwen3", demo_tokenizer("qwen3"), thinking_switch=None)
+    assert rendered(none, reasoning=off).prompt == rendered(none).prompt
+
+
 def test_tool_choice_none_hides_tools(qwen3: Stage) -> None:
     ctx = rendered(qwen3, tools=[WEATHER], tool_choice=ToolChoice("none"))
     assert ctx.prompt is not None and "# Tools" not in ctx.prompt

@@ -61,6 +61,10 @@ class AnthropicGenerationRequest(GenerationRequest):
     """GenerationRequest plus the Anthropic-only facts its encoder needs."""
 
     omit_thinking: bool = False  # thinking.display "omitted": blocks keep only a signature
+    # Thinking blocks only when the request enables thinking, as the API does; otherwise
+    # the template renders with thinking off where the family can, and any reasoning the
+    # model still produces is left out of the answer (its tokens still count in usage).
+    show_thinking: bool = True
 
 
 def decode_body(body: Any, *, count_tokens: bool = False) -> AnthropicGenerationRequest:
@@ -84,6 +88,7 @@ def decode_body(body: Any, *, count_tokens: bool = False) -> AnthropicGeneration
         mock_response=req.mock_response,
         omit_thinking=req.thinking is not None and req.thinking.display == "omitted",
         output_format=decode_output_format(req),
+        show_thinking=req.thinking is not None and req.thinking.type != "disabled",
     )
 
 
@@ -329,7 +334,8 @@ def decode_reasoning(
 ) -> ReasoningOptions:
     effort = output_config.effort if output_config is not None else None
     options = ReasoningOptions(effort=EFFORTS.get(effort) if isinstance(effort, str) else None)
-    if thinking is None:
+    if thinking is None:  # not asked for: off, as on the real API
+        options.enabled = False
         return options
     options.enabled = thinking.type != "disabled"
     if thinking.type == "enabled":

@@ -137,6 +137,9 @@ class _MessageStream:
         self.omit_thinking = (
             isinstance(request, AnthropicGenerationRequest) and request.omit_thinking
         )
+        self.show_thinking = (
+            not isinstance(request, AnthropicGenerationRequest) or request.show_thinking
+        )
         self.prompt_tokens = len(ctx.prompt_token_ids or [])
         self.cached_tokens = 0
         self.finish: Finish | None = None
@@ -151,7 +154,8 @@ class _MessageStream:
         elif isinstance(event, (ContentDelta, TokenText)):
             yield from self.delta("text", event.text)
         elif isinstance(event, ReasoningDelta):
-            yield from self.delta("thinking", event.text)
+            if self.show_thinking:  # else left out of the answer; usage still counts it
+                yield from self.delta("thinking", event.text)
         elif isinstance(event, ToolCallStart):
             yield from self.tool_start(event)
         elif isinstance(event, ToolCallArgsDelta):

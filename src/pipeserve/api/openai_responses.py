@@ -57,9 +57,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 class ReasoningIn(Lenient):
     effort: str | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = (
-        None  # echoed; we stream full reasoning text
-    )
+    # any of them: the reasoning text is sent as the item's summary (we do not shorten it)
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequestIn(Lenient):

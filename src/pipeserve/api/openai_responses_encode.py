@@ -6,6 +6,11 @@ closes the open one with its `.done` events. Every stream event carries a
 `content_index`. The final `response.completed` / `response.incomplete` needs Usage,
 which arrives after Finish, so it is produced by `final()` once the events end.
 
+With `reasoning.summary` asked, reasoning is sent as the item's `summary` (one
+summary_text part, `response.reasoning_summary_*` events), as the clients that show
+Responses reasoning (Vercel AI SDK, LangChain, Codex) read it; otherwise as `content`
+(reasoning_text parts, `response.reasoning_text.*` events).
+
 Broken calls: arguments stream as generated; a function_call whose final arguments are not
 a JSON object (cut off by max tokens, or malformed) ends with item status `incomplete`,
 and a cut-off turn ends with `response.incomplete` (as OpenAI does for max_output_tokens).
@@ -87,6 +92,8 @@ class ResponsesBuilder:
         self.created_at = now()
         self.echo: dict[str, Any] = dict(echo or {})  # request fields the Response repeats
         self.seal = SEALED_REASONING in self.echo.get("include", ())
+        # reasoning.summary asked: reasoning is sent as its summary (what most clients read)
+        self.summarize = bool((self.echo.get("reasoning") or {}).get("summary"))
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: _Open | None = None
@@ -217,6 +224,9 @@ class ResponsesBuilder:
             frames.append(
                 self.event("response.output_text.delta", **ids, delta=delta, logprobs=logprobs)
             )
+        elif self.summarize:
+            ids = {**ids, "summary_index": ids.pop("content_index")}
+            frames.append(self.event("response.reasoning_summary_text.delta", **ids, delta=delta))
         else:
             frames.append(self.event("response.reasoning_text.delta", **ids, delta=delta))
         return frames
@@ -240,13 +250,15 @@ class ResponsesBuilder:
             item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
             part = {"type": "reasoning_text", "text": ""}
         self.open = _Open(len(self.output), item)
-        ids = {"item_id": item["id"], "output_index": self.open.index, "content_index": 0}
-        return [
-            self.event(
-                "response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)
-            ),
-            self.event("response.content_part.added", **ids, part=part),
-        ]
+        added = self.event(
+            "response.output_item.added", output_index=self.open.index, item=copy.deepcopy(item)
+        )
+        ids = {"item_id": item["id"], "output_index": self.open.index}
+        if kind == "reasoning" and self.summarize:
+            part = {"type": "summary_text", "text": ""}
+            kind_added = "response.reasoning_summary_part.added"
+            return [added, self.event(kind_added, **ids, summary_index=0, part=part)]
+        return [added, self.event("response.content_part.added", **ids, content_index=0, part=part)]
 
     def call_start(self, event: ToolCallStart) -> list[Frame]:
         frames = self.close_open()
@@ -293,6 +305,11 @@ class ResponsesBuilder:
         if item["type"] == "message":
             item["content"] = [self.output_text(text, open_item.logprobs)]
             item["status"] = status
+        elif item["type"] == "reasoning" and self.summarize:
+            item["summary"] = [{"type": "summary_text", "text": text}]
+            item.pop("content", None)
+            if self.seal:
+                item["encrypted_content"] = seal_reasoning(text)
         elif item["type"] == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]
             if self.seal:
@@ -328,6 +345,13 @@ class ResponsesBuilder:
             frames.append(
                 self.event("response.content_part.done", **ids, content_index=0, part=part)
             )
+        elif item["type"] == "reasoning" and self.summarize:
+            part = item["summary"][0]
+            done = {**ids, "summary_index": 0}
+            frames.append(
+                self.event("response.reasoning_summary_text.done", **done, text=part["text"])
+            )
+            frames.append(self.event("response.reasoning_summary_part.done", **done, part=part))
         elif item["type"] == "reasoning":
             part = item["content"][0]
             frames.append(

@@ -38,6 +38,11 @@ class RenderParams(StageParams):
         description="A conversation ending with an assistant message (prefill) is continued "
         "instead of answered in a new turn (chat_template renderer).",
     )
+    thinking_switch: str | None = Field(
+        "enable_thinking",
+        description="The chat template variable that turns reasoning on or off (Qwen3, GLM:"
+        " enable_thinking), set when a request says; null when the template has none.",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra template variables (harmony: model_identity, knowledge_cutoff, "
@@ -113,12 +118,13 @@ class ChatTemplateStage(RenderStage):
 
     def template_kwargs(self, request: GenerationRequest) -> dict[str, Any]:
         kwargs = {**self.params.chat_template_kwargs, **request.template_kwargs}
-        if request.reasoning.enabled is not None:
-            kwargs["enable_thinking"] = request.reasoning.enabled
+        switch = self.params.thinking_switch
+        if switch and request.reasoning.enabled is not None:
+            kwargs[switch] = request.reasoning.enabled
         if request.reasoning.effort is not None:
             kwargs["reasoning_effort"] = request.reasoning.effort
-        if request.tool_choice.mode in ("required", "function"):
-            kwargs["enable_thinking"] = False  # the tool_calls stage prefills the call
+        if switch and request.tool_choice.mode in ("required", "function"):
+            kwargs[switch] = False  # the tool_calls stage prefills the call
         return kwargs
 
 
