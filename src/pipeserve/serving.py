@@ -137,13 +137,17 @@ def serve(
     except ConfigError as error:
         print(str(error), file=sys.stderr)
         return 1
+    worker_count = workers or settings.workers or config.server.workers
+    if worker_count != 1 and any(m.options.sharding for m in config.models):
+        print("pipeserve: a sharded model needs exactly one gunicorn worker", file=sys.stderr)
+        return 1
     options = gunicorn_options(
         config,
         host or settings.host or config.server.host,
         port
         if port is not None
         else (settings.port if settings.port is not None else config.server.port),
-        workers or settings.workers or config.server.workers,
+        worker_count,
         log_level,
     )
     application = PipeserveApplication(path, options, settings.env_api_keys(), loaded)

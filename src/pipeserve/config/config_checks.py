@@ -19,6 +19,7 @@ from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
+from pipeserve.config.sharding_checks import check_sharding
 
 # Mirrors pipeserve.api's protocol names (a test keeps them equal); a constant here so
 # validation does not import the protocol modules.
@@ -76,6 +77,8 @@ def check_config(
     problems += _check_key_scopes(doc, {m.get("name") for _, m in models})
     pipelines, pipeline_problems = _check_model_pipelines(doc, models, validator)
     problems += pipeline_problems
+    if parsed is not None:
+        problems += check_sharding(doc, parsed)
     if problems or parsed is None:
         return None, problems
     return LoadedConfig(doc.path, parsed, pipelines), []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from pipeserve.config.detect_rules import DetectSection
 
@@ -137,10 +137,71 @@ class PrefixCacheOptions(Strict):
 
 
 class ShardingOptions(Strict):
-    strategy: Literal["tensor", "pipeline"] = "tensor"
-    ranks: int = Field(2, ge=2)
-    backend: Literal["ring", "mpi", "jaccl", "nccl", "any"] = "ring"
-    hostfile: str | None = Field(None, description="mlx.launch hosts file for several machines.")
+    """One model across several processes / machines over mx.distributed (README: Sharding)."""
+
+    strategy: Literal["tensor", "pipeline"] = Field(
+        "tensor",
+        description="tensor: every rank holds a slice of every layer (mlx-lm's Model.shard);"
+        " pipeline: every rank holds a contiguous range of layers.",
+    )
+    ranks: int | None = Field(
+        None,
+        ge=2,
+        le=64,
+        description="Processes in the group (default 2, or one per host of `hostfile`).",
+    )
+    hostfile: str | None = Field(
+        None,
+        description="mlx hosts file (JSON, mlx.distributed_config / mlx.launch format), relative"
+        " to this config: rank i runs on host i, over ssh unless the host is this machine.",
+    )
+    backend: Literal["ring", "mpi", "jaccl", "nccl"] = Field(
+        "ring", description="mx.distributed backend; ring (TCP) is in every MLX build."
+    )
+    split: list[int] | None = Field(
+        None,
+        description="pipeline: layers per rank, rank 0 first (rank 0 runs the LAST layers, as"
+        " in mlx-lm); default an even split.",
+    )
+    step_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds one engine step may take before the group counts as hung (a rank"
+        " stopped or cut off): requests in flight end with an error and the group restarts.",
+    )
+    start_timeout: float = Field(
+        300.0, gt=0, description="Seconds the other ranks get to start, join and load."
+    )
+    port: int | None = Field(
+        None,
+        ge=1024,
+        le=65000,
+        description="First TCP port of the ring (one per rank); default: free ports.",
+    )
+
+    @field_validator("split")
+    @classmethod
+    def _split_positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(count < 1 for count in value):
+            raise ValueError("every rank needs at least one layer")
+        return value
+
+    @model_validator(mode="after")
+    def _split_fits(self) -> ShardingOptions:
+        if self.split is None:
+            return self
+        if self.strategy != "pipeline":
+            raise ValueError("split applies to strategy: pipeline only")
+        if self.ranks is not None and len(self.split) != self.ranks:
+            raise ValueError(f"split has {len(self.split)} entries for {self.ranks} ranks")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Ranks, when not given by a hosts file (checked against it by validation)."""
+        if self.ranks is not None:
+            return self.ranks
+        return len(self.split) if self.split else 2
 
 
 class EngineOptions(Strict):
@@ -167,19 +228,10 @@ class EngineOptions(Strict):
     )
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
     sharding: ShardingOptions | None = Field(
-        None, description="Not available yet: rejected by validation."
+        None,
+        description="Run this model on several processes / machines (mx.distributed); at most"
+        " one sharded model per server, with one gunicorn worker.",
     )
-
-    @field_validator("sharding")
-    @classmethod
-    def _sharding_not_yet(cls, value: ShardingOptions | None) -> ShardingOptions | None:
-        # Refuse rather than silently serve unsharded: a user who asks for sharding has a
-        # model that may not fit one process.
-        if value is not None:
-            raise ValueError(
-                "sharding is not implemented in this version of pipeserve; remove options.sharding"
-            )
-        return value
 
 
 class ReplayOptions(Strict):

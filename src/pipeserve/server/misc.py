@@ -31,7 +31,18 @@ class HealthResource:
         self.models = models
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"status": "ok", "models": [m.name for m in self.models.models]}
+        names = [m.name for m in self.models.models]
+        # An engine may say it cannot serve (a sharded model whose group was lost).
+        unhealthy = {
+            m.name: getattr(m.runtime.engine, "health_reason", "") or "unhealthy"
+            for m in self.models.models
+            if not getattr(m.runtime.engine, "healthy", True)
+        }
+        if unhealthy:
+            resp.status = falcon.HTTP_503
+            resp.media = {"status": "unhealthy", "models": names, "unhealthy": unhealthy}
+            return
+        resp.media = {"status": "ok", "models": names}
 
     on_head = on_get
 

@@ -1,0 +1,102 @@
+"""Checks of `options.sharding` that need more than one model entry: the server's worker
+count, one sharded model per server, the installed MLX's backends, the hosts file, and
+whether the model's architecture can be sharded that way (from its config.json; a Hub
+model not downloaded yet is checked when it loads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeserve.config.loader import YamlDoc
+from pipeserve.config.models import ServerConfig, ShardingOptions
+from pipeserve.config.problems import PathKey, Problem
+
+
+def check_sharding(doc: YamlDoc, config: ServerConfig) -> list[Problem]:
+    """Every sharding problem of a parsed config; resolves `hostfile` against its folder."""
+    problems: list[Problem] = []
+    sharded = [(i, m) for i, m in enumerate(config.models) if m.options.sharding is not None]
+    if sharded and config.server.workers != 1:
+        message = (
+            f"a sharded model needs exactly one gunicorn worker ({sharded[0][1].name!r} is sharded)"
+        )
+        problems.append(doc.problem(("server", "workers"), message))
+    for count, (index, entry) in enumerate(sharded):
+        options = entry.options.sharding
+        assert options is not None
+        at: PathKey = ("models", index, "options", "sharding")
+        if count > 0:
+            first = sharded[0][1].name
+            problems.append(doc.problem(at, f"only one sharded model per server ({first!r}"
+                                            " is sharded already): mx.distributed has one group per process"))  # fmt: skip
+        if entry.engine != "mlx":
+            problems.append(doc.problem(at, f"sharding needs engine: mlx, not {entry.engine!r}"))
+        problems += _check_options(doc, at, options, entry.source)
+    return problems
+
+
+def _check_options(
+    doc: YamlDoc, at: PathKey, options: ShardingOptions, source: str
+) -> list[Problem]:
+    from pipeserve.engine.sharding.support import backend_problem, sharding_problems
+
+    problems = []
+    missing = backend_problem(options.backend)
+    if missing:
+        problems.append(doc.problem(at + ("backend",), missing))
+    if options.hostfile is not None:
+        path = Path(options.hostfile).expanduser()
+        path = path if path.is_absolute() else doc.path.parent / path
+        options.hostfile = str(path.resolve())
+        hosts, message = read_hostfile(path)
+        if message:
+            return problems + [doc.problem(at + ("hostfile",), message)]
+        if options.ranks is not None and options.ranks != len(hosts):
+            message = f"ranks {options.ranks} but the hosts file lists {len(hosts)} hosts"
+            return problems + [doc.problem(at + ("ranks",), message)]
+        options.ranks = len(hosts)
+    config = architecture_config(source)
+    if config is not None:
+        where = at + ("split",) if options.split is not None else at + ("strategy",)
+        for message in sharding_problems(config, options.strategy, options.size, options.split):
+            problems.append(
+                doc.problem(where if "split" in message else at + ("strategy",), message)
+            )
+    return problems
+
+
+def read_hostfile(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """mlx's hosts file: {"hosts": [{"ssh": ..., "ips": [...]}, ...]} or the bare list."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [], f"cannot read the hosts file {path}: {exc}"
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    if not isinstance(hosts, list) or not all(isinstance(h, dict) for h in hosts):
+        return [], f"{path}: expected mlx's hosts file format (a 'hosts' list of {{ssh, ips}})"
+    if len(hosts) < 2:
+        return [], f"{path}: a sharded model needs at least 2 hosts, found {len(hosts)}"
+    for number, host in enumerate(hosts):
+        if not isinstance(host.get("ssh"), str) or not host.get("ips"):
+            return [], f"{path}: host {number} needs 'ssh' (a host name) and 'ips' (the ring's IPs)"
+    return hosts, None
+
+
+def architecture_config(source: str) -> dict[str, Any] | None:
+    """The model's config.json when it can be known without downloading or building it."""
+    if source.startswith("demo:"):
+        from pipeserve.engine.demo_families import FAMILIES
+
+        family = FAMILIES.get(source.removeprefix("demo:").strip())
+        return dict(family.config) if family else None
+    path = Path(source).expanduser() / "config.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+    return None

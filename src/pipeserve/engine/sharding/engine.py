@@ -1,0 +1,130 @@
+"""ShardedEngine: MlxEngine whose model runs on a group of ranks (rank 0 is this engine).
+
+The engine thread starts the group (group.py), loads rank 0's share (load.py) and runs a
+Rank0Batch (lockstep.py). When the group is lost the model turns unhealthy (`/health`
+503, new requests get `unavailable`), requests in flight end with an error event, and,
+in a server, the worker exits shortly after so gunicorn starts a fresh one, which
+starts a fresh group (an mx.distributed group cannot be re-initialised in a process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from pipeserve.config.models import EngineOptions
+from pipeserve.engine.batching import Batch
+from pipeserve.engine.channel import Courier, start_os_thread
+from pipeserve.engine.mlx_engine import MlxEngine
+from pipeserve.engine.sharding.control import os_sleep
+from pipeserve.engine.sharding.group import RankGroup
+from pipeserve.engine.sharding.load import load_shard, weight_bytes
+from pipeserve.engine.sharding.lockstep import Rank0Batch
+from pipeserve.errors import ApiError
+
+log = logging.getLogger("pipeserve.sharding")
+
+EXIT_DELAY = 1.5  # seconds for the error events to reach the clients before the worker exits
+RESCUE_AFTER = 1.0  # seconds the engine thread gets to fail its own requests after a loss
+
+
+class ShardedEngine(MlxEngine):
+    def __init__(
+        self,
+        name: str,
+        model_dir: Path,
+        tokenizer: Any,
+        options: EngineOptions,
+        exit_on_loss: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.group = RankGroup(name, model_dir, options, self._on_lost)
+        self.exit_on_loss = exit_on_loss
+        self.shard_report: list[dict[str, Any]] = []
+        self._batch: Rank0Batch | None = None
+        super().__init__(
+            name, lambda: self._start(model_dir, options), tokenizer, options, **kwargs
+        )
+        self._stats["shard_ranks"] = options.sharding.size if options.sharding else 1
+
+    @property
+    def healthy(self) -> bool:
+        return self.group.healthy
+
+    @property
+    def health_reason(self) -> str:
+        return self.group.reason
+
+    def _start(self, model_dir: Path, options: EngineOptions) -> Any:
+        try:
+            group = self.group.start()
+            model = load_shard(model_dir, options, group)
+            total, layers = weight_bytes(model)
+            reports = self.group.wait_ready()
+            self.shard_report = [{"rank": 0, "weight_bytes": total, "layer_weight_bytes": layers}]
+            self.shard_report += reports
+            mx.random.seed(self.group.begin())
+        except BaseException:
+            self.group.stop()
+            raise
+        log.info("model %s: sharded over %d ranks, peers %s; weights per rank %s", self.name,
+                 len(self.shard_report), self.group.pids(), self.shard_report)  # fmt: skip
+        return model
+
+    def _new_batch(self, model: Any) -> Batch:
+        self._batch = Rank0Batch(model, self.options, self._stats, self.group)
+        return self._batch
+
+    def _admit(self) -> None:
+        if not self.group.healthy:
+            raise ApiError("unavailable", f"model {self.name} is unavailable: {self.group.reason}")
+        super()._admit()
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        out["shard_healthy"] = 1.0 if self.group.healthy else 0.0
+        return out
+
+    def _on_lost(self, reason: str) -> None:
+        """From the watchdog or the engine thread: the group is gone for good."""
+        self._inbox.put(("wake",))  # an idle engine thread notices nothing otherwise
+        start_os_thread(self._after_loss, name=f"pipeserve-shard-lost-{self.name}")
+
+    def _after_loss(self) -> None:
+        os_sleep(RESCUE_AFTER)
+        batch = self._batch
+        if batch is not None and not batch.lost:
+            self._rescue(batch)
+        if self.exit_on_loss:
+            os_sleep(EXIT_DELAY)
+            self._exit_worker()
+
+    def _rescue(self, batch: Rank0Batch) -> None:
+        """The engine thread did not come back from its step: MLX does not always raise
+        when a peer of a collective is gone (the error stays in its scheduler). End the
+        requests from here; the engine thread stays stuck until the worker exits."""
+        log.error("model %s: the engine thread is stuck in a collective; failing its requests",
+                  self.name)  # fmt: skip
+        batch.lost = True
+        courier = Courier()
+        message = f"sharded model failed: {self.group.reason}"
+        for seq in list(batch.seqs.values()):
+            seq.finish(courier, "error", message)
+        while True:  # requests queued behind the stuck step
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                break
+            if item[0] == "submit":
+                item[2].finish(courier, "error", message)
+        courier.flush()
+
+    def _exit_worker(self) -> None:
+        log.error("model %s: exiting this worker so that a new one restarts the group", self.name)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,167 @@
+"""The batch in lockstep on every rank: rank 0 decides, the other ranks replay.
+
+Every rank runs the same `Batch` (mlx-lm's BatchGenerator) on its engine thread's one
+MLX stream, so the model's collectives are issued in the same order everywhere. The
+batch may change only through the log rank 0 sends before each step: a new request
+with its prompt token ids and a resolved sampling seed, a cancel, a removal after a
+delivery fault. Rank 0 detokenises and emits events; the other ranks drop them
+(`PeerSequence`). A step counter in every message is checked on every rank.
+
+The prefix cache is off in sharded mode: a hit must be the same on every rank, and
+byte-bounded eviction differs when ranks hold different layer counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from typing import Any
+
+from pipeserve.config.models import EngineOptions
+from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.batching import Batch
+from pipeserve.engine.channel import Courier
+from pipeserve.engine.sampling import make_sampler
+from pipeserve.engine.sequence import Sequence
+from pipeserve.engine.sharding.group import GroupLost, RankGroup
+
+log = logging.getLogger("pipeserve.sharding")
+
+
+def lockstep_options(options: EngineOptions) -> EngineOptions:
+    """The engine options every rank runs with (prefix cache off, see above)."""
+    cache = options.prefix_cache.model_copy(update={"enabled": False})
+    return options.model_copy(update={"prefix_cache": cache})
+
+
+def resolve_seed(job: GenerationJob, vocab_size: int | None) -> None:
+    """Draw on rank 0 the seed a sampler would draw for itself, so all ranks sample alike."""
+    if job.sampling.seed is not None:
+        return
+    if make_sampler(job.sampling, vocab_size) is make_sampler(job.sampling, vocab_size):
+        return  # greedy or one shared sampler: no seed of its own
+    job.sampling = dataclasses.replace(job.sampling, seed=random.getrandbits(63))
+
+
+class Rank0Batch(Batch):
+    """Rank 0's batch: applies each change locally and logs it for the next step."""
+
+    def __init__(self, model: Any, options: EngineOptions, stats: dict[str, float],
+                 group: RankGroup) -> None:  # fmt: skip
+        super().__init__(model, lockstep_options(options), stats)
+        self.group = group
+        self.steps = 0
+        self.lost = False
+        self._log: list[tuple[Any, ...]] = []
+
+    def add(self, key: int, seq: Sequence, courier: Courier) -> None:
+        if self.lost:
+            seq.finish(courier, "error", f"model unavailable: {self.group.reason}")
+            self._count_finished("requests_failed")
+            return
+        resolve_seed(seq.job, self.vocab_size)
+        self._log.append(("submit", key, seq.job))
+        super().add(key, seq, courier)
+
+    def cancel(self, key: int, courier: Courier) -> None:
+        if key in self.seqs:
+            self._log.append(("cancel", key))
+        super().cancel(key, courier)
+
+    def _deliver(self, key: int, response: Any, courier: Courier) -> None:
+        super()._deliver(key, response, courier)
+        if response.finish_reason is None and key not in self.seqs:
+            self._log.append(("cancel", key))  # removed after a delivery fault
+
+    def step(self, courier: Courier) -> None:
+        if self.lost:
+            return
+        self.steps += 1
+        try:
+            self.group.broadcast(("step", self.steps, self._log))
+        except GroupLost as exc:
+            self.fail_all(courier, str(exc))
+            return
+        self._log = []
+        self.group.step_started = time.monotonic()
+        try:
+            super().step(courier)
+        finally:
+            self.group.step_started = None
+
+    def fail_all(self, courier: Courier, message: str) -> None:
+        """Any fault breaks lockstep: end every request and give the group up."""
+        self.lost = True
+        reason = self.group.reason if not self.group.healthy and self.group.reason else message
+        for seq in self.seqs.values():
+            seq.finish(courier, "error", f"sharded model failed: {reason}")
+            self._count_finished("requests_failed")
+        self.seqs.clear()
+        self.uid_of.clear()
+        self.key_of.clear()
+        self._update_stats()
+        self.group.lose(message)
+
+    def close(self, courier: Courier) -> None:
+        for seq in self.seqs.values():
+            seq.finish(courier, "error", "the model is shutting down")
+        self.seqs.clear()
+        self.group.stop()
+
+
+class PeerSequence:
+    """A request on a rank other than 0: the engine's Sequence without events."""
+
+    def __init__(self, job: GenerationJob) -> None:
+        self.job = job
+        self.completion_tokens = 0
+        self.submitted_at = time.monotonic()
+
+    def ready(self, courier: Any, cached_tokens: int = 0) -> None:
+        pass
+
+    def token(self, courier: Any, token_id: int, logprobs: Any = None, final: bool = False) -> None:
+        self.completion_tokens += 1
+
+    def stop_token(self, courier: Any) -> None:
+        self.completion_tokens += 1
+
+    def finish(self, courier: Any, reason: str, error: str | None = None) -> None:
+        pass
+
+
+class PeerBatch(Batch):
+    """The batch of a rank other than 0: a fault ends the rank (rank 0 sees it)."""
+
+    def __init__(self, model: Any, options: EngineOptions) -> None:
+        super().__init__(model, lockstep_options(options), {})
+
+    def fail_all(self, courier: Any, message: str) -> None:
+        raise GroupLost(message)
+
+
+class ProtocolError(RuntimeError):
+    """A rank got a message it cannot follow (out of step, unknown kind)."""
+
+
+def replay(batch: Batch, message: tuple[Any, ...], expected_step: int) -> bool:
+    """Apply one message from rank 0 on another rank; False when the group closes."""
+    kind = message[0]
+    if kind == "close":
+        return False
+    if kind != "step":
+        raise ProtocolError(f"unknown control message {kind!r}")
+    _, step, changes = message
+    if step != expected_step:
+        raise ProtocolError(f"rank 0 is at step {step}, this rank at {expected_step}")
+    for change in changes:
+        if change[0] == "submit":
+            batch.add(change[1], PeerSequence(change[2]), None)  # type: ignore[arg-type]
+        elif change[0] == "cancel":
+            batch.cancel(change[1], None)  # type: ignore[arg-type]
+        else:
+            raise ProtocolError(f"unknown batch change {change[0]!r}")
+    batch.step(None)  # type: ignore[arg-type]
+    return True

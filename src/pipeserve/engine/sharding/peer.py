@@ -1,0 +1,103 @@
+"""A rank other than 0 of a sharded model: `python -m pipeserve.engine.sharding.peer`.
+
+Started by rank 0 (group.py) with its settings in the environment. It connects to rank
+0's control channel, joins the mx.distributed group, loads its share of the weights and
+then replays rank 0's batch log step by step (lockstep.py) until rank 0 closes the
+group or goes away. Any error ends the process: rank 0 sees the exit and gives the
+group up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger("pipeserve.sharding")
+
+
+def die_with_parent() -> None:
+    """Exit when the process that started this rank exits (local ranks only)."""
+    parent = os.environ.get("PIPESERVE_SHARD_PARENT")
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(parent):  # it exited before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__).parse_known_args(argv)  # labels for ps
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    logging.basicConfig(
+        level=os.environ.get("PIPESERVE_LOG_LEVEL", "info").upper(),
+        format=f"%(asctime)s %(levelname)s rank {os.environ.get('MLX_RANK')} %(name)s: %(message)s",
+    )
+    from pipeserve.engine.sharding.control import Connection, os_socket_class
+
+    host, port = os.environ["PIPESERVE_SHARD_CONTROL"].rsplit(":", 1)
+    sock = os_socket_class()()
+    sock.connect((host, int(port)))
+    conn = Connection(sock)
+    rank = int(os.environ["MLX_RANK"])
+    conn.send_json({"rank": rank, "pid": os.getpid(), "token": os.environ["PIPESERVE_SHARD_TOKEN"]})
+    try:
+        return serve_rank(conn, rank)
+    except Exception as exc:
+        log.exception("rank %d failed", rank)
+        try:
+            conn.send_json({"error": f"{type(exc).__name__}: {exc}"})
+        except OSError:
+            pass
+        return 1
+
+
+def serve_rank(conn: object, rank: int) -> int:
+    import mlx.core as mx
+
+    from pipeserve.config.models import EngineOptions
+    from pipeserve.engine.sharding.control import ChannelClosed, Connection
+    from pipeserve.engine.sharding.load import load_shard, weight_bytes
+    from pipeserve.engine.sharding.lockstep import PeerBatch, replay
+
+    assert isinstance(conn, Connection)
+    options = EngineOptions.model_validate_json(os.environ["PIPESERVE_SHARD_OPTIONS"])
+    assert options.sharding is not None
+    if not os.environ.get("MLX_HOSTFILE"):
+        fd, path = tempfile.mkstemp(prefix="pipeserve-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(os.environ["PIPESERVE_SHARD_RING"])
+        os.environ["MLX_HOSTFILE"] = path
+    group = mx.distributed.init(strict=True, backend=options.sharding.backend)
+    model = load_shard(Path(os.environ["PIPESERVE_SHARD_MODEL_DIR"]), options, group)
+    total, layers = weight_bytes(model)
+    conn.send_json({"rank": rank, "weight_bytes": total, "layer_weight_bytes": layers})
+    kind, seed = conn.recv_obj()
+    if kind != "start":
+        raise RuntimeError(f"expected start, got {kind!r}")
+    mx.random.seed(seed)
+    batch = PeerBatch(model, options)
+    step = 1
+    try:
+        while replay(batch, conn.recv_obj(), step):
+            step += 1
+    except ChannelClosed:
+        log.info("rank %d: rank 0 is gone; exiting", rank)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip MLX's thread teardown at interpreter exit

@@ -1,0 +1,134 @@
+"""options.sharding: what validation accepts and the positioned errors for what cannot work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeserve.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, sharding: str, *, extra_model: str = "", server: str = "") -> Path:
+    config = tmp_path / "sharded.yaml"
+    config.write_text(
+        f"pipelines_dir: {REPO / 'pipelines'}\n"
+        f"{server}"
+        "models:\n"
+        "  - name: x\n"
+        "    source: demo:qwen3\n"
+        "    pipeline: qwen3\n"
+        "    options:\n"
+        f"      sharding: {sharding}\n"
+        f"{extra_model}"
+        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
+    )
+    return config
+
+
+def validate(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["validate", str(config)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "sharding",
+    [
+        "{ranks: 2}",
+        "{strategy: tensor, ranks: 2, backend: ring, step_timeout: 5}",
+        "{strategy: pipeline, ranks: 2, split: [1, 1]}",
+    ],
+)
+def test_workable_sharding_validates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharding: str
+) -> None:
+    code, err = validate(write_config(tmp_path, sharding), capsys)
+    assert (code, err) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("sharding", "position", "message"),
+    [
+        # 2 layers cannot feed 3 pipeline stages
+        ("{strategy: pipeline, ranks: 3}", "7:28: models[0].options.sharding.strategy",
+         "2 layers cannot be split over 3 ranks"),
+        # 4 heads, 2 KV heads, 128 intermediate: not by 3
+        ("{strategy: tensor, ranks: 3}", "7:28: models[0].options.sharding.strategy",
+         "num_key_value_heads = 2 does not divide by 3 ranks"),
+        ("{strategy: pipeline, ranks: 2, split: [2, 1]}", "7:55: models[0].options.sharding.split",
+         "split [2, 1] sums to 3, not to the model's 2 layers"),
+        ("{strategy: pipeline, ranks: 2, split: [2]}", "7:17: models[0].options.sharding",
+         "split has 1 entries for 2 ranks"),
+        ("{strategy: tensor, split: [1, 1]}", "7:17: models[0].options.sharding",
+         "split applies to strategy: pipeline only"),
+        ("{ranks: 2, backend: mpi}", "7:37: models[0].options.sharding.backend",
+         "backend 'mpi' is not available in this MLX build"),
+        ("{ranks: 1}", "7:25: models[0].options.sharding.ranks", "greater than or equal to 2"),
+        ("{ranks: 2, hostfile: nowhere.json}", "7:38: models[0].options.sharding.hostfile",
+         "cannot read the hosts file"),
+    ],
+)  # fmt: skip
+def test_unworkable_sharding_is_a_positioned_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharding: str, position: str, message: str
+) -> None:
+    code, err = validate(write_config(tmp_path, sharding), capsys)
+    assert code == 1
+    assert any(position in line and message in line for line in err.splitlines()), err
+
+
+def test_architecture_without_shard_names_the_supported_pipelines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "glm4-dense"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "glm4", "num_hidden_layers": 4}))
+    for strategy, expected in [
+        ("tensor", "architecture 'glm4' has no shard() in mlx-lm"),
+        ("pipeline", "architecture 'glm4' is not supported; supported: mlx-lm's pipeline()"),
+    ]:
+        config = write_config(tmp_path, f"{{strategy: {strategy}}}")
+        config.write_text(config.read_text().replace("demo:qwen3", str(model)))
+        code, err = validate(config, capsys)
+        assert code == 1 and "models[0].options.sharding.strategy" in err
+        assert expected in err and ("qwen3, llama, gpt_oss" in err) == (strategy == "pipeline")
+
+
+def test_two_workers_or_two_sharded_models_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    second = (
+        "  - name: y\n    source: demo:qwen3\n    pipeline: qwen3\n"
+        "    options:\n      sharding: {ranks: 2}\n"
+    )
+    config = write_config(
+        tmp_path, "{ranks: 2}", extra_model=second, server="server: {workers: 2}\n"
+    )
+    code, err = validate(config, capsys)
+    assert code == 1
+    assert "2:19: server.workers: a sharded model needs exactly one gunicorn worker" in err
+    assert "13:17: models[1].options.sharding: only one sharded model per server ('x'" in err
+
+
+def test_replay_engine_cannot_be_sharded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path, "{ranks: 2}")
+    config.write_text(
+        config.read_text().replace("    options:\n", "    engine: replay\n    options:\n")
+    )
+    code, err = validate(config, capsys)
+    assert code == 1 and "sharding needs engine: mlx, not 'replay'" in err
+
+
+def test_hostfile_sets_the_rank_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hosts = [{"ssh": "m1", "ips": ["10.0.0.1"]}, {"ssh": "m2", "ips": ["10.0.0.2"]},
+             {"ssh": "m3", "ips": ["10.0.0.3"]}]  # fmt: skip
+    (tmp_path / "hosts.json").write_text(json.dumps({"backend": "ring", "hosts": hosts}))
+    # 3 hosts: qwen3's 2 KV heads do not divide by 3 (the hosts file sets the ranks)
+    code, err = validate(write_config(tmp_path, "{hostfile: hosts.json}"), capsys)
+    assert code == 1 and "num_key_value_heads = 2 does not divide by 3 ranks" in err
+    code, err = validate(write_config(tmp_path, "{hostfile: hosts.json, ranks: 2}"), capsys)
+    assert code == 1 and "ranks 2 but the hosts file lists 3 hosts" in err
