@@ -123,6 +123,15 @@ def test_replay_engine_cannot_be_sharded(
     assert code == 1 and "sharding needs engine: mlx, not 'replay'" in err
 
 
+def test_sharded_model_loads_at_startup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path, "{ranks: 2}")
+    config.write_text(
+        config.read_text().replace("    options:\n", "    load: on_demand\n    options:\n")
+    )
+    code, err = validate(config, capsys)
+    assert code == 1 and "6:11: models[0].load: a sharded model is loaded at start-up" in err
+
+
 def test_hostfile_sets_the_rank_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = [{"ssh": "m1", "ips": ["10.0.0.1"]}, {"ssh": "m2", "ips": ["10.0.0.2"]},
              {"ssh": "m3", "ips": ["10.0.0.3"]}]  # fmt: skip

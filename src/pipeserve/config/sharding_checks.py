@@ -34,6 +34,9 @@ def check_sharding(doc: YamlDoc, config: ServerConfig) -> list[Problem]:
                                             " is sharded already): mx.distributed has one group per process"))  # fmt: skip
         if entry.engine != "mlx":
             problems.append(doc.problem(at, f"sharding needs engine: mlx, not {entry.engine!r}"))
+        if entry.load != "startup":
+            message = "a sharded model is loaded at start-up (its group cannot be rejoined later)"
+            problems.append(doc.problem(("models", index, "load"), message))
         problems += _check_options(doc, at, options, entry.source)
     return problems
 

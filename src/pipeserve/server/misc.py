@@ -33,11 +33,7 @@ class HealthResource:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         names = [m.name for m in self.models.models]
         # An engine may say it cannot serve (a sharded model whose group was lost).
-        unhealthy = {
-            m.name: getattr(m.runtime.engine, "health_reason", "") or "unhealthy"
-            for m in self.models.models
-            if not getattr(m.runtime.engine, "healthy", True)
-        }
+        unhealthy = {m.name: reason for m in self.models.models if (reason := _unhealthy(m))}
         if unhealthy:
             resp.status = falcon.HTTP_503
             resp.media = {"status": "unhealthy", "models": names, "unhealthy": unhealthy}
@@ -45,6 +41,15 @@ class HealthResource:
         resp.media = {"status": "ok", "models": names}
 
     on_head = on_get
+
+
+def _unhealthy(model: ServedModel) -> str | None:
+    """Why a loaded engine cannot serve (a sharded model whose group was lost), or None."""
+    engine = model.runtime.engine
+    for candidate in (engine, getattr(engine, "engine", None)):  # a ManagedEngine's inner one
+        if candidate is not None and not getattr(candidate, "healthy", True):
+            return str(getattr(candidate, "health_reason", "") or "unhealthy")
+    return None
 
 
 class RootResource:

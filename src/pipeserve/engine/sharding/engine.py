@@ -31,6 +31,7 @@ from pipeserve.errors import ApiError
 log = logging.getLogger("pipeserve.sharding")
 
 EXIT_DELAY = 1.5  # seconds for the error events to reach the clients before the worker exits
+_GROUP_STARTED = False  # one mx.distributed group per process, ever
 RESCUE_AFTER = 1.0  # seconds the engine thread gets to fail its own requests after a loss
 
 
@@ -44,6 +45,14 @@ class ShardedEngine(MlxEngine):
         exit_on_loss: bool = True,
         **kwargs: Any,
     ) -> None:
+        global _GROUP_STARTED
+        if _GROUP_STARTED:
+            # mx.distributed keeps one group per process and cannot join another.
+            raise RuntimeError(
+                f"model {name}: this process already ran a sharded group; a sharded model"
+                " cannot be replaced in place (restart pipeserve)"
+            )
+        _GROUP_STARTED = True
         self.group = RankGroup(name, model_dir, options, self._on_lost)
         self.exit_on_loss = exit_on_loss
         self.shard_report: list[dict[str, Any]] = []
