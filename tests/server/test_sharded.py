@@ -36,7 +36,9 @@ PEER_MODULE = "pipeserve.engine.sharding.peer"
 PROMPTS = ["Say hello", "Write a haiku about the sea", "Count to ten"]
 
 
-def sharded_config(tmp: Path, family: str, strategy: str, step_timeout: float = 60.0) -> Path:
+def sharded_config(
+    tmp: Path, family: str, strategy: str, step_timeout: float = 60.0, start_timeout: float = 300.0
+) -> Path:
     config = tmp / f"sharded-{family}-{strategy}.yaml"
     config.write_text(
         f"pipelines_dir: {REPO / 'pipelines'}\n"
@@ -44,7 +46,7 @@ def sharded_config(tmp: Path, family: str, strategy: str, step_timeout: float = 
         f"  - {{name: plain, source: 'demo:{family}', pipeline: {family}}}\n"
         f"  - name: split\n    source: 'demo:{family}'\n    pipeline: {family}\n"
         f"    options:\n      sharding: {{strategy: {strategy}, ranks: 2,"
-        f" step_timeout: {step_timeout}}}\n"
+        f" step_timeout: {step_timeout}, start_timeout: {start_timeout}}}\n"
         "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
     )
     return config
@@ -139,7 +141,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 def test_sharded_greedy_equals_unsharded(
     servers: dict[str, Any], family: str, strategy: str
 ) -> None:
-    base, proc = servers["get"](family, strategy, step_timeout=5.0)
+    base, proc = servers["get"](family, strategy, step_timeout=10.0)
     client = OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0, timeout=120)
     assert len(peer_pids(proc.pid)) == 1
     for prompt in PROMPTS[:2]:
@@ -188,7 +190,7 @@ def wait_healthy(base: str, timeout: float = 300) -> None:
 def test_lost_rank_ends_streams_with_an_error_and_the_group_restarts(
     servers: dict[str, Any], demo_tokenizer: Any, how: signal.Signals
 ) -> None:
-    base, proc = servers["get"]("qwen3", "tensor", step_timeout=5.0)
+    base, proc = servers["get"]("qwen3", "tensor", step_timeout=10.0)
     wait_healthy(base)
     client = OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0, timeout=120)
     reference = answer(client, "plain", PROMPTS[0])
@@ -208,6 +210,16 @@ def test_lost_rank_ends_streams_with_an_error_and_the_group_restarts(
     (replacement,) = peer_pids(proc.pid)
     assert replacement != victim
     assert answer(client, "split", PROMPTS[0]) == reference
+
+
+def test_ranks_that_do_not_join_in_time_refuse_the_start(tmp_path: Path) -> None:
+    """A rank that never joins: bounded by start_timeout, the server refuses to start."""
+    config = sharded_config(tmp_path, "qwen3", "tensor", start_timeout=0.01)
+    with pytest.raises(RuntimeError) as caught:
+        with server_process(config, startup_timeout=120):
+            pass
+    assert "did not join within start_timeout" in str(caught.value)
+    assert "server exited" in str(caught.value)
 
 
 def test_stop_leaves_no_rank_running(servers: dict[str, Any]) -> None:

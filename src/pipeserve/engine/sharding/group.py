@@ -107,6 +107,7 @@ class RankGroup:
         self.reason = "starting"
         self.step_started: float | None = None
         self._phase = "starting"
+        self._in_init = False
         self._lock = os_lock()
         self._token = secrets.token_hex(16)
         self._ring_file: str | None = None
@@ -128,7 +129,9 @@ class RankGroup:
         self._accept_all()
         os.environ["MLX_RANK"] = "0"
         os.environ["MLX_HOSTFILE"] = self._ring_file or ""
+        self._in_init = True  # blocks for good if a rank dies before joining the ring
         group = mx.distributed.init(strict=True, backend=self.sharding.backend)
+        self._in_init = False
         if group.size() != len(place.ring):
             raise GroupLost(f"mx.distributed gave a group of {group.size()} ranks")
         return group
@@ -187,7 +190,9 @@ class RankGroup:
         waiting = {p.rank: p for p in self.peers}
         while waiting:
             left = self._deadline - time.monotonic()
-            if left <= 0 or not self.healthy and self._phase == "lost":
+            if self._phase == "lost":
+                raise GroupLost(self.reason)
+            if left <= 0:
                 raise GroupLost(f"ranks {sorted(waiting)} did not join within start_timeout")
             self._listener.settimeout(min(left, 1.0))
             try:
@@ -279,11 +284,12 @@ class RankGroup:
         self.reason = reason
         log.error("model %s: shard group lost: %s", self.name, reason)
         self._kill_all()
-        if starting:
-            # rank 0 may be blocked in mx.distributed.init (accept) for good: no way back.
+        if starting and self._in_init:
+            # rank 0 is blocked in mx.distributed.init (accept) for good: no way back.
             log.error("model %s: the group never started; exiting", self.name)
             os._exit(3)
-        self.on_lost(reason)
+        if not starting:
+            self.on_lost(reason)
 
     # -- stop ----------------------------------------------------------------------
 
