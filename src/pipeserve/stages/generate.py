@@ -148,6 +148,8 @@ def constraint(ctx: RequestContext, runtime: ModelRuntime) -> Constraint | None:
     plan = grammar_plan(ctx)
     if plan is None:
         return None
+    if plan is ctx.grammar_plan and runtime.engine.accepts_mock_response:
+        return None  # replay streams a scripted completion: a forced call is not sampled
     compiler = runtime.grammar
     if compiler is None:
         raise ApiError(

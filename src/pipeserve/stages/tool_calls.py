@@ -34,6 +34,7 @@ from pydantic_core import CoreSchema
 from pipeserve.events import ContentDelta, Event, Finish, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, register_stage
 from pipeserve.stages.toolfmt.base import CallSink
+from pipeserve.stages.toolfmt.call_grammar import forced_call_plan
 from pipeserve.stages.toolfmt.registry import (
     TOOL_FORMATS,
     ToolFormatParams,
@@ -100,6 +101,9 @@ class ToolCallsStage:
         self.spec: ToolFormatSpec[Any] = TOOL_FORMATS[chosen.format]
 
     def prepare(self, ctx: RequestContext) -> None:
+        envelope = self.params.envelope()
+        if envelope is not None:  # the format frames reasoning and answer (Harmony)
+            ctx.envelope = envelope
         choice = ctx.request.tool_choice
         if choice.mode not in ("required", "function") or not ctx.request.tools:
             return
@@ -111,6 +115,8 @@ class ToolCallsStage:
             ctx.prompt_opened_thinking = False
         ctx.assistant_prefill += close + prefill
         ctx.forced_call = prefill
+        tools = [t for t in ctx.request.tools if choice.mode != "function" or t.name == choice.name]
+        ctx.grammar_plan = forced_call_plan(self.params, tools, prefill)
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         calls_enabled = ctx.request.tool_choice.mode != "none"

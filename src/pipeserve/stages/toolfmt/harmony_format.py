@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from pipeserve.constraint import Envelope
 from pipeserve.events import ContentDelta, Event, ReasoningDelta, TokenText
 from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, ToolFormat, content
 from pipeserve.stages.toolfmt.registry import CallFrame, ToolFormatParams, register_tool_format
@@ -153,6 +154,17 @@ class HarmonyParams(ToolFormatParams):
 
     def call_frame(self, name: str) -> CallFrame:
         return CallFrame(self.forced_prefill(name), "<|call|>")
+
+    def envelope(self) -> Envelope:
+        """Reasoning messages on the first reasoning channel, the answer in `final`."""
+        channel = self.reasoning_channels[0] if self.reasoning_channels else "analysis"
+        return Envelope(
+            reasoning_open=f"<|channel|>{channel}<|message|>",
+            reasoning_close="<|end|><|start|>assistant",
+            answer_open="<|channel|>final<|message|>",
+            answer_close="<|return|>",
+            repeat=True,
+        )
 
 
 @register_tool_format("harmony", HarmonyParams, parses_without_calls=True, warm_up=load_encoding)

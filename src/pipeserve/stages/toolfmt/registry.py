@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeserve.constraint import Envelope
 from pipeserve.stages.toolfmt.base import CallSink, ToolFormat
 
 
@@ -37,6 +38,21 @@ class CallFrame:
 
     prefix: str
     suffix: str
+
+
+@dataclass(frozen=True)
+class PairFrame:
+    """A call whose arguments are written as key/value pairs (GLM), not one JSON object:
+    `prefix (key_open KEY key_close separator value_open VALUE value_close separator)*
+    suffix`; string values are plain text, others JSON."""
+
+    prefix: str
+    suffix: str
+    key_open: str
+    key_close: str
+    value_open: str
+    value_close: str
+    separator: str = "\n"
 
 
 class ToolFormatParams(BaseModel):
@@ -61,6 +77,15 @@ class ToolFormatParams(BaseModel):
 
     def call_frame(self, name: str) -> CallFrame | None:
         """The text around a call to `name`; None when arguments are not one JSON object."""
+        return None
+
+    def pair_frame(self, name: str) -> PairFrame | None:
+        """The pair layout of a call to `name` when arguments are key/value pairs."""
+        return None
+
+    def envelope(self) -> Envelope | None:
+        """How this format frames reasoning and the answer, when it carries them itself
+        (Harmony channels); None when a thinking stage or nothing does."""
         return None
 
     def forced_prefill(self, function: str | None) -> str:

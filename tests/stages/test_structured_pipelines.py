@@ -1,0 +1,155 @@
+"""Structured output through each shipped pipeline on its real MLX demo model (random
+weights, temperature 1.0): the family's real render, generate (grammar enforced in the
+engine's batch), thinking and tool_calls stages, built from the validated YAML.
+
+Forced tool calls must come out as a valid call in the family's own format (the
+tool_calls stage parses it) with schema-valid arguments; with reasoning on, the
+constraint starts after the reasoning (the close marker gets a logit bias so a random
+model closes it soon; the grammar alone decides what follows).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from pipeserve.config import load_pipeline
+from pipeserve.context import RequestContext
+from pipeserve.request import (
+    GenerationRequest,
+    Message,
+    OutputFormat,
+    ReasoningOptions,
+    SamplingParams,
+    ToolChoice,
+    ToolSpec,
+)
+from pipeserve.stages.base import BuildEnv, Chain
+
+from .helpers import summarize, without_usage
+
+pytestmark = pytest.mark.mlx
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILIES = ["qwen3", "glm", "kimi", "gpt-oss"]
+ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "hourly": {"type": "boolean"},
+    },
+    "required": ["city", "days", "code"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    ToolSpec("get_weather", "Weather for a city", ARGS),
+    ToolSpec("get_time", "Time in a zone", {
+        "type": "object",
+        "properties": {"tz": {"enum": ["UTC", "CET"]}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    }),
+]  # fmt: skip
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^[a-z]{2}[0-9]$"},
+        "items": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "items", "ok"],
+    "additionalProperties": False,
+}
+# The marker that ends reasoning, per family (biased so a random model reaches it).
+REASONING_CLOSE = {"qwen3": "</think>", "glm": "</think>", "kimi": "</think>", "gpt-oss": "<|end|>"}
+
+
+@pytest.fixture(scope="module")
+def mlx_runtime(demo_model_dir: Any) -> Iterator[Callable[[str], Any]]:
+    """family -> a real MLX runtime on its demo model (closed at the end)."""
+    from pipeserve.config.models import ModelEntry
+    from pipeserve.engine.runtime import build_runtime
+
+    built: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in built:
+            demo_model_dir(family)
+            entry = ModelEntry(name=f"s-{family}", source=f"demo:{family}", pipeline=family)
+            built[family] = build_runtime(entry)
+        return built[family]
+
+    yield get
+    for runtime in built.values():
+        runtime.engine.close()
+
+
+def run(runtime: Any, family: str, **fields: Any) -> list[tuple[Any, ...]]:
+    pipeline = load_pipeline(REPO / "pipelines" / f"{family}.yaml")
+    env = BuildEnv(model_name="s", family=family, runtime=runtime)
+    chain = Chain(
+        [s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages]
+    )
+    fields.setdefault("max_tokens", 160)
+    request = GenerationRequest(
+        model="s", messages=[Message("user", "Weather in Paris?")], **fields
+    )
+    ctx = RequestContext(request=request, request_id="s", model_name="s")
+    chain.prepare(ctx)
+    return without_usage(summarize(chain.run(ctx)))
+
+
+def token_id(runtime: Any, marker: str) -> int:
+    (token,) = runtime.grammar.encode(marker)
+    return int(token)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forced_calls_are_valid_in_every_format(
+    family: str, mlx_runtime: Callable[[str], Any]
+) -> None:
+    runtime = mlx_runtime(family)
+    choices = [ToolChoice("function", "get_weather"), ToolChoice("required")]
+
+    def ask(choice: ToolChoice) -> list[tuple[Any, ...]]:
+        return run(
+            runtime, family, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+            reasoning=ReasoningOptions(enabled=False),
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(ask, choices))
+    for choice, summary in zip(choices, results):
+        calls = [item for item in summary if item[0] == "call"]
+        assert summary[-1] == ("finish", "tool_calls"), summary
+        assert len(calls) == 1, summary
+        _, name, arguments = calls[0]
+        if choice.mode == "function":
+            assert name == "get_weather"
+        schema = next(t.parameters for t in TOOLS if t.name == name)
+        jsonschema.validate(json.loads(arguments), schema)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_answer_follows_schema_after_reasoning(
+    family: str, mlx_runtime: Callable[[str], Any]
+) -> None:
+    runtime = mlx_runtime(family)
+    close = token_id(runtime, REASONING_CLOSE[family])
+    summary = run(
+        runtime, family,
+        output_format=OutputFormat("json_schema", ANSWER),
+        sampling=SamplingParams(temperature=1.0, logit_bias={close: 12.0}),
+        max_tokens=200,
+    )  # fmt: skip
+    assert summary[-1] == ("finish", "stop"), summary
+    content = "".join(item[1] for item in summary if item[0] == "content")
+    jsonschema.validate(json.loads(content), ANSWER)
