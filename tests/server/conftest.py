@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.server.serverproc import REPO, running_server
+from tests.server.store_servers import Servers, store_servers
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +20,11 @@ def replay_server() -> Iterator[str]:
 def demo_server() -> Iterator[str]:
     with running_server(REPO / "configs" / "default.yaml") as base:
         yield base
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """A 2-worker replay server with a response store, started after another server
+    stored a response in the same file and stopped (tests/server/store_servers.py)."""
+    with store_servers(tmp_path_factory.mktemp("store")) as started:
+        yield started

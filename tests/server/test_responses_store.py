@@ -9,10 +9,9 @@ request costs exactly what the same conversation sent in full costs.
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,8 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from tests.server.scenarios import QWEN3, WEATHER_TOOL_SCHEMA
-from tests.server.serverproc import REPO, pipeserve_command, running_server
+from tests.server.serverproc import pipeserve_command
+from tests.server.store_servers import Servers, store_config
 
 pytestmark = pytest.mark.server
 
@@ -31,44 +31,6 @@ MODEL = QWEN3.model
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL_SCHEMA}]
 ITEM = TypeAdapter(ResponseItem)
 EVENT = TypeAdapter(ResponseStreamEvent)
-CONFIG = """\
-pipelines_dir: {pipelines}
-server:
-  workers: {workers}
-  responses_store: {store}
-models:
-  - {{name: replay-qwen3, source: "demo:qwen3", pipeline: qwen3, engine: replay}}
-endpoints:
-  - {{route: /v1/responses, api: openai-responses}}
-"""
-
-
-def store_config(folder: Path, workers: int, store: str | None = None) -> Path:
-    """One replay model on /v1/responses, its store in `folder` (unless given)."""
-    store = store or f"{{path: {folder / 'responses.sqlite3'}}}"
-    path = folder / f"server-{workers}.yaml"
-    path.write_text(CONFIG.format(pipelines=REPO / "pipelines", workers=workers, store=store))
-    return path
-
-
-@dataclass
-class Servers:
-    client: OpenAI
-    before_restart: Response  # stored by a server that has stopped since
-    folder: Path
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    folder = tmp_path_factory.mktemp("store")
-    with running_server(store_config(folder, workers=1)) as base:
-        first = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
-        before = first.responses.create(
-            model=MODEL, input="Remember me", extra_body={"mock_response": QWEN3.reasoning}
-        )
-    with running_server(store_config(folder, workers=2)) as base:
-        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
-        yield Servers(client, before, folder)
 
 
 def create(client: OpenAI, completion: str = QWEN3.reasoning, **fields: Any) -> Response:
@@ -285,3 +247,20 @@ def test_reasoning_summary_auto_is_non_empty_and_referencable(servers: Servers) 
     no_reasoning = create(client, input=[ask, *dump([call]), result], tools=TOOLS, store=False)
     assert by_reference.usage.input_tokens == in_full.usage.input_tokens
     assert by_reference.usage.input_tokens > no_reasoning.usage.input_tokens
+
+
+def test_a_locked_database_delays_no_answer_past_the_lock_timeout(servers: Servers) -> None:
+    """Another process holds the write lock: the answer still comes (after the bounded
+    wait), marked unstored, and the store works again once the lock is free."""
+    holder = sqlite3.connect(servers.folder / "responses.sqlite3", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        blocked = create(servers.client, input="Say hello")
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+    assert blocked.output_text == "Hello there!" and blocked.store is False
+    with pytest.raises(openai.NotFoundError):
+        servers.client.responses.retrieve(blocked.id)
+    after = create(servers.client, input="Say hello")
+    assert servers.client.responses.retrieve(after.id).store is True
