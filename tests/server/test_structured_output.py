@@ -3,12 +3,15 @@ answer must parse and validate, through each protocol's own SDK."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from anthropic import Anthropic
 from openai import OpenAI
+from pydantic import BaseModel
 
 from tests.server.structured_cases import (
     SAMPLES,
@@ -121,3 +124,96 @@ def test_cancelled_constrained_stream_leaves_no_slot(client: OpenAI, demo_server
         model="demo", messages=ASK, response_format=Ticket, max_tokens=200, **NO_THINKING
     )
     assert isinstance(again.choices[0].message.parsed, Ticket)
+
+
+# -- Responses -------------------------------------------------------------------------
+
+
+def test_responses_json_schema_answers_all_validate(client: OpenAI) -> None:
+    fmt = {"type": "json_schema", "name": "ticket", "schema": SCHEMA, "strict": True}
+
+    def ask(_: int) -> str | None:
+        reply = client.responses.create(
+            model="demo", input="File a ticket.", text={"format": fmt}, temperature=1.0,
+            max_output_tokens=200, reasoning={"effort": "none"},
+        )  # fmt: skip
+        assert reply.status == "completed"
+        return reply.output_text
+
+    for text in sample_all(ask, SAMPLES):
+        assert_valid(text)
+
+
+def test_responses_parse_and_stream_populate_parsed(client: OpenAI) -> None:
+    reply = client.responses.parse(
+        model="demo", input="File a ticket.", text_format=Ticket, max_output_tokens=200,
+        reasoning={"effort": "none"},
+    )  # fmt: skip
+    assert isinstance(reply.output_parsed, Ticket)
+    with client.responses.stream(
+        model="demo", input="File a ticket.", text_format=Ticket, max_output_tokens=200,
+        reasoning={"effort": "none"},
+    ) as stream:  # fmt: skip
+        kinds = {event.type for event in stream}
+        final = stream.get_final_response()
+    assert "response.output_text.delta" in kinds
+    assert isinstance(final.output_parsed, Ticket)
+
+
+def test_regex_and_lark_grammars(client: OpenAI) -> None:
+    regex = {"type": "grammar", "syntax": "regex", "definition": "[a-z]{3}-[0-9]{2}"}
+    reply = client.responses.create(
+        model="demo", input="A code.", text={"format": regex}, max_output_tokens=40,  # type: ignore[typeddict-item]
+        reasoning={"effort": "none"},
+    )  # fmt: skip
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", reply.output_text)
+    lark = 'start: "yes" | "no" | NUM\nNUM: /[1-9][0-9]{0,2}/'
+    chat = client.chat.completions.create(
+        model="demo", messages=ASK, max_tokens=40, **NO_THINKING,
+        response_format={"type": "grammar", "syntax": "lark", "definition": lark},  # type: ignore[arg-type,typeddict-item]
+    )  # fmt: skip
+    assert re.fullmatch(r"yes|no|[1-9][0-9]{0,2}", chat.choices[0].message.content or "")
+
+
+# -- Anthropic -------------------------------------------------------------------------
+
+
+class Pick(BaseModel):
+    """Only enums and booleans: the SDK's transform_schema drops length and range bounds."""
+
+    status: Literal["open", "closed"]
+    urgent: bool
+    tags: list[Literal["x", "y"]]
+
+
+def test_anthropic_output_format_answers_all_validate(demo_server: str) -> None:
+    claude = Anthropic(base_url=demo_server, api_key="test", max_retries=0, timeout=300)
+
+    def ask(_: int) -> str | None:
+        reply = claude.messages.create(
+            model="demo", max_tokens=200, messages=ASK,  # type: ignore[arg-type]
+            output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+        )  # fmt: skip
+        assert reply.stop_reason == "end_turn"
+        return "".join(b.text for b in reply.content if b.type == "text")
+
+    for text in sample_all(ask, SAMPLES):
+        assert_valid(text)
+    parsed = claude.messages.parse(
+        model="demo",
+        max_tokens=200,
+        messages=ASK,
+        output_format=Pick,  # type: ignore[arg-type]
+    )
+    assert isinstance(parsed.parsed_output, Pick)
+    beta = httpx.post(
+        f"{demo_server}/v1/messages",
+        json={
+            "model": "demo",
+            "max_tokens": 200,
+            "messages": ASK,
+            "output_format": {"type": "json_schema", "schema": SCHEMA},
+        },  # fmt: skip
+        timeout=300,
+    ).json()
+    assert_valid(beta["content"][-1]["text"])
