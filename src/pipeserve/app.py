@@ -16,6 +16,7 @@ from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import WireProtocol
 from pipeserve.config.models import EndpointEntry, ServerConfig, ServerSection
 from pipeserve.server.auth import KeyRing
+from pipeserve.server.catalog import add_catalog_routes
 from pipeserve.server.generation import GenerationResource, HttpOptions
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.misc import (
@@ -102,10 +103,10 @@ def add_endpoint(
     metrics: Metrics,
 ) -> None:
     allowed = set(endpoint.models) if endpoint.models else None
-    app.add_route(
-        endpoint.route,
-        GenerationResource(endpoint.route, protocol, table, allowed, options, metrics),
-    )
+    for path in protocol.generation_paths:
+        route = (endpoint.route.rstrip("/") + path) or "/"
+        app.add_route(route, GenerationResource(route, protocol, table, allowed, options, metrics))
+    add_catalog_routes(app, endpoint.route.rstrip("/"), protocol, table, allowed, options)
     if protocol.counts_tokens:
         route = endpoint.route + "/count_tokens"
         app.add_route(route, CountTokensResource(route, protocol, table, allowed, options))

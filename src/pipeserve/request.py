@@ -86,6 +86,17 @@ class ReasoningOptions:
 
 
 @dataclass(slots=True)
+class RawPrompt:
+    """A prompt sent as is (legacy Completions, Ollama's `raw`): no chat template is
+    applied, and the answer is the model's text as generated (render_template tokenizes
+    it; stages that parse output, reasoning or tool calls, are skipped). Exactly one of
+    text and token_ids is set."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
 class GenerationRequest:
     model: str
     messages: list[Message]
@@ -104,3 +115,4 @@ class GenerationRequest:
     # safe by the decoder (api/template_kwargs.py); the pipeline's own kwargs come first.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     output_format: OutputFormat | None = None  # structured output (None: free text)
+    raw_prompt: RawPrompt | None = None  # set instead of messages by completion protocols

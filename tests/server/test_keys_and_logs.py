@@ -12,6 +12,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -38,6 +39,8 @@ models:
 endpoints:
   - {{route: /v1/chat/completions, api: openai-chat}}
   - {{route: /v1/messages, api: anthropic-messages}}
+  - {{route: /v1/completions, api: openai-completions}}
+  - {{route: /api, api: ollama}}
 """
 HI = [{"role": "user", "content": "hi"}]
 
@@ -97,6 +100,25 @@ def test_missing_or_wrong_key_is_a_401_in_each_protocols_shape(keyed: tuple[str,
     assert body["type"] == "error" and body["error"]["type"] == "authentication_error"  # type: ignore[index]
     bare = httpx.post(f"{base}/v1/messages", json={"model": "small"}, timeout=10)
     assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
+
+
+def test_completions_and_ollama_routes_take_keys_too(keyed: tuple[str, Path]) -> None:
+    base = keyed[0]
+    with pytest.raises(openai.AuthenticationError):
+        chat(base, "sk-wrong").completions.create(model="small", prompt="x")
+    assert chat(base, ENV_KEY).completions.create(model="small", prompt="x").choices[0].text
+    with pytest.raises(ollama.ResponseError) as error:
+        ollama.Client(host=base).chat(model="small", messages=HI)
+    assert error.value.status_code == 401 and "API key" in error.value.error
+    with pytest.raises(ollama.ResponseError) as listing:
+        ollama.Client(host=base).list()
+    assert listing.value.status_code == 401
+    scoped = ollama.Client(host=base, headers={"Authorization": f"Bearer {SCOPED_KEY}"})
+    assert scoped.chat(model="small", messages=HI).message.content == "small answer"
+    assert [m.model for m in scoped.list().models] == ["small"]
+    with pytest.raises(ollama.ResponseError) as hidden:
+        scoped.chat(model="big", messages=HI)
+    assert hidden.value.status_code == 404
 
 
 def test_a_scoped_key_sees_other_models_as_not_found(keyed: tuple[str, Path]) -> None:

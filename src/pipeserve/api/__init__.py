@@ -6,7 +6,13 @@ import importlib
 
 from pipeserve.api.base import PROTOCOL_REGISTRY, RequestMeta, WireProtocol, register_protocol
 
-PROTOCOL_MODULES: tuple[str, ...] = ("openai_chat", "anthropic_messages", "openai_responses")
+PROTOCOL_MODULES: tuple[str, ...] = (
+    "openai_chat",
+    "anthropic_messages",
+    "openai_responses",
+    "openai_completions",
+    "ollama",
+)
 
 
 def load_builtin_protocols() -> dict[str, type[WireProtocol]]:

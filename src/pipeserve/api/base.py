@@ -6,8 +6,9 @@ A protocol knows nothing about model families; stages know nothing about protoco
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeserve.api.sse import sse_event
@@ -26,6 +27,20 @@ class RequestMeta:
     query: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a protocol's catalog routes may tell about a served model (Ollama's
+    /api/tags and /api/show); filled in by the server from the loaded model."""
+
+    name: str
+    family: str
+    source: str
+    folder: Path | None = None
+    context_length: int | None = None
+    capabilities: frozenset[str] = frozenset()  # beyond "completion": "tools", "thinking"
+    chat_template: str | None = None
+
+
 class WireProtocol(ABC):
     name: ClassVar[str]
     overload_status: ClassVar[int] = 429
@@ -36,6 +51,12 @@ class WireProtocol(ABC):
     counts_tokens: ClassVar[bool] = False
     # Content-Type of a streamed answer (Ollama streams NDJSON, the others SSE).
     stream_content_type: ClassVar[str] = "text/event-stream; charset=utf-8"
+    # Paths below the endpoint's route that generate ("": the route itself); the decoder
+    # tells them apart by RequestMeta.route (Ollama: /chat and /generate under /api).
+    generation_paths: ClassVar[tuple[str, ...]] = ("",)
+    # Catalog paths below the route -> HTTP method (Ollama: /tags GET, /show POST), each
+    # answered by `catalog` from the facts of the models the endpoint (and key) may use.
+    catalog_paths: ClassVar[Mapping[str, str]] = {}
 
     @abstractmethod
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
@@ -60,6 +81,11 @@ class WireProtocol(ABC):
     def count_tokens_response(self, input_tokens: int) -> dict[str, Any]:
         """The count_tokens answer body (only where counts_tokens is True)."""
         raise NotImplementedError(f"{self.name} does not count tokens")
+
+    def catalog(self, path: str, body: Any, models: Sequence[ModelFacts]) -> dict[str, Any]:
+        """The answer of a catalog path (only where catalog_paths names it); `body` is
+        the parsed JSON of a POST, else None. Raise ApiError for a bad request."""
+        raise NotImplementedError(f"{self.name} has no catalog path {path!r}")
 
     def stream_fault(self, error: ApiError, events_sent: int) -> dict[str, Any]:
         """The `error` SSE event's data when the encoder itself failed after

@@ -99,7 +99,7 @@ class ChatRequestIn(Lenient):
     reasoning_effort: str | None = None
     parallel_tool_calls: bool | None = None
     mock_response: str | None = None
-    logit_bias: Any = None  # checked by _logit_bias
+    logit_bias: Any = None  # checked by logit_bias_of
     chat_template_kwargs: Any = None  # checked by api/template_kwargs
     # Known fields this server cannot honour: refused when set to anything but a no-op
     # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
@@ -219,7 +219,7 @@ def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
     return [tool for tool in tools if tool.name in names]
 
 
-def _stop(raw: Any) -> list[str]:
+def stop_of(raw: Any) -> list[str]:
     if raw is None:
         return []
     values = [raw] if isinstance(raw, str) else raw
@@ -228,7 +228,7 @@ def _stop(raw: Any) -> list[str]:
     return [s for s in values if s]
 
 
-def _logit_bias(raw: Any) -> dict[int, float]:
+def logit_bias_of(raw: Any) -> dict[int, float]:
     """`{"token id": bias}` in this model's vocabulary (ids are checked against it later)."""
     if raw is None:
         return {}
@@ -282,7 +282,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         repetition_penalty=req.repetition_penalty or 1.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias=_logit_bias(req.logit_bias),
+        logit_bias=logit_bias_of(req.logit_bias),
         seed=seed_value(req.seed),
     )
     template_kwargs, reasoning = decode_template_kwargs(
@@ -295,7 +295,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         tool_choice=choice,
         sampling=sampling,
         max_tokens=req.max_completion_tokens or req.max_tokens,
-        stop=_stop(req.stop),
+        stop=stop_of(req.stop),
         stream=bool(req.stream),
         reasoning=reasoning,
         template_kwargs=template_kwargs,

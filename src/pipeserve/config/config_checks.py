@@ -27,6 +27,8 @@ KNOWN_APIS: tuple[str, ...] = (
     "openai-chat",
     "anthropic-messages",
     "openai-responses",
+    "openai-completions",
+    "ollama",
 )
 YAML_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 

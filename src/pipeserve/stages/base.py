@@ -106,18 +106,37 @@ class Chain:
         self.roles = roles
 
     def prepare(self, ctx: RequestContext) -> None:
-        generators = [s for s, r in zip(self.stages, self.roles) if r == "generate"]
-        for stage, role in zip(self.stages, self.roles):
+        stages = self.used(ctx)
+        for stage, role in stages:
             if role != "generate":
                 stage.prepare(ctx)
-        for stage in generators:
-            stage.prepare(ctx)
+        for stage, role in stages:
+            if role == "generate":
+                stage.prepare(ctx)
 
     def run(self, ctx: RequestContext) -> Iterator[Event]:
         events: Iterator[Event] = iter(())
-        for stage in self.stages:
+        for stage, _ in self.used(ctx):
             events = stage(events, ctx)
         return events
+
+    def used(self, ctx: RequestContext) -> list[tuple[Stage, StageRole]]:
+        """The stages a request runs through: a raw prompt (legacy completions) is
+        answered with the model's text as generated, so stages that parse the output
+        (`parses_output`: reasoning, tool calls) are left out."""
+        raw = ctx.request.raw_prompt is not None
+        return [
+            (stage, role)
+            for stage, role in zip(self.stages, self.roles)
+            if not (raw and getattr(stage, "parses_output", False))
+        ]
+
+    def capabilities(self) -> frozenset[str]:
+        """What the stages can produce beyond text (`thinking`, `tools`), for model cards."""
+        found: set[str] = set()
+        for stage in self.stages:
+            found |= getattr(stage, "capabilities", frozenset())
+        return frozenset(found)
 
 
 __all__ = [

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from pipeserve.errors import ApiError
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest, Message, ToolSpec
+from pipeserve.request import GenerationRequest, Message, RawPrompt, ToolSpec
 from pipeserve.stages.base import BuildEnv, RequestContext, Stage, StageParams, register_stage
 
 
@@ -61,7 +61,8 @@ class RenderStage:
         raise NotImplementedError
 
     def prepare(self, ctx: RequestContext) -> None:
-        prompt, token_ids = self.render(ctx.request)
+        raw = ctx.request.raw_prompt
+        prompt, token_ids = self.render(ctx.request) if raw is None else self.raw(raw)
         if not token_ids:
             raise ApiError(
                 "invalid_request", "The conversation rendered to an empty prompt.", "messages"
@@ -69,7 +70,25 @@ class RenderStage:
         ctx.prompt = prompt
         ctx.prompt_token_ids = token_ids
         start = self.params.think_start
-        ctx.prompt_opened_thinking = bool(start) and prompt.rstrip().endswith(start)
+        opened = bool(start) and raw is None and prompt.rstrip().endswith(start)
+        ctx.prompt_opened_thinking = opened
+
+    def raw(self, raw: RawPrompt) -> tuple[str, list[int]]:
+        """A prompt sent as is: tokenized as the tokenizer does by default (with a BOS
+        token where the model has one), or token ids checked against the vocabulary."""
+        runtime = self.env.runtime
+        if runtime is None:
+            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
+        tokenizer = getattr(runtime.tokenizer, "_tokenizer", runtime.tokenizer)
+        if raw.token_ids is None:
+            text = raw.text or ""
+            return text, list(tokenizer.encode(text))
+        size = len(tokenizer)
+        outside = sorted({t for t in raw.token_ids if not 0 <= t < size})
+        if outside:
+            message = f"token ids {outside[:5]} are outside this model's vocabulary (0-{size - 1})."
+            raise ApiError("invalid_request", message, "prompt")
+        return tokenizer.decode(raw.token_ids), list(raw.token_ids)
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         return events

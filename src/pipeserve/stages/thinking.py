@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import ClassVar
 
 from pipeserve.constraint import Envelope
 from pipeserve.events import ContentDelta, Event, Finish, ReasoningDelta, TokenText, Usage
@@ -94,6 +95,9 @@ class _Split:
 
 
 class ThinkingStage:
+    parses_output: ClassVar[bool] = True  # skipped for raw prompts (stages/base.py Chain)
+    capabilities: ClassVar[frozenset[str]] = frozenset({"thinking"})
+
     def __init__(self, params: ThinkingParams) -> None:
         self.params = params
         self.start_set = MarkerSet([params.start])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, ClassVar, Union
 
 from pydantic import (
     ConfigDict,
@@ -95,10 +95,15 @@ def _format_error(name: object, given: bool) -> ValidationError:
 
 
 class ToolCallsStage:
+    parses_output: ClassVar[bool] = True  # skipped for raw prompts (stages/base.py Chain)
+
     def __init__(self, params: ToolCallsParams | ToolFormatParams) -> None:
         chosen = params.root if isinstance(params, ToolCallsParams) else params
         self.params = chosen
         self.spec: ToolFormatSpec[Any] = TOOL_FORMATS[chosen.format]
+        # Formats that read reasoning channels (harmony) also produce thinking.
+        thinks = bool(getattr(chosen, "reasoning_channels", None))
+        self.capabilities = frozenset({"tools", "thinking"} if thinks else {"tools"})
 
     def prepare(self, ctx: RequestContext) -> None:
         envelope = self.params.envelope()

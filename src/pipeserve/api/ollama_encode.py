@@ -1,0 +1,185 @@
+"""Pipeline events -> Ollama's streamed objects (as dicts), for /api/chat and /api/generate.
+
+One state machine (`ollama_chunks`) drives both encoders, as for Anthropic Messages:
+the stream encoder writes each object as one NDJSON line, the JSON encoder folds them
+into the single object of `stream: false` (ollama.fold_chunks), so streamed and
+non-streamed answers agree by construction.
+
+- Chat chunks carry `message` (role, content, and `thinking` / `tool_calls` when
+  present); generate chunks carry `response` (and `thinking`). Each has `model`,
+  `created_at` (RFC 3339, UTC) and `done: false`.
+- A tool call is sent once complete, as Ollama does, with `function.arguments` as an
+  object; a call whose arguments are not a JSON object is sent as content instead.
+- The last object has `done: true`, `done_reason` (stop / length), and the counts and
+  durations in nanoseconds: total_duration, load_duration (0: models stay loaded),
+  prompt_eval_count / prompt_eval_duration (admission to first output),
+  eval_count / eval_duration (first output to the end).
+- While nothing is generated (queue, long prefill) an empty chunk keeps the connection
+  visibly alive; a fault is an `{"error": "..."}` line, as Ollama's own streams end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from pipeserve.context import RequestContext
+from pipeserve.events import (
+    ContentDelta,
+    ErrorEvent,
+    Event,
+    Finish,
+    KeepAlive,
+    PromptReady,
+    ReasoningDelta,
+    TokenText,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+    arguments_valid,
+)
+
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
+
+
+def created_at() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def nanoseconds(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+class _OllamaStream:
+    """Per-request state: which endpoint's shape, pending tool calls, timings."""
+
+    def __init__(self, ctx: RequestContext, chat: bool) -> None:
+        self.ctx = ctx
+        self.chat = chat
+        self.started = time.monotonic()
+        self.admitted: float | None = None
+        self.first_output: float | None = None
+        self.calls: dict[int, ToolCallStart] = {}
+        self.finish: Finish | None = None
+        self.done = self.failed = False
+
+    def chunk(
+        self, text: str = "", thinking: str = "", calls: list[Any] | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.ctx.model_name, "created_at": created_at()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            body["message"] = message
+        else:
+            body["response"] = text
+            if thinking:
+                body["thinking"] = thinking
+        body["done"] = False
+        return body
+
+    def handle(self, event: Event) -> Iterator[dict[str, Any]]:
+        if isinstance(event, (ContentDelta, TokenText)) and event.text:
+            self.output()
+            yield self.chunk(text=event.text)
+        elif isinstance(event, ReasoningDelta) and event.text:
+            self.output()
+            yield self.chunk(thinking=event.text)
+        elif isinstance(event, ToolCallStart):
+            self.output()
+            self.calls[event.index] = event
+        elif isinstance(event, ToolCallEnd):
+            yield from self.tool_call(event)
+        elif isinstance(event, PromptReady):
+            self.admitted = time.monotonic()
+        elif isinstance(event, KeepAlive):
+            yield self.chunk()
+        elif isinstance(event, Finish):
+            yield from self.on_finish(event)
+        elif isinstance(event, Usage):
+            yield from self.end(event)
+        elif isinstance(event, ErrorEvent):
+            yield from self.fail(event.message)
+
+    def output(self) -> None:
+        if self.first_output is None:
+            self.first_output = time.monotonic()
+
+    def tool_call(self, event: ToolCallEnd) -> Iterator[dict[str, Any]]:
+        start = self.calls.pop(event.index, None)
+        if start is None:
+            return
+        if not arguments_valid(event.arguments):
+            yield self.chunk(text=event.arguments)  # not a JSON object: no call to run
+            return
+        arguments = json.loads(event.arguments) if event.arguments.strip() else {}
+        call = {"function": {"name": start.name, "arguments": arguments}}
+        if self.chat:
+            yield self.chunk(calls=[call])
+
+    def on_finish(self, event: Finish) -> Iterator[dict[str, Any]]:
+        if event.reason == "cancelled":
+            self.done = True  # client gone or request aborted: end without done
+        elif event.reason == "error":
+            yield from self.fail("generation failed")
+        else:
+            self.finish = event
+
+    def end(self, usage: Usage) -> Iterator[dict[str, Any]]:
+        if self.finish is None:
+            return
+        now = time.monotonic()
+        admitted = self.admitted or self.started
+        first = self.first_output or now
+        last = self.chunk()
+        last.update(
+            done=True,
+            done_reason=DONE_REASONS[self.finish.reason],
+            total_duration=nanoseconds(now - self.started),
+            load_duration=0,
+            prompt_eval_count=usage.prompt_tokens,
+            prompt_eval_duration=nanoseconds(first - admitted),
+            eval_count=usage.completion_tokens,
+            eval_duration=nanoseconds(now - first),
+        )
+        self.done = True
+        yield last
+
+    def fail(self, message: str) -> Iterator[dict[str, Any]]:
+        self.done = self.failed = True
+        yield {"error": message}
+
+    def close(self) -> Iterator[dict[str, Any]]:
+        if not self.done:
+            yield from self.fail("generation ended without a finish reason")
+
+
+def ollama_chunks(
+    events: Iterable[Event], ctx: RequestContext, chat: bool
+) -> Iterator[dict[str, Any]]:
+    """The objects Ollama streams for one request's pipeline events. After the last one
+    (done, error, or a cancelled end) the rest of the pipeline stream is drained, so
+    Usage still reaches wrappers such as metrics; after an error, generation is
+    cancelled first so the drain is short."""
+    state = _OllamaStream(ctx, chat)
+    stream = iter(events)
+    for event in stream:
+        yield from state.handle(event)
+        if state.done:
+            break
+    else:
+        yield from state.close()
+        return
+    if state.failed:
+        ctx.cancel("error")
+    for _ in stream:
+        pass
+
+
+__all__ = ["created_at", "ollama_chunks"]

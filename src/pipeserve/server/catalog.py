@@ -1,0 +1,92 @@
+"""Catalog routes a protocol declares below its endpoint (Ollama's /api/tags, /api/show,
+/api/version): answered by the protocol from protocol-neutral facts about the models
+the endpoint, and the request's API key, may use."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import falcon
+
+from pipeserve.api.base import ModelFacts, WireProtocol
+from pipeserve.errors import ApiError
+from pipeserve.server.body import read_json_body
+from pipeserve.server.generation import HttpOptions, ProtocolErrors
+from pipeserve.server.registry import ModelTable, ServedModel
+
+log = logging.getLogger("pipeserve.http")
+
+
+def model_facts(served: ServedModel) -> ModelFacts:
+    runtime = getattr(served, "runtime", None)
+    tokenizer = getattr(runtime, "tokenizer", None)
+    template = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "chat_template", None)
+    return ModelFacts(
+        name=served.name,
+        family=served.family,
+        source=served.entry.source,
+        folder=getattr(runtime, "model_dir", None),
+        context_length=getattr(runtime, "context_length", None),
+        capabilities=served.chain.capabilities(),
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
+class CatalogResource:
+    def __init__(
+        self,
+        path: str,
+        protocol: WireProtocol,
+        models: ModelTable,
+        allowed: set[str] | None,
+        options: HttpOptions,
+    ) -> None:
+        self.path = path
+        self.protocol = protocol
+        self.models = models
+        self.allowed = allowed
+        self.options = options
+        self.errors = ProtocolErrors(protocol)
+
+    def answer(self, req: falcon.Request, resp: falcon.Response, body: Any) -> None:
+        """`body` None: a GET; anything else: read the request's JSON body."""
+        try:
+            scope = self.options.keys.authenticate(req).scope(self.allowed)
+            if body is not None:
+                body = read_json_body(
+                    req, self.options.max_body_bytes, self.options.body_read_timeout
+                )
+            facts = [model_facts(m) for m in self.models.models if scope is None or m.name in scope]
+            resp.media = self.protocol.catalog(self.path, body, facts)
+        except ApiError as error:
+            self.errors.render(resp, error)
+        except Exception as exc:  # a bug: still answer in protocol shape
+            log.exception("catalog route %s failed", self.path)
+            self.errors.render(resp, ApiError("internal", f"internal error: {type(exc).__name__}"))
+
+
+class CatalogGet(CatalogResource):
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.answer(req, resp, None)
+
+    on_head = on_get
+
+
+class CatalogPost(CatalogResource):
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.answer(req, resp, ())
+
+
+def add_catalog_routes(
+    app: falcon.App,
+    route: str,
+    protocol: WireProtocol,
+    models: ModelTable,
+    allowed: set[str] | None,
+    options: HttpOptions,
+) -> None:
+    """One resource per declared path; Falcon answers other methods with a 405."""
+    for path, method in protocol.catalog_paths.items():
+        kind = CatalogGet if method == "GET" else CatalogPost
+        app.add_route(route + path, kind(path, protocol, models, allowed, options))
