@@ -128,7 +128,6 @@ def test_catalog_routes(client: ollama.Client, replay_server: str) -> None:
     [
         (lambda c: c.chat(model="nope", messages=HI), 404, "nope"),
         (lambda c: c.show("nope"), 404, "not found"),
-        (lambda c: c.chat(model="replay-qwen3", messages=HI, format="json"), 400, "format"),
         (lambda c: c.generate(model="replay-qwen3", prompt="x", suffix="y"), 400, "suffix"),
         (lambda c: c.chat(model="replay-qwen3", messages=HI, think="max"), 400, "think"),  # type: ignore[arg-type]
         (
@@ -149,6 +148,21 @@ def test_errors_are_ollama_shaped(
     assert error.value.status_code == status and words in error.value.error
 
 
+def test_raw_bodies_the_client_would_not_send(replay_server: str) -> None:
+    """A malformed body (the client validates its own) is a 400 in Ollama's shape."""
+    for body, words in (
+        ({"model": "replay-qwen3", "messages": HI, "format": "yaml"}, "format"),
+        ({"model": "replay-qwen3", "messages": []}, "messages"),
+        (
+            {"model": "replay-qwen3", "messages": HI, "options": {"temperature": "hot"}},
+            "temperature",
+        ),
+    ):
+        reply = httpx.post(f"{replay_server}/api/chat", json=body, timeout=10)
+        assert reply.status_code == 400 and words in reply.json()["error"]
+        assert reply.headers["content-type"].startswith("application/json")
+
+
 @pytest.mark.mlx
 def test_real_generation(demo_server: str) -> None:
     client = ollama.Client(host=demo_server)
@@ -161,3 +175,18 @@ def test_real_generation(demo_server: str) -> None:
     assert first.done_reason in ("stop", "length")
     generated = client.generate(model="demo", prompt="The sky is", raw=True, options=options)
     assert generated.eval_count and generated.eval_count <= 5 and generated.done
+
+
+@pytest.mark.mlx
+def test_format_schema_is_enforced(demo_server: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    reply = ollama.Client(host=demo_server).chat(
+        model="demo", messages=HI, format=schema, think=False, options={"num_predict": 40}
+    )
+    assert reply.done_reason == "stop"
+    assert json.loads(reply.message.content or "") in ({"ok": True}, {"ok": False})

@@ -11,9 +11,10 @@ Field names follow Ollama's API reference (docs/api.md) and its Python client:
   each call gets one and tool results (role `tool`, `tool_name`) answer them in order.
 - /api/generate: `system` + `prompt` become a chat turn rendered with the model's
   template; `raw: true` sends the prompt as is (no template, output not parsed).
+- `format`: "json" or a JSON schema, enforced while decoding (structured output).
 - Refused with a 400 naming the field, since ignoring it would change the answer:
-  `format` (structured output is not enforced), `images`, `suffix`, `template`,
-  `context`, and an empty `messages` / `prompt` (Ollama's "load the model" call).
+  `images`, `suffix`, `template`, `context`, and an empty `messages` / `prompt`
+  (Ollama's "load the model" call).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pipeserve.errors import invalid
 from pipeserve.request import (
     GenerationRequest,
     Message,
+    OutputFormat,
     RawPrompt,
     ReasoningOptions,
     SamplingParams,
@@ -122,8 +124,6 @@ def decode_ollama(body: Any, endpoint: Literal["chat", "generate"]) -> OllamaGen
 
 
 def common(req: CommonIn, endpoint: Literal["chat", "generate"]) -> OllamaGenerationRequest:
-    if req.format not in (None, ""):
-        raise unsupported("format", "structured output (json or a schema) is not enforced")
     options = req.options or OptionsIn()
     stops = options.stop or []
     for i, stop in enumerate(stops):
@@ -136,9 +136,20 @@ def common(req: CommonIn, endpoint: Literal["chat", "generate"]) -> OllamaGenera
         stop=list(dict.fromkeys(stops)),
         stream=req.stream is not False,
         reasoning=reasoning(req.think),
+        output_format=output_format(req.format),
         mock_response=req.mock_response,
         endpoint=endpoint,
     )
+
+
+def output_format(raw: Any) -> OutputFormat | None:
+    """`format`: "json" (any JSON object) or a JSON schema, enforced while decoding."""
+    if raw in (None, ""):
+        return None
+    if raw == "json":
+        return OutputFormat("json_object", param="format")
+    check(isinstance(raw, dict), "format", 'expected "json" or a JSON schema object')
+    return OutputFormat("json_schema", raw, param="format")
 
 
 def refuse_generate_fields(req: GenerateIn) -> None:
