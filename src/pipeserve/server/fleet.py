@@ -83,10 +83,9 @@ class Fleet:
     def set_current(self, engines: Iterable[ManagedEngine], gone: Iterable[ManagedEngine]) -> None:
         """The engines of the config now served; `gone` ones unload once their requests end."""
         self.current = {e.name: e for e in engines}
-        for engine in gone:
-            engine.retired = True
-            if engine.state != "unloaded":
-                self.retiring.append(engine)
+        for engine in gone:  # unloaded by the reaper once idle; may still load for
+            engine.retired = True  # requests routed to it before the reload
+            self.retiring.append(engine)
         self._note_peak()
         self.notify()
 
@@ -110,9 +109,8 @@ class Fleet:
 
     def request_load(self, engine: ManagedEngine) -> Ticket:
         ticket = Ticket()
-        if engine.retired:
-            ticket.set(ApiError("unavailable", f"model {engine.name} was removed by a reload"))
-            return ticket
+        if engine.retired and engine not in self.retiring:
+            self.retiring.append(engine)  # so that it is counted, and unloaded when idle
         waiting = self._tickets.setdefault(id(engine), [])
         waiting.append(ticket)
         if len(waiting) == 1:
@@ -123,7 +121,7 @@ class Fleet:
         result: bool | ApiError = True
         try:
             with self._lock:
-                if engine.engine is None and not engine.retired:
+                if engine.engine is None:
                     self._make_room(engine, wait=True)
                     self._load(engine)
         except ApiError as error:
@@ -215,7 +213,9 @@ class Fleet:
         try:
             now = time.monotonic()
             for engine in list(self.retiring):
-                if engine.in_flight == 0:
+                if engine.in_flight == 0 and engine.state == "unloaded":
+                    self.retiring.remove(engine)
+                elif engine.in_flight == 0:
                     self._unload(engine, "removed by reload")
             for engine in list(self.current.values()):
                 if _expired(engine, now):

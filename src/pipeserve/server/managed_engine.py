@@ -10,6 +10,7 @@ its stream ends or is cancelled; a model with nothing in flight is idle and may 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -77,8 +78,8 @@ class ManagedEngine:
     # -- request side -----------------------------------------------------------------
 
     def submit(self, job: GenerationJob) -> TokenStream:
-        if self.retired:
-            raise ApiError("unavailable", f"model {self.name} was removed by a config reload")
+        # A retired model (removed or replaced by a reload) still serves the requests that
+        # were routed to it before the reload: their prompts were made with its tokenizer.
         if self.engine is not None:
             return self.submit_loaded(job)
         return PendingStream(self, job)
@@ -145,7 +146,10 @@ class ManagedEngine:
         self.state = "unloaded"
         if engine is not None:
             run_off_hub(engine.close)
-            run_off_hub(_free_cached_memory)
+            try:
+                run_off_hub(_free_cached_memory)
+            except Exception:  # best effort: the model is unloaded either way
+                log.exception("model %s: returning freed memory to the system failed", self.name)
         log.info("model %s unloaded (%s)", self.name, reason)
 
     def close(self) -> None:
@@ -154,7 +158,9 @@ class ManagedEngine:
 
 
 def _free_cached_memory() -> None:
-    """Give the freed weights back to the system (MLX keeps freed buffers cached)."""
+    """Give the freed weights back to the system: MLX keeps freed buffers cached, and glibc
+    keeps freed memory in the (per-thread) arenas of the engine threads that loaded it (RSS
+    grew ~40 MB per load/unload cycle of the GLM demo model without the trim; flat with it)."""
     import gc
 
     gc.collect()
@@ -164,6 +170,9 @@ def _free_cached_memory() -> None:
         mx.clear_cache()
     except ImportError:  # a replay-only installation
         pass
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc (Linux); not on macOS
+    if trim is not None:
+        trim(0)
 
 
 class TrackedStream:

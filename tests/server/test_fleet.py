@@ -1,0 +1,77 @@
+"""The fleet loads an on_demand model in the background: its waiting stream gets keep-alives
+while other models keep serving, and is still served when a reload replaces the model
+meanwhile; the load is held at a gate so nothing depends on timing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeserve.config.models import ModelEntry
+from pipeserve.engine.base import Engine, GenerationJob
+from pipeserve.engine.runtime import build_runtime
+from pipeserve.events import Finish, KeepAlive, PromptReady, TokenText, Usage
+from pipeserve.request import SamplingParams
+from pipeserve.server.fleet import Fleet
+
+
+def replay_entry(name: str, load: str) -> ModelEntry:
+    return ModelEntry.model_validate(
+        {
+            "name": name,
+            "source": "demo:qwen3",
+            "pipeline": "qwen3",
+            "engine": "replay",
+            "load": load,
+            "replay": {"completion": f"{name} answers"},
+        }
+    )
+
+
+def job(tokens: list[int]) -> GenerationJob:
+    return GenerationJob("r", tokens, SamplingParams(), max_tokens=16, keepalive_interval=0.01)
+
+
+def test_waiting_stream_pings_while_other_models_serve(
+    demo_model_dir: Callable[[str], Path],
+) -> None:
+    demo_model_dir("qwen3")
+    fleet = Fleet()
+    gate = threading.Event()
+    on_demand = replay_entry("later", "on_demand")
+    manage = fleet.manager_for(on_demand)
+
+    def gated(start: Callable[[], Engine], folder: Path) -> Engine:
+        return manage(lambda: gate.wait(60) and start(), folder)  # type: ignore[return-value]
+
+    tokenizers: dict[Path, object] = {}
+    later = build_runtime(on_demand, manage=gated, tokenizers=tokenizers)  # type: ignore[arg-type]
+    resident_entry = replay_entry("now", "startup")
+    resident = build_runtime(resident_entry, fleet.manager_for(resident_entry), tokenizers)  # type: ignore[arg-type]
+    fleet.set_current([later.engine, resident.engine], [])  # type: ignore[list-item]
+    fleet.load_now(resident.engine)  # type: ignore[arg-type]
+    prompt = later.tokenizer.encode("hi")
+
+    waiting = iter(later.engine.submit(job(prompt)))
+    assert isinstance(next(waiting), KeepAlive)  # the load is held: the client gets pings
+    assert later.engine.describe()["state"] == "loading"  # type: ignore[attr-defined]
+    served = list(resident.engine.submit(job(prompt)))  # another model serves meanwhile
+    assert isinstance(served[0], PromptReady) and isinstance(served[-1], Usage)
+    assert isinstance(next(waiting), KeepAlive)
+
+    # A reload replaces the model while its client waits: the client is still served by
+    # the model its request was routed to (its prompt came from that model's tokenizer).
+    successor = build_runtime(on_demand, fleet.manager_for(on_demand), tokenizers)  # type: ignore[arg-type]
+    fleet.set_current([successor.engine, resident.engine], [later.engine])  # type: ignore[list-item]
+    gate.set()
+    rest = [e for e in waiting if not isinstance(e, KeepAlive)]
+    assert isinstance(rest[0], PromptReady)
+    text = "".join(e.text for e in rest if isinstance(e, TokenText))
+    assert text == "later answers"
+    assert isinstance(rest[-2], Finish) and isinstance(rest[-1], Usage)
+    assert later.engine.in_flight == 0  # type: ignore[attr-defined]
+    fleet.reap()  # the replaced model, idle now, is unloaded
+    assert later.engine.describe()["state"] == "not-loaded"  # type: ignore[attr-defined]
+    assert fleet.unloads[("later", "removed by reload")] == 1
+    fleet.close()
