@@ -23,11 +23,11 @@ from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.batching import Batch
 from pipeserve.engine.channel import Courier, start_os_thread
 from pipeserve.engine.mlx_engine import MlxEngine
-from pipeserve.engine.stream import EngineStream
 from pipeserve.engine.sharding.control import os_sleep
 from pipeserve.engine.sharding.group import RankGroup
 from pipeserve.engine.sharding.load import load_shard, weight_bytes
 from pipeserve.engine.sharding.lockstep import Rank0Batch
+from pipeserve.engine.stream import EngineStream
 from pipeserve.errors import ApiError
 
 log = logging.getLogger("pipeserve.sharding")
