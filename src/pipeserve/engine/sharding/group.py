@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from socket import SO_REUSEADDR, SOL_SOCKET
 from typing import Any
 
 from pipeserve.config.models import EngineOptions, ShardingOptions
@@ -138,7 +139,7 @@ class RankGroup:
 
     def _listen(self, ip: str) -> None:
         sock = os_socket_class()()
-        sock.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_REUSEADDR, 1)
+        sock.setsockopt(SOL_SOCKET, SO_REUSEADDR, 1)
         sock.bind((ip, 0))
         sock.listen(64)
         self._listener = sock
@@ -196,9 +197,12 @@ class RankGroup:
                 raise GroupLost(f"ranks {sorted(waiting)} did not join within start_timeout")
             self._listener.settimeout(min(left, 1.0))
             try:
-                sock, _ = self._listener.accept()
+                # _accept: the socket module's accept() would wrap the new connection in
+                # gevent's socket class; keep it a plain OS socket like the listener.
+                fd, _ = self._listener._accept()
             except TimeoutError:
                 continue
+            sock = os_socket_class()(fileno=fd)
             conn = Connection(sock)
             try:
                 hello = conn.recv_json(timeout=10.0)
