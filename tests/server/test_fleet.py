@@ -7,11 +7,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import Engine, GenerationJob
 from pipeserve.engine.runtime import build_runtime
-from pipeserve.events import Finish, KeepAlive, PromptReady, TokenText, Usage
+from pipeserve.events import ErrorEvent, Finish, KeepAlive, PromptReady, TokenText, Usage
 from pipeserve.request import SamplingParams
 from pipeserve.server.fleet import Fleet
 
@@ -74,4 +75,37 @@ def test_waiting_stream_pings_while_other_models_serve(
     fleet.reap()  # the replaced model, idle now, is unloaded
     assert later.engine.describe()["state"] == "not-loaded"  # type: ignore[attr-defined]
     assert fleet.unloads[("later", "removed by reload")] == 1
+    fleet.close()
+
+
+def test_least_recently_used_idle_model_makes_room(demo_tokenizer: Callable[[str], Any]) -> None:
+    from pipeserve.engine.replay import ReplayEngine
+    from pipeserve.server.managed_engine import ManagedEngine
+
+    tokenizer = demo_tokenizer("qwen3")
+    fleet = Fleet(budget=100)
+
+    def model(name: str, size: int = 40) -> ManagedEngine:
+        start = lambda: ReplayEngine(name, tokenizer, frozenset(), f"{name} here")
+        return ManagedEngine(
+            name, start, fleet, pinned=False, keep_alive=None, size=size,
+            accepts_mock_response=True, max_tokens_limit=None,
+        )  # fmt: skip
+
+    a, b, c = model("a"), model("b"), model("c")
+    fleet.set_current([a, b, c], [])
+    prompt = tokenizer.encode("hi")
+    for engine in (a, b, a):  # b is now the least recently used
+        assert isinstance(list(engine.submit(job(prompt)))[-1], Usage)
+    held = iter(a.submit(job(prompt)))  # a is busy: in flight until this stream ends
+    next(held)
+    assert isinstance(list(c.submit(job(prompt)))[-1], Usage)
+    assert [e.name for e in fleet.resident()] == ["a", "c"]
+    assert fleet.unloads == {("b", "memory budget"): 1}
+    list(held)
+    d = model("d", size=200)  # larger than the whole budget: refused, nothing unloaded
+    fleet.set_current([a, b, c, d], [])
+    events = list(d.submit(job(prompt)))
+    assert any(isinstance(e, ErrorEvent) and "memory budget" in e.message for e in events)
+    assert [e.name for e in fleet.resident()] == ["a", "c"]
     fleet.close()

@@ -135,16 +135,21 @@ class Fleet:
     def _make_room(self, engine: ManagedEngine, wait: bool) -> None:
         deadline = time.monotonic() + self.room_timeout
         while self.budget is not None and self.resident_bytes() + engine.size > self.budget:
-            victim = self._least_recently_used_idle(exclude=engine)
-            if victim is not None:
-                self._unload(victim, "memory budget")
-                continue
             pinned = sum(e.size for e in self.resident() if e.pinned and not e.retired)
-            if engine.size + pinned > self.budget or not wait:
+            if engine.size + pinned > self.budget:  # would not fit even alone: evict nothing
                 raise ApiError(
                     "unavailable",
                     f"model {engine.name} needs {engine.size} bytes; the memory budget of "
                     f"{self.budget} bytes has {self.budget - pinned} left beside startup models",
+                )
+            victim = self._least_recently_used_idle(exclude=engine)
+            if victim is not None:
+                self._unload(victim, "memory budget")
+                continue
+            if not wait:
+                raise ApiError(
+                    "unavailable",
+                    f"model {engine.name} does not fit the memory budget beside busy models",
                 )
             if time.monotonic() > deadline:
                 raise ApiError(
