@@ -105,7 +105,10 @@ def add_endpoint(
     allowed = set(endpoint.models) if endpoint.models else None
     for path in protocol.generation_paths:
         route = (endpoint.route.rstrip("/") + path) or "/"
-        app.add_route(route, GenerationResource(route, protocol, table, allowed, options, metrics))
+        resource = GenerationResource(
+            route, protocol, table, allowed, options, metrics, endpoint.output_format
+        )
+        app.add_route(route, resource)
     add_catalog_routes(app, endpoint.route.rstrip("/"), protocol, table, allowed, options)
     if protocol.counts_tokens:
         route = endpoint.route + "/count_tokens"

@@ -3,7 +3,9 @@ answer must parse and validate, through each protocol's own SDK."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -13,6 +15,7 @@ from anthropic import Anthropic
 from openai import OpenAI
 from pydantic import BaseModel
 
+from tests.server.serverproc import REPO, running_server
 from tests.server.structured_cases import (
     SAMPLES,
     SCHEMA,
@@ -83,8 +86,6 @@ def test_chat_json_object_is_an_object(client: OpenAI) -> None:
     # be a valid JSON object prefix, and when it stops, a whole object.
     assert text.startswith("{")
     if reply.choices[0].finish_reason == "stop":
-        import json
-
         assert isinstance(json.loads(text), dict)
 
 
@@ -213,7 +214,47 @@ def test_anthropic_output_format_answers_all_validate(demo_server: str) -> None:
             "max_tokens": 200,
             "messages": ASK,
             "output_format": {"type": "json_schema", "schema": SCHEMA},
-        },  # fmt: skip
+        },
         timeout=300,
     ).json()
     assert_valid(beta["content"][-1]["text"])
+
+
+# -- YAML defaults ---------------------------------------------------------------------
+
+DEFAULTS_CONFIG = """
+pipelines_dir: {repo}/pipelines
+models:
+  - name: ticketer
+    source: demo:qwen3
+    pipeline: qwen3
+    options: {{max_batch: 4, default_max_tokens: 120}}
+    output_format:
+      json_schema: {schema}
+endpoints:
+  - {{route: /v1/chat/completions, api: openai-chat}}
+  - route: /codes/v1/chat/completions
+    api: openai-chat
+    output_format: {{regex: "[A-Z]{{2}}[0-9]{{4}}"}}
+"""
+
+
+def test_yaml_default_output_format(tmp_path: Path) -> None:
+    config = tmp_path / "defaults.yaml"
+    config.write_text(DEFAULTS_CONFIG.format(repo=REPO, schema=json.dumps(SCHEMA)))
+    with running_server(config) as base:
+        model_default = OpenAI(base_url=f"{base}/v1", api_key="t", max_retries=0, timeout=300)
+        reply = model_default.chat.completions.create(
+            model="ticketer", messages=ASK, max_tokens=200, **NO_THINKING
+        )
+        assert_valid(reply.choices[0].message.content)
+        route = OpenAI(base_url=f"{base}/codes/v1", api_key="t", max_retries=0, timeout=300)
+        reply = route.chat.completions.create(
+            model="ticketer", messages=ASK, max_tokens=40, **NO_THINKING
+        )
+        assert re.fullmatch(r"[A-Z]{2}[0-9]{4}", reply.choices[0].message.content or "")
+        # A client's own format still wins over the defaults.
+        own = route.chat.completions.parse(
+            model="ticketer", messages=ASK, response_format=Ticket, max_tokens=200, **NO_THINKING
+        )
+        assert isinstance(own.choices[0].message.parsed, Ticket)

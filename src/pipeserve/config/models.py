@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from pipeserve.config.detect_rules import DetectSection
+from pipeserve.request import OutputFormat
 
 
 class Strict(BaseModel):
@@ -234,6 +235,35 @@ class EngineOptions(Strict):
     )
 
 
+class OutputFormatDefault(Strict):
+    """A structured-output constraint for clients that cannot send one: exactly one key.
+
+    Applies to requests that ask for no output format of their own.
+    """
+
+    json_schema: dict[str, Any] | None = Field(None, description="Answers follow this schema.")
+    json_object: bool = Field(False, description="Answers are one JSON object.")
+    regex: str | None = Field(None, description="Answers match this regular expression.")
+    lark: str | None = Field(None, description="Answers follow this Lark grammar (llguidance).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> OutputFormatDefault:
+        given = [self.json_schema is not None, self.json_object, self.regex is not None]
+        if sum(given) + (self.lark is not None) != 1:
+            raise ValueError("give exactly one of json_schema, json_object, regex, lark")
+        return self
+
+    def to_output_format(self, param: str) -> OutputFormat:
+        """The request-level format (compile errors name `param`, the YAML place)."""
+        if self.json_schema is not None:
+            return OutputFormat("json_schema", self.json_schema, param=param)
+        if self.regex is not None:
+            return OutputFormat("regex", self.regex, param=param)
+        if self.lark is not None:
+            return OutputFormat("lark", self.lark, param=param)
+        return OutputFormat("json_object", param=param)
+
+
 class ReplayOptions(Strict):
     completion: str = Field(
         "", description="Raw completion streamed when the request has no mock_response."
@@ -271,6 +301,9 @@ class ModelEntry(Strict):
     )
     options: EngineOptions = Field(default_factory=EngineOptions)
     replay: ReplayOptions = Field(default_factory=ReplayOptions)
+    output_format: OutputFormatDefault | None = Field(
+        None, description="Default structured output for this model's answers."
+    )
 
 
 class EndpointEntry(Strict):
@@ -282,6 +315,9 @@ class EndpointEntry(Strict):
     )
     models: list[str] | None = Field(
         None, description="Restrict to these model names (default: all)."
+    )
+    output_format: OutputFormatDefault | None = Field(
+        None, description="Default structured output on this route (wins over the model's)."
     )
 
     @field_validator("route")

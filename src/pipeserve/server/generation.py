@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import falcon
 
 from pipeserve.api.base import RequestMeta, WireProtocol
+from pipeserve.config.models import OutputFormatDefault
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, Usage
@@ -70,8 +71,10 @@ class GenerationResource:
         allowed: set[str] | None,
         options: HttpOptions,
         metrics: Metrics,
+        default_format: OutputFormatDefault | None = None,
     ) -> None:
         self.route = route
+        self.default_format = default_format
         self.protocol = protocol
         self.models = models
         self.allowed = allowed
@@ -91,6 +94,7 @@ class GenerationResource:
             record.stream = request.stream
             served = self.models.resolve(request.model, grant.scope(self.allowed))
             label = record.model = served.name
+            self.apply_default_format(request, served)
             ctx = RequestContext(
                 request=request,
                 request_id=request_id(req),
@@ -111,6 +115,19 @@ class GenerationResource:
             self.metrics.count_request(self.route, label, status)
             return
         self.respond(req, resp, served, ctx, started, record)
+
+    def apply_default_format(self, request: GenerationRequest, served: ServedModel) -> None:
+        """A YAML output_format (endpoint first, then model) when the client sent none."""
+        if request.output_format is not None:
+            return
+        if self.default_format is not None:
+            request.output_format = self.default_format.to_output_format(
+                f"endpoint {self.route} output_format"
+            )
+        elif served.entry.output_format is not None:
+            request.output_format = served.entry.output_format.to_output_format(
+                f"model {served.name} output_format"
+            )
 
     def decode(self, req: falcon.Request) -> GenerationRequest:
         body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
