@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from pipeserve.engine.demo import ensure_demo_model
 
 SHAPES: dict[str, dict[str, int]] = {
-    # ~116M parameters: the shape DESIGN.md section 7 measured mlx_lm.server on.
+    # ~116M parameters: the shape benchmarks/README.md reports serving numbers for.
     "small": {
         "hidden_size": 512,
         "num_hidden_layers": 12,

@@ -29,11 +29,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_models import build_bench_model  # noqa: E402
+from bench_models import build_bench_model
 
-from pipeserve import blas  # noqa: E402
-from pipeserve.engine.demo import pipeserve_home  # noqa: E402
-from tests.server.serverproc import free_port, stop  # noqa: E402
+from pipeserve import blas
+from pipeserve.engine.demo import pipeserve_home
+from tests.server.serverproc import free_port, stop
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -82,7 +82,9 @@ def aggregate(base: str, model: str, streams: int, max_tokens: int) -> float:
     results: list[dict[str, float]] = []
     threads = [
         threading.Thread(
-            target=lambda: results.append(stream_once(base, model, max_tokens, f"{PROMPT} #{i}"))
+            target=lambda i=i: results.append(
+                stream_once(base, model, max_tokens, f"{PROMPT} #{i}")
+            )
         )
         for i in range(streams)
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import falcon
 
@@ -41,7 +42,7 @@ def create_app(
     api_keys: Sequence[str] = (),
     store: ResponseStore | None = None,
     metrics: Metrics | None = None,
-) -> falcon.App:
+) -> falcon.App[falcon.Request, falcon.Response]:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading).
     Without a response store, Responses endpoints are stateless. `api_keys` are the
     environment's keys, valid next to the config's server.api_keys. metrics: kept across
@@ -78,10 +79,10 @@ def create_app(
     return app
 
 
-def middleware(server: ServerSection) -> list[object]:
+def middleware(server: ServerSection) -> list[Any]:
     """Request ids and the request log always; CORS (with preflight answers) only for
     configured origins."""
-    chain: list[object] = [RequestIdMiddleware(), RequestLogMiddleware()]
+    chain: list[Any] = [RequestIdMiddleware(), RequestLogMiddleware()]
     origins = server.cors_allow_origins
     if origins:
         allow = "*" if "*" in origins else origins
@@ -95,7 +96,7 @@ def middleware(server: ServerSection) -> list[object]:
 
 
 def add_endpoint(
-    app: falcon.App,
+    app: falcon.App[falcon.Request, falcon.Response],
     endpoint: EndpointEntry,
     protocol: WireProtocol,
     table: ModelTable,

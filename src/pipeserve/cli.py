@@ -122,6 +122,7 @@ def explain_configs(files: Sequence[Path], validator: object) -> int:
         if detect_kind(load_yaml(path)) != "config":
             continue
         loaded, _ = validator.config(path)
+        assert loaded is not None  # every file passed validation above
         try:
             print("\n".join(explain(loaded, validator)))
         except DetectionError as exc:
@@ -133,12 +134,12 @@ def explain_configs(files: Sequence[Path], validator: object) -> int:
 def collect_files(paths: Sequence[str]) -> list[Path]:
     """The YAML files to validate; a folder means its YAML files plus configs/ and pipelines/."""
     if not paths:
-        files = [f for folder in DEFAULT_FOLDERS for f in _yaml_in(Path(folder))]
-        if not files:
+        defaults = [f for folder in DEFAULT_FOLDERS for f in _yaml_in(Path(folder))]
+        if not defaults:
             raise UsageError(
                 "nothing to validate: no configs/*.yaml or pipelines/*.yaml here (pass PATHs)"
             )
-        return files
+        return defaults
     files: list[Path] = []
     for text in paths:
         path = Path(text)

@@ -1,4 +1,4 @@
-"""A request shaped like the ones Claude Code 2.1 sends (DESIGN.md section 8).
+"""A request shaped like the ones Claude Code 2.1 sends (docs/architecture.md, "Protocols").
 
 `POST /v1/messages?beta=true`, ~76 KB: `system` as text blocks with cache_control, a
 `role: "system"` message inside `messages`, tools without `type` (JSON Schema draft-07,

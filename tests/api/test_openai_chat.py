@@ -10,7 +10,6 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta
@@ -33,6 +32,7 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
+from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
 
 PROTOCOL = OpenAIChat()
 META = RequestMeta(route="/v1/chat/completions")
@@ -145,7 +145,7 @@ def test_decode_full_conversation() -> None:
         7,
     )
     assert req.max_tokens == 60  # max_completion_tokens wins
-    assert req.stream and getattr(req, "include_usage") is True
+    assert req.stream and req.include_usage is True
     assert (req.logprobs, req.top_logprobs) == (True, 3)
     assert (req.reasoning.effort, req.reasoning.enabled) == ("low", None)
     assert req.parallel_tool_calls is False
@@ -158,7 +158,7 @@ def test_decode_defaults() -> None:
     assert req.tools == [] and req.tool_choice.mode == "auto"
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k) == (1.0, 1.0, 0)
     assert req.max_tokens is None and req.stop == [] and not req.stream
-    assert getattr(req, "include_usage") is False
+    assert req.include_usage is False
     assert req.reasoning.enabled is None and req.parallel_tool_calls
 
 

@@ -11,7 +11,6 @@ from openai import omit
 from openai.lib.streaming.responses import ResponseStream
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta
@@ -33,6 +32,7 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
+from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
 
 PROTOCOL = OpenAIResponses()
 META = RequestMeta(route="/v1/responses")
@@ -50,7 +50,8 @@ WEATHER = {
 }
 BASE_PROMPT = "You are Codex, a coding agent. " * 700  # ~20 KB, like the real one
 
-# Shaped like the body Codex CLI 0.171 sends (DESIGN.md section 8), second turn of a session.
+# Shaped like the body Codex CLI 0.171 sends (docs/architecture.md, "Protocols"), second
+# turn of a session.
 CODEX_REQUEST: dict[str, Any] = {
     "model": "demo",
     "input": [

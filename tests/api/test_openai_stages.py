@@ -7,7 +7,6 @@ from typing import Any
 
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
-from tests.api.test_openai_common import make_ctx
 
 from pipeserve.api.base import RequestMeta
 from pipeserve.api.openai_chat import OpenAIChat
@@ -15,6 +14,7 @@ from pipeserve.api.openai_responses import OpenAIResponses
 from pipeserve.events import Event, Finish, PromptReady, TokenText, Usage
 from pipeserve.stages import STAGE_REGISTRY, BuildEnv, load_builtin_stages
 from pipeserve.stages.base import RequestContext
+from tests.api.test_openai_common import make_ctx
 
 ENV = BuildEnv(model_name="demo", family="qwen3")
 STAGES = [

@@ -14,8 +14,6 @@ import pytest
 from anthropic._streaming import SSEDecoder
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SdkMessage
-from tests.api.test_anthropic_client import Scripted, client
-from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
 
 from pipeserve.api.anthropic_messages import AnthropicMessages
 from pipeserve.api.base import RequestMeta
@@ -33,6 +31,8 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
+from tests.api.test_anthropic_client import Scripted, client
+from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
 
 PROTOCOL = AnthropicMessages()
 META = RequestMeta(route="/v1/messages")

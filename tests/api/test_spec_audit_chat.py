@@ -16,7 +16,6 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from tests.api.test_openai_common import Harness, make_ctx, parse_sse
 
 from pipeserve.api.base import RequestMeta, WireProtocol
 from pipeserve.api.openai_chat import OpenAIChat
@@ -36,6 +35,7 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import BuildEnv, Chain, RequestContext
+from tests.api.test_openai_common import Harness, make_ctx, parse_sse
 
 PROTOCOL = OpenAIChat()
 META = RequestMeta(route="/v1/chat/completions")

@@ -13,9 +13,6 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tests.api.test_openai_common import Harness, make_ctx
-from tests.api.test_openai_responses import data_frames, final_via_sdk
-from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
 
 from pipeserve.api.base import RequestMeta
 from pipeserve.api.openai_responses import OpenAIResponses
@@ -32,6 +29,9 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.request import GenerationRequest
+from tests.api.test_openai_common import Harness, make_ctx
+from tests.api.test_openai_responses import data_frames, final_via_sdk
+from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
 
 PROTOCOL = OpenAIResponses()
 META = RequestMeta(route="/v1/responses")

@@ -13,8 +13,8 @@ from pipeserve.api.base import WireProtocol
 from pipeserve.api.openai_chat import OpenAIChat
 from pipeserve.api.openai_responses import OpenAIResponses
 from pipeserve.errors import ApiError
-from pipeserve.server.generation import closing_stream
 from pipeserve.request import GenerationRequest
+from pipeserve.server.generation import closing_stream
 from pipeserve.stages.base import RequestContext
 
 

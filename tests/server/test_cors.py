@@ -4,7 +4,6 @@ and readable responses, also when an API key guards the routes (preflights carry
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

@@ -4,7 +4,6 @@ from a config written by the test."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

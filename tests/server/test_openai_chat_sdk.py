@@ -51,7 +51,7 @@ def test_reasoning_non_streaming(client: OpenAI, family: Family) -> None:
     )
     message = result.choices[0].message
     assert message.content == "Hello there!"
-    assert getattr(message, "reasoning_content").strip() == "Let me think."
+    assert message.reasoning_content.strip() == "Let me think."
     assert result.usage.completion_tokens_details.reasoning_tokens > 0
 
 

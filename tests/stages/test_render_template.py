@@ -220,11 +220,13 @@ def harmony_reference(encoding: Any, effort: str = "MEDIUM", tools: bool = True)
         Author,
         Conversation,
         DeveloperContent,
-        Message as H,
         ReasoningEffort,
         Role,
         SystemContent,
         ToolDescription,
+    )
+    from openai_harmony import (
+        Message as H,
     )
 
     developer = DeveloperContent.new().with_instructions("Be brief.")

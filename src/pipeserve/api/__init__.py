@@ -1,4 +1,5 @@
-"""Wire protocols. Importing this package registers every built-in protocol."""
+"""Wire protocols: `load_builtin_protocols()` imports the built-in protocol modules, which
+register themselves (importing this package alone registers nothing). See docs/extending.md."""
 
 from __future__ import annotations
 

@@ -85,8 +85,8 @@ def fold_message(stream: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[
         elif kind == "message_stop":
             return message
     reason = ctx.cancel_reason or "cancelled"
-    kind: ErrorKind = "timeout" if reason == "timeout" else "internal"
-    raise ApiError(kind, f"generation was cancelled ({reason})")
+    error_kind: ErrorKind = "timeout" if reason == "timeout" else "internal"
+    raise ApiError(error_kind, f"generation was cancelled ({reason})")
 
 
 def apply_delta(

@@ -24,7 +24,7 @@ class RequestMeta:
 
     route: str
     headers: Mapping[str, str] = field(default_factory=dict)
-    query: Mapping[str, str] = field(default_factory=dict)
+    query: Mapping[str, str | list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
         check(isinstance(tool, dict), path, "expected an object")
         if tool.get("type", "function") != "function":
             continue  # custom / hosted tool types: skipped, not an error
-        fn = tool.get("function")
+        fn: Any = tool.get("function")
         check(isinstance(fn, dict), f"{path}.function")
         name, params = fn.get("name"), fn.get("parameters")
         check(isinstance(name, str) and name != "", f"{path}.function.name")

@@ -182,8 +182,8 @@ class _History:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             out = validate(CallOutputItem, item, path)
             text = _output_text(out.output, f"{path}.output")
-            name = self.call_names.get(out.call_id)
-            self.messages.append(Message("tool", text, tool_call_id=out.call_id, name=name))
+            called = self.call_names.get(out.call_id)
+            self.messages.append(Message("tool", text, tool_call_id=out.call_id, name=called))
         elif kind == "reasoning":
             reasoning = validate(ReasoningItem, item, path)
             sealed = open_reasoning(reasoning.encrypted_content)
@@ -251,7 +251,9 @@ def _merge_leading_system(messages: list[Message]) -> list[Message]:
 
 
 def _function_spec(tool: dict[str, Any], path: str, namespace: str | None = None) -> ToolSpec:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat shape too
+    fn: Any = (
+        tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    )  # chat shape too
     name, params = fn.get("name"), fn.get("parameters")
     check(isinstance(name, str) and name != "", f"{path}.name")
     check(params is None or isinstance(params, dict), f"{path}.parameters", "expected an object")
@@ -303,7 +305,7 @@ def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
     name tools we skip anyway)."""
     if not isinstance(raw, dict) or raw.get("type") != "allowed_tools":
         return tools
-    listed = raw.get("tools")
+    listed: Any = raw.get("tools")
     check(isinstance(listed, list), "tool_choice.tools")
     names = set()
     for i, entry in enumerate(listed):
@@ -433,8 +435,9 @@ class OpenAIResponses(WireProtocol):
             close_events(events)
         last = builder.final()[-1]
         assert isinstance(last, dict)
-        self.keep(ctx, last["response"])
-        return last["response"]
+        response: dict[str, Any] = last["response"]
+        self.keep(ctx, response)
+        return response
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
         builder = ResponsesBuilder(ctx, _echo_of(ctx))

@@ -61,9 +61,13 @@ class DetectionError(ValueError):
 
 def read_evidence(folder: Path) -> ModelEvidence:
     config = _json(folder / "config.json")
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text_config: Any = (
+        config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    )
     types = {t for t in (config.get("model_type"), text_config.get("model_type")) if t}
-    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    archs: Any = (
+        config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    )
     return ModelEvidence(
         folder=folder,
         model_types=frozenset(str(t) for t in types),

@@ -71,7 +71,7 @@ class Batch:
             (uid,) = self.gen.insert(
                 [list(lookup.rest)],
                 max_tokens=[job.max_tokens],
-                caches=[lookup.cache],
+                caches=[lookup.cache],  # type: ignore[list-item]  # None: a fresh cache
                 all_tokens=[list(prompt[: lookup.cached_tokens])],
                 samplers=[self._sampler(key, job)],
                 logits_processors=[make_processors(job.sampling)],

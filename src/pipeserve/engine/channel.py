@@ -4,7 +4,8 @@ Under gevent (monkey patched) the waiting request is a greenlet on the hub of it
 thread: the engine thread must never touch gevent objects directly, so it batches a
 decode step's events for all requests and schedules ONE callback on each hub with
 `loop.run_callback_threadsafe`, which then fills per-request `gevent.queue.Queue`s
-(DESIGN.md section 5). Without gevent a plain `queue.SimpleQueue` per request is enough.
+(docs/architecture.md, "Threading model"). Without gevent a plain `queue.SimpleQueue`
+per request is enough.
 
 Also here: the real-OS-thread, queue and lock primitives, which gevent patches away.
 """
@@ -98,7 +99,8 @@ class Channel:
                 # gevent raises LoopExit on an untimed wait when nothing else keeps the
                 # hub alive: it cannot know the engine thread will call back.
                 wait = timeout if timeout is not None or self.hub is None else _HUB_POLL
-                return self._queue.get(timeout=wait)
+                batch: list[Event] | None = self._queue.get(timeout=wait)
+                return batch
             except queue.Empty:  # gevent.queue.Empty is the same class
                 if timeout is not None:
                     return None

@@ -15,6 +15,7 @@ MLX bundles), and equal outputs are the point.
 from __future__ import annotations
 
 import logging
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -79,7 +80,7 @@ _REPLACEMENTS: dict[type, type[nn.Module]] = {
 
 def applies_here() -> bool:
     """Only the CPU device benefits."""
-    return mx.default_device() == mx.cpu
+    return bool(mx.default_device() == mx.cpu)
 
 
 def _eligible(module: nn.Module) -> bool:

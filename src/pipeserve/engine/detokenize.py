@@ -28,7 +28,7 @@ class KeepSpaceBPEDetokenizer(BPEStreamingDetokenizer):
         self.tokens.append(token)
         piece = self.tokenmap[token] if token < len(self.tokenmap) else "!"
         self._unflushed += piece
-        text = self._decode_bytes(self._unflushed)
+        text: str = self._decode_bytes(self._unflushed)  # type: ignore[no-untyped-call]
         if not text.endswith("\ufffd"):
             self.text += text
             self._unflushed = ""
@@ -53,4 +53,4 @@ class Detokenizers:
 def flush(detokenizer: StreamingDetokenizer) -> str:
     """Finalize and return the text held back so far."""
     detokenizer.finalize()
-    return detokenizer.last_segment
+    return str(detokenizer.last_segment)

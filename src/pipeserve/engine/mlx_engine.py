@@ -6,7 +6,7 @@ message (a new request joins the running batch, a cancelled one leaves it at onc
 runs one BatchGenerator step (a decode step plus, when there is room, a prefill
 chunk) and hands the step's events to the waiting requests in one delivery per hub.
 The model is loaded on the engine thread: MLX arrays and streams belong to the
-thread that made them (DESIGN.md section 5).
+thread that made them (docs/architecture.md, "Threading model").
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return self._lru.nbytes
+        return int(self._lru.nbytes)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -47,7 +47,8 @@ class PrefixCache:
         cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, prompt)
         if cache is not None and not rest:
             # Exact hit: re-process the last token so there are logits to sample from.
-            if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1:
+            trimmed: Any = can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1)
+            if trimmed == 1:  # mlx-lm returns the number of tokens trimmed (annotated as a list)
                 rest = prompt[-1:]
             else:
                 cache, rest = None, prompt

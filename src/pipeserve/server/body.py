@@ -6,9 +6,10 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 import falcon
+from falcon.typing import ReadableIO
 
 from pipeserve.errors import ApiError
 from pipeserve.gevent_support import gevent_patched
@@ -135,12 +136,12 @@ def _framed(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
 def _close_after_response(req: falcon.Request) -> None:
     """After a 408 the rest of the body may never come: tell gunicorn not to wait for it
     (it would drain the connection for its whole keep-alive time) but to close."""
-    body = req.env.get("wsgi.input")
+    body: Any = req.env.get("wsgi.input")
     if hasattr(body, "failed"):
         body.failed = True
 
 
-def _body_stream(req: falcon.Request) -> BinaryIO:
+def _body_stream(req: falcon.Request) -> ReadableIO:
     """A chunked body has no Content-Length: read the server's de-chunking input to EOF
     (Falcon's bounded stream would read nothing). gunicorn ends it at the last chunk."""
     chunked = "chunked" in (req.get_header("Transfer-Encoding") or "").lower()

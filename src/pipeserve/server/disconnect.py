@@ -2,7 +2,8 @@
 one that stays connected but stopped reading what we write.
 
 gunicorn's gevent worker only notices a disconnect when a write fails; a watcher
-greenlet on the request socket notices it within a millisecond (DESIGN.md section 5).
+greenlet on the request socket notices it within a millisecond (docs/architecture.md,
+"Threading model").
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class StalledWriteGuard:
         # On the OS socket: gevent's own shutdown() would fail the blocked write with
         # EBADF, which gunicorn logs as an error; EPIPE it drops quietly. Linger 0 makes
         # its close() a reset, so the kernel does not keep the unread output either.
-        raw = getattr(self._sock, "_sock", self._sock)
+        raw: Any = getattr(self._sock, "_sock", self._sock)  # gevent's socket wraps the OS one
         try:
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             raw.shutdown(socket.SHUT_RDWR)

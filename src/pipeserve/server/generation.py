@@ -163,7 +163,7 @@ class GenerationResource:
             self.metrics.count_request(self.route, served.name, 200)
             return
         try:
-            body = self.protocol.encode_json(events, ctx)
+            answer = self.protocol.encode_json(events, ctx)
         except ApiError as raised:
             error = raised
             if ctx.cancel_reason == "client_disconnected":
@@ -176,7 +176,7 @@ class GenerationResource:
             ctx.cancel("response_complete")
         # Rendered here so that its write, too, gives up on a client that never reads
         # (a long answer with logprobs is larger than the socket buffers).
-        resp.media = body
+        resp.media = answer
         payload = resp.render_body() or b""
         resp.media = None
         resp.content_length = len(payload)

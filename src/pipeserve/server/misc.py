@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import falcon
@@ -22,7 +22,7 @@ from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.request_log import record_of
 
 STARTED_AT = int(time.time())
-STARTED_AT_ISO = datetime.fromtimestamp(STARTED_AT, timezone.utc).isoformat().replace("+00:00", "Z")
+STARTED_AT_ISO = datetime.fromtimestamp(STARTED_AT, UTC).isoformat().replace("+00:00", "Z")
 log = logging.getLogger("pipeserve.http")
 
 

@@ -71,5 +71,5 @@ class RoutingErrors:
         resp.status = error.status
         resp.content_type = falcon.MEDIA_JSON
         resp.media = protocol.error_body(api_error)
-        for name, value in (error.headers or {}).items():
+        for name, value in dict(error.headers or {}).items():
             resp.set_header(name, value)

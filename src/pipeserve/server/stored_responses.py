@@ -129,7 +129,11 @@ def _int_param(
 
 
 def add_stored_response_routes(
-    app: falcon.App, route: str, protocol: WireProtocol, store: ResponseStore, options: HttpOptions
+    app: falcon.App[falcon.Request, falcon.Response],
+    route: str,
+    protocol: WireProtocol,
+    store: ResponseStore,
+    options: HttpOptions,
 ) -> None:
     app.add_route(route + "/{response_id}", StoredResponseResource(protocol, store, options))
     app.add_route(

@@ -58,7 +58,8 @@ class HarmonyStage(RenderStage):
         return self.encoding.decode(tokens), list(tokens)
 
     def conversation(self, request: GenerationRequest) -> Any:
-        from openai_harmony import Conversation, Message as HMessage, Role
+        from openai_harmony import Conversation, Role
+        from openai_harmony import Message as HMessage
 
         messages = [HMessage.from_role_and_content(Role.SYSTEM, self.system_content(request))]
         developer = developer_content(request)
@@ -105,7 +106,8 @@ def developer_content(request: GenerationRequest) -> Any | None:
 
 def harmony_messages(message: Message, names: dict[str, str]) -> list[Any]:
     """One request message as Harmony messages (system text goes to the developer)."""
-    from openai_harmony import Author, Message as HMessage, Role
+    from openai_harmony import Author, Role
+    from openai_harmony import Message as HMessage
 
     if message.role == "user":
         return [HMessage.from_role_and_content(Role.USER, message.content)]

@@ -70,7 +70,7 @@ class RenderStage:
         ctx.prompt = prompt
         ctx.prompt_token_ids = token_ids
         start = self.params.think_start
-        opened = bool(start) and raw is None and prompt.rstrip().endswith(start)
+        opened = bool(start and raw is None and prompt.rstrip().endswith(start))
         ctx.prompt_opened_thinking = opened
 
     def raw(self, raw: RawPrompt) -> tuple[str, list[int]]:

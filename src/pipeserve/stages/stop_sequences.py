@@ -38,7 +38,7 @@ class _Scanner:
     def __init__(self, stops: MarkerSet) -> None:
         self.stops = stops
         self.splitter = Splitter()
-        self.last: Event | None = None
+        self.last: ContentDelta | ReasoningDelta | TokenText | None = None
 
     def feed(
         self, event: ContentDelta | ReasoningDelta | TokenText

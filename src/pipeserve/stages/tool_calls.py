@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-from pipeserve.events import ContentDelta, Event, Finish, TokenText, Usage
+from pipeserve.events import ContentDelta, Event, Finish, FinishReason, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, register_stage
 from pipeserve.stages.toolfmt.base import CallSink
 from pipeserve.stages.toolfmt.call_grammar import forced_call_plan
@@ -78,7 +78,8 @@ class ToolCallsParams(RootModel[SerializeAsAny[ToolFormatParams]]):
         cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
     ) -> JsonSchemaValue:
         models = tuple(TOOL_FORMATS[name].params_model for name in sorted(TOOL_FORMATS))
-        union = Annotated[Union[models], Field(discriminator="format")]  # noqa: UP007
+        # Built at run time from the registry, which a static checker cannot follow.
+        union: Any = Annotated[Union[models], Field(discriminator="format")]  # noqa: UP007
         return handler(TypeAdapter(union).core_schema)
 
 
@@ -169,7 +170,7 @@ class ToolCallsStage:
             yield from _shaped(out, shaper)
 
 
-def _finish_reason(reason: str, shaper: TurnShaper) -> str:
+def _finish_reason(reason: FinishReason, shaper: TurnShaper) -> FinishReason:
     if shaper.closed and reason != "error":
         return "tool_calls"  # we cancelled after the single call ("cancelled"), or it just ended
     return "tool_calls" if reason == "stop" and shaper.valid else reason

@@ -27,7 +27,7 @@ class OffHub:
         if not gevent_patched():
             return fn(*args)
         if self._pool is None:
-            from gevent.threadpool import ThreadPool  # type: ignore[import-untyped]
+            from gevent.threadpool import ThreadPool
 
             self._pool = ThreadPool(self.threads)
         result: T = self._pool.apply(fn, args)

@@ -42,14 +42,13 @@ class HarmonyFormat:
     ) -> None:
         from openai_harmony import HarmonyError, Role, StreamableParser
 
-        self._new_parser = lambda role: StreamableParser(encoding, role, strict=False)
+        self.encoding = encoding
+        self._parser_class: Any = StreamableParser
         self._error = HarmonyError
-        self._role = Role.ASSISTANT
         self.parser = self._new_parser(Role.ASSISTANT)
         special = {t: encoding.encode(t, allowed_special="all")[0] for t in ("<|message|>", *_ENDS)}
         self._message_id = special["<|message|>"]
         self._end_ids = frozenset(special[t] for t in _ENDS)
-        self.encoding = encoding
         self.sink = sink
         self.reasoning_channels = reasoning_channels
         self.calls_enabled = calls_enabled
@@ -57,6 +56,9 @@ class HarmonyFormat:
         self.header: list[str] = []
         self.call: StreamedArgs | None = None
         self.reasoning_tokens: int | None = 0
+
+    def _new_parser(self, role: Any) -> Any:
+        return self._parser_class(self.encoding, role, strict=False)
 
     def prefill(self, text: str, out: list[Event]) -> None:
         """Feed the forced assistant prefix (tool_choice) as if the model had written it."""
