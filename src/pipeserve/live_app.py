@@ -75,7 +75,7 @@ class LiveApp:
         self.fleet.start_reaper()
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        return self.app(environ, start_response)  # type: ignore[no-any-return]
+        return self.app(environ, start_response)
 
     def reload(self, loaded: LoadedConfig) -> bool:
         """Apply a validated config; on failure the running one stays. True when applied."""
@@ -89,7 +89,7 @@ class LiveApp:
             self.reloads["applied"] += 1
             return True
 
-    def _apply(self, loaded: LoadedConfig) -> falcon.App:
+    def _apply(self, loaded: LoadedConfig) -> falcon.App[falcon.Request, falcon.Response]:
         server = loaded.config.server
         self.fleet.budget = budget_bytes(server.memory_budget, self.workers)
         self.fleet.room_timeout = server.request_timeout

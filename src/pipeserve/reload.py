@@ -34,7 +34,12 @@ class Snapshot:
         self.folder = Path(tempfile.mkdtemp(prefix="pipeserve-config-"))
         self.path = self.folder / "config.pickle"
         owner = os.getpid()
-        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(self.folder, True))
+
+        def remove_in_owner() -> None:
+            if os.getpid() == owner:
+                shutil.rmtree(self.folder, True)
+
+        atexit.register(remove_in_owner)
 
     def write(self, loaded: Any) -> None:
         tmp = self.path.with_suffix(".tmp")

@@ -59,7 +59,7 @@ def _json_schema(spec: Any, param: str) -> OutputFormat:
 
 
 def _grammar(raw: dict[str, Any], param: str) -> OutputFormat:
-    syntax = raw.get("syntax")
+    syntax: Any = raw.get("syntax")
     _require(syntax in GRAMMAR_SYNTAXES, f"{param}.syntax", "expected 'lark' or 'regex'")
     definition = raw.get("definition")
     _require(

@@ -13,6 +13,7 @@ from typing import Any
 from pipeserve.config.loader import YamlDoc
 from pipeserve.config.models import ServerConfig, ShardingOptions
 from pipeserve.config.problems import PathKey, Problem
+from pipeserve.engine.sharding.hostfile import read_hostfile
 
 
 def check_sharding(doc: YamlDoc, config: ServerConfig) -> list[Problem]:
@@ -69,23 +70,6 @@ def _check_options(
                 doc.problem(where if "split" in message else at + ("strategy",), message)
             )
     return problems
-
-
-def read_hostfile(path: Path) -> tuple[list[dict[str, Any]], str | None]:
-    """mlx's hosts file: {"hosts": [{"ssh": ..., "ips": [...]}, ...]} or the bare list."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return [], f"cannot read the hosts file {path}: {exc}"
-    hosts = data.get("hosts") if isinstance(data, dict) else data
-    if not isinstance(hosts, list) or not all(isinstance(h, dict) for h in hosts):
-        return [], f"{path}: expected mlx's hosts file format (a 'hosts' list of {{ssh, ips}})"
-    if len(hosts) < 2:
-        return [], f"{path}: a sharded model needs at least 2 hosts, found {len(hosts)}"
-    for number, host in enumerate(hosts):
-        if not isinstance(host.get("ssh"), str) or not host.get("ips"):
-            return [], f"{path}: host {number} needs 'ssh' (a host name) and 'ips' (the ring's IPs)"
-    return hosts, None
 
 
 def architecture_config(source: str) -> dict[str, Any] | None:

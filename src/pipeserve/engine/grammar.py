@@ -95,7 +95,7 @@ class GrammarCompiler:
     def _build(self) -> None:
         try:
             self._llt = build_lltokenizer(*self._source)
-        except Exception as exc:  # noqa: BLE001 -- reported to every request asking for a grammar
+        except Exception as exc:
             log.warning("structured output unavailable: %s", exc)
             self._error = str(exc)
         finally:

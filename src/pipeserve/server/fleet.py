@@ -78,7 +78,7 @@ class Fleet:
                 max_tokens_limit=entry.options.max_tokens_limit,
             )
 
-        return manage  # type: ignore[return-value]
+        return manage
 
     def set_current(self, engines: Iterable[ManagedEngine], gone: Iterable[ManagedEngine]) -> None:
         """The engines of the config now served; `gone` ones unload once their requests end."""

@@ -65,7 +65,7 @@ class Placement:
 
 def placement(options: ShardingOptions) -> Placement:
     if options.hostfile:
-        from pipeserve.config.sharding_checks import read_hostfile
+        from pipeserve.engine.sharding.hostfile import read_hostfile
 
         hosts, problem = read_hostfile(Path(options.hostfile))
         if problem:
