@@ -151,8 +151,8 @@ class Ollama(WireProtocol):
     }
 
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
-        endpoint = "generate" if meta.route.endswith("/generate") else "chat"
-        return decode_ollama(body, endpoint)
+        generate = meta.route.endswith("/generate")
+        return decode_ollama(body, "generate" if generate else "chat")
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         try:

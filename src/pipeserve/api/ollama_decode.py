@@ -218,7 +218,7 @@ def tools(raw: list[dict[str, Any]]) -> list[ToolSpec]:
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         check(isinstance(tool, dict), where, "expected an object")
-        fn = tool.get("function")
+        fn: Any = tool.get("function")
         check(isinstance(fn, dict), f"{where}.function")
         name, params = fn.get("name"), fn.get("parameters")
         check(isinstance(name, str) and name != "", f"{where}.function.name")

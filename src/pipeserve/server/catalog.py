@@ -79,7 +79,7 @@ class CatalogPost(CatalogResource):
 
 
 def add_catalog_routes(
-    app: falcon.App,
+    app: falcon.App[falcon.Request, falcon.Response],
     route: str,
     protocol: WireProtocol,
     models: ModelTable,
