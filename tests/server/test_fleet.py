@@ -86,7 +86,9 @@ def test_least_recently_used_idle_model_makes_room(demo_tokenizer: Callable[[str
     fleet = Fleet(budget=100)
 
     def model(name: str, size: int = 40) -> ManagedEngine:
-        start = lambda: ReplayEngine(name, tokenizer, frozenset(), f"{name} here")
+        def start() -> ReplayEngine:
+            return ReplayEngine(name, tokenizer, frozenset(), f"{name} here")
+
         return ManagedEngine(
             name, start, fleet, pinned=False, keep_alive=None, size=size,
             accepts_mock_response=True, max_tokens_limit=None,
