@@ -34,7 +34,7 @@ from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel, StageDecl, build_chain
 from pipeserve.stages import load_builtin_stages
 from pipeserve.stages.base import BuildEnv
-from pipeserve.store import response_store
+from pipeserve.store import worker_response_store
 
 log = logging.getLogger("pipeserve.reload")
 
@@ -111,7 +111,7 @@ class LiveApp:
             loaded.config,
             [s.model for s in slots.values()],
             api_keys=self.api_keys,
-            store=response_store(server, loaded.path.parent),
+            store=worker_response_store(server, loaded.path.parent),
             metrics=self.metrics,
         )
         kept = {id(managed(s.model)) for s in slots.values()}

@@ -234,6 +234,7 @@ def test_reasoning_summary_auto_is_non_empty_and_referencable(servers: Servers) 
         input=[ask],
         tools=TOOLS,
         reasoning={"effort": "low", "summary": "auto"},
+        include=["reasoning.encrypted_content"],
     )
     reasoning, call = first.output
     assert reasoning.type == "reasoning" and call.type == "function_call"
@@ -247,6 +248,15 @@ def test_reasoning_summary_auto_is_non_empty_and_referencable(servers: Servers) 
     no_reasoning = create(client, input=[ask, *dump([call]), result], tools=TOOLS, store=False)
     assert by_reference.usage.input_tokens == in_full.usage.input_tokens
     assert by_reference.usage.input_tokens > no_reasoning.usage.input_tokens
+    # Encrypted reasoning keeps working beside the store: the sealed blob alone carries it.
+    sealed = {
+        "type": "reasoning",
+        "id": reasoning.id,
+        "summary": [],
+        "encrypted_content": reasoning.encrypted_content,
+    }
+    by_blob = create(client, input=[ask, sealed, *dump([call]), result], tools=TOOLS, store=False)
+    assert by_blob.usage.input_tokens == in_full.usage.input_tokens
 
 
 def test_a_locked_database_delays_no_answer_past_the_lock_timeout(servers: Servers) -> None:

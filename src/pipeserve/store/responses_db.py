@@ -98,13 +98,14 @@ class ResponseStore:
 
     # ---------------------------------------------------------------- connections
 
-    def open_checked(self) -> None:
-        """Create or check the database now: raises StoreError saying what is wrong."""
+    def open_checked(self, deep: bool = True) -> None:
+        """Create or check the database now (`deep`: also every page, as at start-up):
+        raises StoreError saying what is wrong."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = self._connect()
             try:
-                row = conn.execute("PRAGMA quick_check").fetchone()
+                row = conn.execute("PRAGMA quick_check").fetchone() if deep else ("ok",)
                 if row is None or row[0] != "ok":
                     raise StoreError(f"the database is corrupt ({row[0] if row else 'no answer'})")
                 with self._write(conn):  # proves the file (and its folder) can be written
