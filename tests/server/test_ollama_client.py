@@ -173,8 +173,14 @@ def test_real_generation(demo_server: str) -> None:
     assert "".join(p.message.content or "" for p in parts) == first.message.content
     assert first.eval_count == parts[-1].eval_count and 0 < (first.eval_count or 0) <= 5
     assert first.done_reason in ("stop", "length")
-    generated = client.generate(model="demo", prompt="The sky is", raw=True, options=options)
+    generated = client.generate(
+        model="demo", prompt="The sky is", raw=True, options=options, logprobs=True, top_logprobs=2
+    )
     assert generated.eval_count and generated.eval_count <= 5 and generated.done
+    logprobs = generated.logprobs or []
+    assert "".join(lp.token for lp in logprobs) == generated.response
+    assert len(logprobs) == generated.eval_count and all(lp.logprob <= 0 for lp in logprobs)
+    assert all(len(lp.top_logprobs or []) == 2 for lp in logprobs)
 
 
 @pytest.mark.mlx

@@ -39,6 +39,8 @@ class ModelFacts:
     context_length: int | None = None
     capabilities: frozenset[str] = frozenset()  # beyond "completion": "tools", "thinking"
     chat_template: str | None = None
+    resident: bool = True  # weights loaded now (models loaded on demand may not be)
+    memory_bytes: int = 0  # what the loaded model holds, when the engine reports it
 
 
 class WireProtocol(ABC):

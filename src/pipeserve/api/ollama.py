@@ -3,8 +3,8 @@
 Generation at `<route>/chat` and `<route>/generate` (decoding in ollama_decode, the
 event -> object state machine in ollama_encode; streams are NDJSON), and the catalog:
 `GET <route>/tags` (the models this route and key may use), `POST <route>/show`
-(details, chat template, context length, capabilities), `GET <route>/ps` (all served
-models stay loaded) and `GET <route>/version`. Errors are `{"error": "message"}` with
+(details, chat template, context length, capabilities), `GET <route>/ps` (the models
+whose weights are loaded now) and `GET <route>/version`. Errors are `{"error": "message"}` with
 the HTTP status, as Ollama answers; its Python client raises ResponseError on them.
 """
 
@@ -44,6 +44,7 @@ def fold_chunks(chunks: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[s
     content: list[str] = []
     thinking: list[str] = []
     calls: list[Any] = []
+    logprobs: list[Any] | None = None
     for chunk in chunks:
         if "error" in chunk:
             raise ApiError("internal", str(chunk["error"]))
@@ -51,8 +52,11 @@ def fold_chunks(chunks: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[s
         content.append(part.get("content", part.get("response", "")))
         thinking.append(part.get("thinking", ""))
         calls += part.get("tool_calls", [])
+        if "logprobs" in chunk:
+            logprobs = (logprobs or []) + chunk["logprobs"]
         if chunk["done"]:
-            return joined(chunk, "".join(content), "".join(thinking), calls)
+            body = joined(chunk, "".join(content), "".join(thinking), calls)
+            return body if logprobs is None else {**body, "logprobs": logprobs}
     raise cancelled_error(ctx)
 
 
@@ -108,6 +112,18 @@ def card(model: ModelFacts) -> dict[str, Any]:
         "size": weights_size(model),
         "digest": digest,
         "details": details(model),
+    }
+
+
+def running(model: ModelFacts) -> dict[str, Any]:
+    """An /api/ps entry: the memory the loaded model holds (weights when not reported)."""
+    size = model.memory_bytes or weights_size(model)
+    return {
+        **card(model),
+        "size": size,
+        "size_vram": 0,
+        "expires_at": None,
+        "context_length": model.context_length,
     }
 
 
@@ -178,10 +194,9 @@ class Ollama(WireProtocol):
             return show(find(body, models))
         if path == "/version":
             return {"version": __version__}
-        cards = [card(model) for model in models]
         if path == "/ps":
-            return {"models": [{**c, "size_vram": 0, "expires_at": None} for c in cards]}
-        return {"models": cards}
+            return {"models": [running(model) for model in models if model.resident]}
+        return {"models": [card(model) for model in models]}
 
 
 __all__ = ["Ollama", "fold_chunks"]

@@ -12,6 +12,7 @@ Field names follow Ollama's API reference (docs/api.md) and its Python client:
 - /api/generate: `system` + `prompt` become a chat turn rendered with the model's
   template; `raw: true` sends the prompt as is (no template, output not parsed).
 - `format`: "json" or a JSON schema, enforced while decoding (structured output).
+- `logprobs` / `top_logprobs` (0-20): each content chunk carries its tokens' logprobs.
 - Refused with a 400 naming the field, since ignoring it would change the answer:
   `images`, `suffix`, `template`, `context`, and an empty `messages` / `prompt`
   (Ollama's "load the model" call).
@@ -79,6 +80,8 @@ class CommonIn(Lenient):
     format: Any = None
     think: bool | str | None = None
     keep_alive: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     mock_response: str | None = None  # replay models only
 
 
@@ -137,6 +140,8 @@ def common(req: CommonIn, endpoint: Literal["chat", "generate"]) -> OllamaGenera
         stream=req.stream is not False,
         reasoning=reasoning(req.think),
         output_format=output_format(req.format),
+        logprobs=bool(req.logprobs),
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         mock_response=req.mock_response,
         endpoint=endpoint,
     )

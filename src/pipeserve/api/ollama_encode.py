@@ -14,6 +14,8 @@ non-streamed answers agree by construction.
   durations in nanoseconds: total_duration, load_duration (0: models stay loaded),
   prompt_eval_count / prompt_eval_duration (admission to first output),
   eval_count / eval_duration (first output to the end).
+- `logprobs: true`: each content chunk carries `logprobs` (token, logprob,
+  top_logprobs) of the tokens sampled since the previous chunk.
 - While nothing is generated (queue, long prefill) an empty chunk keeps the connection
   visibly alive; a fault is an `{"error": "..."}` line, as Ollama's own streams end.
 """
@@ -63,6 +65,7 @@ class _OllamaStream:
         self.admitted: float | None = None
         self.first_output: float | None = None
         self.calls: dict[int, ToolCallStart] = {}
+        self.records = 0  # ctx.logprob_records already sent
         self.finish: Finish | None = None
         self.done = self.failed = False
 
@@ -87,9 +90,14 @@ class _OllamaStream:
     def handle(self, event: Event) -> Iterator[dict[str, Any]]:
         if isinstance(event, (ContentDelta, TokenText)) and event.text:
             self.output()
-            yield self.chunk(text=event.text)
+            logprobs = self.logprobs()
+            chunk = self.chunk(text=event.text)
+            if logprobs is not None:
+                chunk["logprobs"] = logprobs
+            yield chunk
         elif isinstance(event, ReasoningDelta) and event.text:
             self.output()
+            self.logprobs()  # reasoning tokens carry none
             yield self.chunk(thinking=event.text)
         elif isinstance(event, ToolCallStart):
             self.output()
@@ -106,6 +114,25 @@ class _OllamaStream:
             yield from self.end(event)
         elif isinstance(event, ErrorEvent):
             yield from self.fail(event.message)
+
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        """The logprobs of the tokens sampled since the previous chunk (when asked)."""
+        pending = self.ctx.logprob_records[self.records :]
+        self.records = len(self.ctx.logprob_records)
+        if not self.ctx.request.logprobs:
+            return None
+        top = self.ctx.request.top_logprobs
+        return [
+            {
+                "token": token.text,
+                "logprob": token.logprob,
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob} for t in token.top_logprobs[:top]
+                ],
+            }
+            for token in pending
+            if token.logprob is not None
+        ]
 
     def output(self) -> None:
         if self.first_output is None:

@@ -22,6 +22,8 @@ def model_facts(served: ServedModel) -> ModelFacts:
     runtime = getattr(served, "runtime", None)
     tokenizer = getattr(runtime, "tokenizer", None)
     template = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "chat_template", None)
+    engine = getattr(runtime, "engine", None)
+    stats = engine.stats() if engine is not None else {}
     return ModelFacts(
         name=served.name,
         family=served.family,
@@ -30,6 +32,8 @@ def model_facts(served: ServedModel) -> ModelFacts:
         context_length=getattr(runtime, "context_length", None),
         capabilities=served.chain.capabilities(),
         chat_template=template if isinstance(template, str) else None,
+        resident=bool(stats.get("resident", True)),
+        memory_bytes=int(stats.get("memory_bytes", 0)),
     )
 
 
