@@ -111,3 +111,29 @@ def test_least_recently_used_idle_model_makes_room(demo_tokenizer: Callable[[str
     assert any(isinstance(e, ErrorEvent) and "memory budget" in e.message for e in events)
     assert [e.name for e in fleet.resident()] == ["a", "c"]
     fleet.close()
+
+
+def os_threads() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+def test_reloading_a_model_reuses_its_engine_thread(demo_model_dir: Callable[[str], Path]) -> None:
+    """An engine thread never exits (MLX's thread-exit destructor): an on_demand model runs
+    every load on one host thread, so load/unload cycles do not pile threads up."""
+    demo_model_dir("qwen3")
+    fleet = Fleet()
+    entry = ModelEntry(name="m", source="demo:qwen3", pipeline="qwen3", load="on_demand")
+    runtime = build_runtime(entry, manage=fleet.manager_for(entry))
+    engine = runtime.engine
+    fleet.set_current([engine], [])  # type: ignore[list-item]
+    prompt = runtime.tokenizer.encode("hi")
+    counts = []
+    for _ in range(3):
+        fleet.load_now(engine)  # type: ignore[arg-type]
+        assert isinstance(list(engine.submit(job(prompt)))[-1], Usage)
+        fleet._unload(engine, "test")  # type: ignore[arg-type]
+        counts.append(os_threads())
+    assert counts[0] == counts[1] == counts[2], counts
+    assert fleet.loads["m"] == 3
+    fleet.close()

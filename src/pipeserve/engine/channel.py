@@ -49,6 +49,26 @@ def os_lock() -> Any:
     return threading.Lock()
 
 
+class OsThreadHost:
+    """One real OS thread that runs the callables handed to it, one after another.
+
+    An engine whose model is loaded and unloaded many times (load on demand) runs each
+    load on the same thread instead of starting a new one each time: an engine thread
+    never exits (see MlxEngine._park), so without a host every reload left one behind.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._work = os_simple_queue()
+        start_os_thread(self._serve, name=name)
+
+    def run(self, target: Callable[[], None]) -> None:
+        self._work.put(target)
+
+    def _serve(self) -> None:
+        while True:
+            self._work.get()()
+
+
 class OsFlag:
     """A one-shot flag an OS thread can wait on (e.g. "model loaded").
 

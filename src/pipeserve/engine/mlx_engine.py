@@ -30,6 +30,7 @@ from pipeserve.engine.channel import (
     Channel,
     Courier,
     OsFlag,
+    OsThreadHost,
     os_lock,
     os_simple_queue,
     start_os_thread,
@@ -57,6 +58,7 @@ class MlxEngine:
         load_model: Callable[[], Any],
         tokenizer: Any,
         options: EngineOptions | None = None,
+        host: OsThreadHost | None = None,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
@@ -74,7 +76,10 @@ class MlxEngine:
         self._loaded = OsFlag()
         self._stopped = OsFlag()
         self._load_model = load_model
-        start_os_thread(self._run, name=f"pipeserve-engine-{name}")
+        if host is not None:  # a reused thread: it returns to its host when the engine stops
+            host.run(self._serve)
+        else:
+            start_os_thread(self._run, name=f"pipeserve-engine-{name}")
         self._loaded.wait()
         if self._load_error is not None:
             raise RuntimeError(
@@ -144,6 +149,11 @@ class MlxEngine:
     # -- engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        self._serve()
+        self._park()
+
+    def _serve(self) -> None:
+        """Load, decode until closed, free the model; returns (the caller parks or reuses)."""
         try:
             batch = self._new_batch(self._load_model())
         except BaseException as exc:  # reported to the constructor's caller
@@ -151,7 +161,7 @@ class MlxEngine:
             self._load_error = exc
             self._loaded.set()
             self._stopped.set()
-            self._park()
+            return
         self._load_model = lambda: None  # drop the loader closure
         self._loaded.set()
         courier = Courier()
@@ -167,7 +177,6 @@ class MlxEngine:
                 log.debug("model %s: synchronize at close failed", self.name, exc_info=True)
             gc.collect()
             self._stopped.set()
-        self._park()
 
     def _new_batch(self, model: Any) -> Batch:
         return Batch(model, self.options, self._stats)
@@ -220,11 +229,17 @@ def _close_at_exit(ref: weakref.ref[MlxEngine]) -> None:
 
 
 def build_mlx_engine(
-    name: str, model_dir: Path, tokenizer: Any, options: EngineOptions, **kwargs: Any
+    name: str,
+    model_dir: Path,
+    tokenizer: Any,
+    options: EngineOptions,
+    host: OsThreadHost | None = None,
+    **kwargs: Any,
 ) -> MlxEngine:
+    """host: the thread to run on (a model loaded on demand reuses one across loads)."""
     from pipeserve.engine.loader import load_model
 
-    if options.sharding is not None:
+    if options.sharding is not None:  # loaded once at start-up: no host
         from pipeserve.engine.sharding.engine import ShardedEngine
 
         return ShardedEngine(name, model_dir, tokenizer, options, **kwargs)
@@ -233,5 +248,6 @@ def build_mlx_engine(
         lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose),
         tokenizer,
         options,
+        host=host,
         **kwargs,
     )

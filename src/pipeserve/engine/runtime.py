@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import Engine, ModelRuntime
+from pipeserve.engine.channel import OsThreadHost
 from pipeserve.engine.grammar import GrammarCompiler
 from pipeserve.engine.loader import (
     context_length,
@@ -67,8 +68,10 @@ def start_engine(
     model_dir: Path,
     tokenizer: Any,
     eos: frozenset[int],
+    host: OsThreadHost | None = None,
 ) -> Engine:
-    """The entry's engine over its tokenizer; engine mlx loads the weights (blocking)."""
+    """The entry's engine over its tokenizer; engine mlx loads the weights (blocking), on
+    `host`'s thread when given (pipeserve.server.fleet reuses one per on_demand model)."""
     options = entry.options
     if entry.engine == "replay":
         from pipeserve.engine.replay import ReplayEngine
@@ -81,7 +84,7 @@ def start_engine(
     else:
         from pipeserve.engine.mlx_engine import build_mlx_engine
 
-        engine = build_mlx_engine(entry.name, model_dir, tokenizer, options)
+        engine = build_mlx_engine(entry.name, model_dir, tokenizer, options, host=host)
     log.info(
         "model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos)
     )

@@ -76,6 +76,7 @@ class Fleet:
                 size=weights_bytes(model_dir) if entry.engine == "mlx" else 0,
                 accepts_mock_response=entry.engine == "replay",
                 max_tokens_limit=entry.options.max_tokens_limit,
+                hosted=entry.engine == "mlx" and entry.options.sharding is None,
             )
 
         return manage

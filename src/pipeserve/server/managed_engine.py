@@ -15,10 +15,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipeserve.engine.base import Engine, GenerationJob, TokenStream
+from pipeserve.engine.channel import OsThreadHost
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
 from pipeserve.gevent_support import gevent_patched
@@ -50,7 +52,7 @@ class ManagedEngine:
     def __init__(
         self,
         name: str,
-        start: Callable[[], Engine],
+        start: Callable[..., Engine],
         fleet: Fleet,
         *,
         pinned: bool,
@@ -58,6 +60,7 @@ class ManagedEngine:
         size: int,
         accepts_mock_response: bool,
         max_tokens_limit: int | None,
+        hosted: bool = False,
     ) -> None:
         self.name = name
         self.fleet = fleet
@@ -74,6 +77,9 @@ class ManagedEngine:
         self.load_error: ApiError | None = None
         self.changed = threading.Event()  # set whenever a load attempt ends
         self._start = start
+        # hosted: start(host=...) runs the engine on this model's one reusable OS thread
+        self._hosted = hosted
+        self._host: OsThreadHost | None = None
 
     # -- request side -----------------------------------------------------------------
 
@@ -128,8 +134,12 @@ class ManagedEngine:
         self.state = "loading"
         self.changed.clear()
         started = time.monotonic()
+        start = self._start
+        if self._hosted:
+            self._host = self._host or OsThreadHost(f"pipeserve-engine-{self.name}")
+            start = partial(self._start, host=self._host)
         try:
-            self.engine = run_off_hub(self._start)
+            self.engine = run_off_hub(start)
         except Exception as exc:  # a model that cannot load: its requests get the reason
             log.exception("model %s failed to load", self.name)
             self.state = "unloaded"
