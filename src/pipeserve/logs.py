@@ -12,9 +12,9 @@ from typing import Any, Literal, TypeAlias
 
 LogFormat: TypeAlias = Literal["human", "json"]
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# JSON lines: these record attributes, then every `extra` field of the call.
-JSON_FIELDS = ("asctime", "levelname", "name", "process", "message")
-JSON_RENAMES = {"asctime": "time", "levelname": "level", "name": "logger", "process": "pid"}
+# JSON lines: `time` (ISO 8601, UTC), these record attributes, then every `extra` field.
+JSON_FIELDS = ("levelname", "name", "process", "message")
+JSON_RENAMES = {"levelname": "level", "name": "logger", "process": "pid"}
 
 
 def logging_config(log_format: LogFormat, level: str) -> dict[str, Any]:
@@ -24,6 +24,7 @@ def logging_config(log_format: LogFormat, level: str) -> dict[str, Any]:
             "()": "pythonjsonlogger.json.JsonFormatter",
             "fmt": list(JSON_FIELDS),
             "rename_fields": JSON_RENAMES,
+            "timestamp": "time",
             "json_ensure_ascii": False,
         }
     return {

@@ -55,6 +55,13 @@ def test_echo_stop_and_the_default_max_tokens(client: openai.OpenAI) -> None:
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 16  # type: ignore[union-attr]
 
 
+def test_a_prompt_over_the_context_length_names_the_prompt(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        complete(client, prompt="word " * 60_000)  # replay-qwen3: 40960 tokens
+    body = error.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == "prompt"  # type: ignore[index]
+
+
 def test_token_id_prompts(client: openai.OpenAI, demo_tokenizer: Callable[[str], Any]) -> None:
     by_text = complete(client, prompt="Once upon a time")
     ids = list(demo_tokenizer("qwen3").encode("Once upon a time"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from datetime import datetime
 import logging
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def test_human_and_json_lines(caplog: pytest.LogCaptureFixture) -> None:
     formatter = JsonFormatter(**{k: v for k, v in params.items() if k != "()"})
     line = json.loads(formatter.format(entry))
     assert line["level"] == "INFO" and line["logger"] == "pipeserve.request"
+    assert datetime.fromisoformat(line["time"]).tzinfo is not None
     assert line["request_id"] == "req_1" and line["prompt_tokens"] == 12
     assert line["cached_tokens"] == 4 and line["finish_reason"] == "length"
     assert line["client_disconnected"] is False and line["duration_ms"] >= 0

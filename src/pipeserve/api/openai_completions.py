@@ -209,7 +209,10 @@ class OpenAICompletions(WireProtocol):
             close_events(events)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
-        return openai_error_body(error)
+        body = openai_error_body(error)
+        if body["error"]["param"] == "messages":  # render / context-length checks: the prompt
+            body["error"]["param"] = "prompt"
+        return body
 
 
 __all__ = ["CompletionGenerationRequest", "OpenAICompletions", "decode_completion"]
