@@ -1,6 +1,6 @@
 """OpenAI Chat Completions (`/v1/chat/completions`): the request decoder and the protocol.
 
-Encoders live in openai_chat_encode. Unknown body fields are accepted and ignored;
+Events and their fold live in openai_chat_encode. Unknown body fields are accepted and ignored;
 malformed known fields are a 400 naming the field (`messages[2].content[0].text`), and so
 are known fields we cannot honour when ignoring them would silently change the answer
 (n > 1, JSON response formats, audio, the legacy functions API). `logit_bias` is applied
@@ -18,7 +18,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.openai_chat_encode import ChatStreamEncoder, accumulate, completion_body
+from pipeserve.api.framing import json_frames, sse_frames
+from pipeserve.api.openai_chat_encode import ChatEvents, fold_completion
 from pipeserve.api.openai_common import (
     Lenient,
     check,
@@ -317,16 +318,15 @@ class OpenAIChat(WireProtocol):
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         try:
-            acc = accumulate(events, ctx)
+            return fold_completion(json_frames(ChatEvents(ctx, include_usage=True), events), ctx)
         finally:
             close_events(events)
-        return completion_body(acc, ctx)
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
+        request = ctx.request
+        usage = isinstance(request, ChatGenerationRequest) and request.include_usage
         try:
-            request = ctx.request
-            usage = isinstance(request, ChatGenerationRequest) and request.include_usage
-            yield from ChatStreamEncoder(ctx, include_usage=usage).run(events)
+            yield from sse_frames(ChatEvents(ctx, include_usage=usage), events)
         finally:
             close_events(events)
 

@@ -1,4 +1,6 @@
-"""Encoders for Chat Completions: `chat.completion` bodies and `chat.completion.chunk` SSE.
+"""The Chat Completions events: `chat.completion.chunk`s, produced once per request
+(ChatEvents). The SSE stream frames them (api/framing.py); the `chat.completion` body is
+their fold (fold_completion), so both say the same by construction.
 
 Reasoning goes out as `reasoning_content`; tool calls stream as `tool_calls` deltas
 whose first fragment carries index/id/type/name and later ones argument text only.
@@ -14,12 +16,12 @@ cannot be run. Argument fragments are streamed as generated (no hold-back).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from pipeserve.api.framing import EventEncoder, Frame
 from pipeserve.api.openai_common import (
-    KEEPALIVE_FRAME,
     LogprobCursor,
     api_error_from_event,
     cancelled_error,
@@ -28,7 +30,6 @@ from pipeserve.api.openai_common import (
     now,
     openai_error_body,
 )
-from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import (
@@ -36,7 +37,6 @@ from pipeserve.events import (
     ErrorEvent,
     Event,
     Finish,
-    KeepAlive,
     ReasoningDelta,
     TokenText,
     ToolCallArgsDelta,
@@ -65,16 +65,6 @@ class _Call:
         return self.arguments is not None and arguments_valid(self.arguments)
 
 
-@dataclass
-class Accumulated:
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, _Call] = field(default_factory=dict)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish: str = "stop"
-    usage: Usage = field(default_factory=lambda: Usage(0, 0))
-
-
 def _finish_reason(event: Finish, calls: dict[int, _Call], ctx: RequestContext) -> str:
     if event.reason == "cancelled":
         raise cancelled_error(ctx)
@@ -85,33 +75,12 @@ def _finish_reason(event: Finish, calls: dict[int, _Call], ctx: RequestContext) 
     return FINISH[event.reason]
 
 
-def accumulate(events: Iterator[Event], ctx: RequestContext) -> Accumulated:
-    acc, cursor = Accumulated(), LogprobCursor(ctx)
-    for event in events:
-        if isinstance(event, (ContentDelta, TokenText)):
-            acc.content.append(event.text)
-            acc.logprobs += cursor.take(event if isinstance(event, TokenText) else None)
-        elif isinstance(event, ReasoningDelta):
-            acc.reasoning.append(event.text)
-            cursor.skip()
-        elif isinstance(event, ToolCallStart):
-            acc.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
-            cursor.skip()
-        elif isinstance(event, ToolCallArgsDelta) and event.index in acc.calls:
-            acc.calls[event.index].streamed += event.fragment
-        elif isinstance(event, ToolCallEnd) and event.index in acc.calls:
-            acc.calls[event.index].arguments = event.arguments
-        elif isinstance(event, Finish):
-            acc.finish = _finish_reason(event, acc.calls, ctx)
-        elif isinstance(event, Usage):
-            acc.usage = event
-        elif isinstance(event, ErrorEvent):
-            raise api_error_from_event(event)
-    return acc
+class ChatEvents(EventEncoder):
+    """Turns pipeline events into `chat.completion.chunk`s (one instance per request).
 
-
-class ChatStreamEncoder:
-    """Turns events into `chat.completion.chunk` SSE frames (one instance per request)."""
+    The usage chunk is sent when the client asked for it (`include_usage`); the fold
+    always asks for it.
+    """
 
     def __init__(self, ctx: RequestContext, include_usage: bool = False) -> None:
         self.ctx = ctx
@@ -127,11 +96,11 @@ class ChatStreamEncoder:
         delta: dict[str, Any],
         finish: str | None = None,
         logprobs: list[dict[str, Any]] | None = None,
-    ) -> bytes:
+    ) -> list[Frame]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if logprobs:
             choice["logprobs"] = {"content": logprobs, "refusal": None}
-        return sse_event(self._base([choice]))
+        return [Frame(self._base([choice]))]
 
     def _base(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {
@@ -147,58 +116,44 @@ class ChatStreamEncoder:
             body["usage"] = None
         return body
 
-    def error(self, err: ApiError) -> bytes:
-        return sse_event(openai_error_body(err))
+    def open(self) -> list[Frame]:
+        return self.chunk({"role": "assistant", "content": "", "refusal": None})
 
-    def run(self, events: Iterator[Event]) -> Iterator[bytes]:
-        yield self.chunk({"role": "assistant", "content": "", "refusal": None})
-        for event in events:
-            try:
-                frame = self.frame(event)
-            except ApiError as err:
-                yield self.error(err)
-                return
-            if frame:
-                yield frame
-        if self.include_usage:
-            yield sse_event({**self._base([]), "usage": chat_usage(self.usage)})
-        yield sse_event("[DONE]")
+    def error(self, err: ApiError) -> list[Frame]:
+        return [Frame(openai_error_body(err), error=err)]
 
-    def frame(self, event: Event) -> bytes | None:
+    def close(self) -> list[Frame]:
+        usage = [Frame({**self._base([]), "usage": chat_usage(self.usage)})]
+        return (usage if self.include_usage else []) + [Frame("[DONE]")]
+
+    def feed(self, event: Event) -> list[Frame]:
         if isinstance(event, (ContentDelta, TokenText)):
             direct = event if isinstance(event, TokenText) else None
             logprobs = self.cursor.take(direct)
-            return self.chunk({"content": event.text}, logprobs=logprobs) if event.text else None
+            return self.chunk({"content": event.text}, logprobs=logprobs) if event.text else []
         if isinstance(event, ReasoningDelta):
             self.cursor.skip()
-            return self.chunk({"reasoning_content": event.text}) if event.text else None
+            return self.chunk({"reasoning_content": event.text}) if event.text else []
         if isinstance(event, (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)):
-            return self.tool_frame(event)
+            return self.tool_chunk(event)
         if isinstance(event, Finish):
             return self.chunk({}, _finish_reason(event, self.calls, self.ctx))
         if isinstance(event, Usage):
             self.usage = event
         elif isinstance(event, ErrorEvent):
             raise api_error_from_event(event)
-        elif isinstance(event, KeepAlive):
-            return KEEPALIVE_FRAME
-        return None
+        return []
 
-    def tool_frame(self, event: ToolCallStart | ToolCallArgsDelta | ToolCallEnd) -> bytes | None:
+    def tool_chunk(self, event: ToolCallStart | ToolCallArgsDelta | ToolCallEnd) -> list[Frame]:
         if isinstance(event, ToolCallStart):
             self.cursor.skip()
             call = self.calls[event.index] = _Call(event.id or new_id("call_"), event.name)
             fn = {"name": call.name, "arguments": ""}
-            return self.chunk(
-                {
-                    "tool_calls": [
-                        {"index": event.index, "id": call.id, "type": "function", "function": fn}
-                    ]
-                }
-            )
+            head = {"index": event.index, "id": call.id, "type": "function", "function": fn}
+            return self.chunk({"tool_calls": [head]})
         existing = self.calls.get(event.index)
         if existing is None:
-            return None
+            return []
         if isinstance(event, ToolCallEnd):
             existing.arguments = event.arguments
         if isinstance(event, ToolCallArgsDelta):
@@ -206,52 +161,87 @@ class ChatStreamEncoder:
         elif event.arguments.startswith(existing.streamed):
             fragment = event.arguments[len(existing.streamed) :]  # text never streamed
         else:
-            return None  # coerced arguments differ from the streamed ones: cannot retract
+            return []  # coerced arguments differ from the streamed ones: cannot retract
         existing.streamed += fragment
         if not fragment:
-            return None
+            return []
         return self.chunk(
             {"tool_calls": [{"index": event.index, "function": {"arguments": fragment}}]}
         )
 
 
-def completion_body(acc: Accumulated, ctx: RequestContext) -> dict[str, Any]:
-    content = "".join(acc.content)
-    calls = [acc.calls[i] for i in sorted(acc.calls)]
+@dataclass
+class _Folded:
+    content: str = ""
+    reasoning: str | None = None
+    finish: str = "stop"
+    usage: dict[str, Any] | None = None
+
+
+def fold_completion(chunks: Iterable[Frame], ctx: RequestContext) -> dict[str, Any]:
+    """The `chat.completion` body that a client accumulating these chunks ends up with."""
+    folded = _Folded()
+    calls: dict[int, dict[str, Any]] = {}
+    logprobs: list[dict[str, Any]] = []
+    first: dict[str, Any] | None = None
+    for frame in chunks:
+        if not isinstance(frame.data, dict):
+            continue  # [DONE]
+        first = first or frame.data
+        if frame.data.get("usage"):
+            folded.usage = frame.data["usage"]
+        for choice in frame.data["choices"]:
+            _fold_choice(choice, folded, calls, logprobs)
+    assert first is not None, "the chunk sequence always opens with the role chunk"
     message: dict[str, Any] = {
         "role": "assistant",
-        "content": content,
+        "content": folded.content,
         "refusal": None,
         "annotations": [],
     }
     if calls:
-        message["content"] = content if content.strip() else None
-        message["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {
-                    "name": c.name,
-                    "arguments": c.streamed if c.arguments is None else c.arguments,
-                },
-            }
-            for c in calls
-        ]
-    if acc.reasoning:
-        message["reasoning_content"] = "".join(acc.reasoning)
-    logprobs = {"content": acc.logprobs, "refusal": None} if ctx.request.logprobs else None
+        message["content"] = folded.content if folded.content.strip() else None
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if folded.reasoning is not None:
+        message["reasoning_content"] = folded.reasoning
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": logprobs, "refusal": None} if ctx.request.logprobs else None,
+        "finish_reason": folded.finish,
+    }
     return {
-        "id": new_id("chatcmpl-"),
+        "id": first["id"],
         "object": "chat.completion",
-        "created": now(),
-        "model": ctx.model_name,
+        "created": first["created"],
+        "model": first["model"],
         "service_tier": SERVICE_TIER,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": acc.finish}
-        ],
-        "usage": chat_usage(acc.usage),
+        "choices": [choice],
+        "usage": folded.usage,
     }
 
 
-__all__ = ["ChatStreamEncoder", "accumulate", "completion_body"]
+def _fold_choice(
+    choice: dict[str, Any],
+    folded: _Folded,
+    calls: dict[int, dict[str, Any]],
+    logprobs: list[dict[str, Any]],
+) -> None:
+    delta = choice["delta"]
+    folded.content += delta.get("content") or ""
+    if "reasoning_content" in delta:
+        folded.reasoning = (folded.reasoning or "") + delta["reasoning_content"]
+    for part in delta.get("tool_calls", ()):
+        fn = part["function"]
+        if "id" in part:  # the call's first chunk
+            calls[part["index"]] = {"id": part["id"], "type": "function", "function": dict(fn)}
+        else:
+            calls[part["index"]]["function"]["arguments"] += fn["arguments"]
+    if choice["logprobs"]:
+        logprobs += choice["logprobs"]["content"]
+    if choice["finish_reason"]:
+        folded.finish = choice["finish_reason"]
+
+
+__all__ = ["ChatEvents", "fold_completion"]
