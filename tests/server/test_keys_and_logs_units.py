@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hmac
 import json
-from datetime import datetime
 import logging
+from datetime import datetime
 from pathlib import Path
 
 import falcon.testing

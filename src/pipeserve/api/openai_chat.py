@@ -1,8 +1,8 @@
 """OpenAI Chat Completions (`/v1/chat/completions`): the request decoder and the protocol.
 
-Events and their fold live in openai_chat_encode. Unknown body fields are accepted and ignored;
-malformed known fields are a 400 naming the field (`messages[2].content[0].text`), and so
-are known fields we cannot honour when ignoring them would silently change the answer
+Events and their fold live in openai_chat_encode. Unknown body fields are accepted and
+ignored; malformed known fields are a 400 naming the field (`messages[2].content[0].text`),
+and so are known fields we cannot honour when ignoring them would silently change the answer
 (n > 1, JSON response formats, audio, the legacy functions API). `logit_bias` is applied
 with this model's token ids (as other open-model servers do; ids outside its vocabulary
 are a 400).
