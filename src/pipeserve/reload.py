@@ -56,11 +56,15 @@ class ReloadingArbiter(Arbiter):  # type: ignore[misc]
     def handle_hup(self) -> None:
         app = self.app
         self.log.info("Hang up: re-reading %s", app.config_path)
-        loaded = reread(app, self.log)
-        if loaded is None:
+        try:
+            loaded = reread(app, self.log)
+            if loaded is None:
+                return
+            app.snapshot.write(loaded)
+        except Exception:  # whatever goes wrong, a reload must not stop the master
+            self.log.exception("reload failed; the running config keeps serving")
             return
         app.loaded = loaded
-        app.snapshot.write(loaded)
         for pid in list(self.WORKERS):
             try:
                 os.kill(pid, signal.SIGHUP)

@@ -33,12 +33,17 @@ class PipeserveWorker(GeventWorker):  # type: ignore[misc]
         signal.signal(signal.SIGHUP, self.handle_hup)
 
     def handle_hup(self, sig: int, frame: Any) -> None:
+        if getattr(self, "wsgi", None) is None:  # still booting: reload once booted
+            self._reload_pending = True
+            return
         reload = getattr(self.app, "reload_worker", None)  # PipeserveApplication's
         if reload is not None:
             gevent.spawn(reload, self.wsgi, self.log)  # not inside the signal handler
 
     def run(self) -> None:
         gevent.spawn(self._release_idle_at_shutdown)
+        if getattr(self, "_reload_pending", False):  # a SIGHUP came while models loaded
+            self.handle_hup(signal.SIGHUP, None)
         super().run()
 
     def handle(self, listener: Any, client: socket.socket, addr: Any) -> None:
