@@ -119,6 +119,9 @@ def test_completions_and_ollama_routes_take_keys_too(keyed: tuple[str, Path]) ->
     with pytest.raises(ollama.ResponseError) as hidden:
         scoped.chat(model="big", messages=HI)
     assert hidden.value.status_code == 404
+    tags = httpx.get(f"{base}/api/tags", headers={"Authorization": f"Bearer {SCOPED_KEY}"})
+    [line] = request_lines(keyed[1], tags.headers["x-request-id"])
+    assert (line["protocol"], line["key"], line["status"]) == ("ollama", "intern", 200)
 
 
 def test_a_scoped_key_sees_other_models_as_not_found(keyed: tuple[str, Path]) -> None:

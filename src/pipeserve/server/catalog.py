@@ -14,6 +14,7 @@ from pipeserve.errors import ApiError
 from pipeserve.server.body import read_json_body
 from pipeserve.server.generation import HttpOptions, ProtocolErrors
 from pipeserve.server.registry import ModelTable, ServedModel
+from pipeserve.server.request_log import annotate
 
 log = logging.getLogger("pipeserve.http")
 
@@ -56,7 +57,10 @@ class CatalogResource:
     def answer(self, req: falcon.Request, resp: falcon.Response, body: Any) -> None:
         """`body` None: a GET; anything else: read the request's JSON body."""
         try:
-            scope = self.options.keys.authenticate(req).scope(self.allowed)
+            annotate(req, protocol=self.protocol.name)
+            grant = self.options.keys.authenticate(req)
+            annotate(req, key=grant.key_name)
+            scope = grant.scope(self.allowed)
             if body is not None:
                 body = read_json_body(
                     req, self.options.max_body_bytes, self.options.body_read_timeout
@@ -64,6 +68,7 @@ class CatalogResource:
             facts = [model_facts(m) for m in self.models.models if scope is None or m.name in scope]
             resp.media = self.protocol.catalog(self.path, body, facts)
         except ApiError as error:
+            annotate(req, error=error.kind)
             self.errors.render(resp, error)
         except Exception as exc:  # a bug: still answer in protocol shape
             log.exception("catalog route %s failed", self.path)

@@ -19,7 +19,7 @@ from pipeserve.server.body import read_json_body
 from pipeserve.server.generation import HttpOptions, ProtocolErrors, request_id, request_meta
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
-from pipeserve.server.request_log import record_of
+from pipeserve.server.request_log import annotate
 
 STARTED_AT = int(time.time())
 STARTED_AT_ISO = datetime.fromtimestamp(STARTED_AT, UTC).isoformat().replace("+00:00", "Z")
@@ -71,9 +71,7 @@ def openai_auth(req: falcon.Request, resp: falcon.Response, keys: KeyRing) -> Gr
         resp.status = falcon.HTTP_401
         resp.media = openai_error_body(error)
         return None
-    record = record_of(req)
-    if record is not None:
-        record.key = grant.key_name
+    annotate(req, key=grant.key_name)
     return grant
 
 
@@ -186,16 +184,20 @@ class CountTokensResource:
         self.errors = ProtocolErrors(protocol)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        annotate(req, protocol=self.protocol.name)
         try:
             grant = self.options.keys.authenticate(req)
+            annotate(req, key=grant.key_name)
             body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
             request = self.protocol.count_tokens_body(body, request_meta(req, self.route))
             served = self.models.resolve(request.model, grant.scope(self.allowed))
+            annotate(req, model=served.name)
             ctx = RequestContext(
                 request=request, request_id=request_id(req), model_name=request.model, dry_run=True
             )
             resp.media = self.protocol.count_tokens_response(prompt_tokens(served, ctx))
         except ApiError as error:
+            annotate(req, error=error.kind)
             self.errors.render(resp, error)
         except Exception as exc:  # a bug in a stage's prepare: still answer in protocol shape
             log.exception("count_tokens failed")

@@ -149,6 +149,14 @@ def record_of(req: falcon.Request) -> RequestRecord | None:
     return record if isinstance(record, RequestRecord) else None
 
 
+def annotate(req: falcon.Request, **facts: str | None) -> None:
+    """Set fields of the request's log line (protocol, key, model, error)."""
+    record = record_of(req)
+    if record is not None:
+        for name, value in facts.items():
+            setattr(record, name, value)
+
+
 class RequestLogMiddleware:
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_record = RequestRecord(
@@ -166,4 +174,4 @@ class RequestLogMiddleware:
             record.write()
 
 
-__all__ = ["LoggedBody", "RequestLogMiddleware", "RequestRecord", "record_of"]
+__all__ = ["LoggedBody", "RequestLogMiddleware", "RequestRecord", "annotate", "record_of"]
