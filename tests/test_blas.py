@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve import blas
+from pipeserve import backend, blas
 
 PROBE = """
 import mlx.core as mx, numpy as np
@@ -20,6 +20,10 @@ out = np.array(mx.matmul(mx.array(a), mx.array(b)))
 assert np.allclose(out, a @ b, atol=1e-3), "wrong matmul"
 print(loaded_blas())
 """
+
+pytestmark = pytest.mark.skipif(
+    not backend.cpu_backend(), reason="OpenBLAS is preloaded only for MLX's CPU backend"
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux-only")

@@ -1,8 +1,9 @@
 """`pipeserve serve`: gunicorn with gevent workers, started programmatically.
 
-The master validates the config (refusing to start on any error), sets up OpenBLAS,
-and forks workers; each worker, after gevent's monkey patching, loads its models
-(one engine OS thread per model) and builds the Falcon app.
+The master validates the config (refusing to start on any error), checks the MLX
+backend, sets up OpenBLAS (CPU backend) or the kernel cache (CUDA backend) and forks
+workers; each worker, after gevent's monkey patching, loads its models (one engine OS
+thread per model) and builds the Falcon app.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from pipeserve import blas
+from pipeserve import backend, blas
 from pipeserve.logs import logging_config
 from pipeserve.settings import Settings
 
@@ -61,10 +62,11 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
     def load(self) -> Any:
         from pipeserve.loading import build_app_from_config, build_app_from_loaded
 
-        in_use = blas.loaded_blas()
-        log.info("worker %d: BLAS in use: %s", os.getpid(), in_use)
-        if os.environ.get(blas.MARKER) and in_use != "openblas":
-            log.warning("OpenBLAS was preloaded but is not mapped in this worker; matmuls are slow")
+        if backend.cpu_backend():
+            in_use = blas.loaded_blas()
+            log.info("worker %d: BLAS in use: %s", os.getpid(), in_use)
+            if os.environ.get(blas.MARKER) and in_use != "openblas":
+                log.warning("OpenBLAS was preloaded but is not mapped in this worker; slow matmuls")
         if self.loaded is not None:
             workers = int(self.cfg.workers or 1)
             return build_app_from_loaded(self.loaded, api_keys=self.api_keys, workers=workers)
@@ -122,11 +124,21 @@ def serve(
         print(f"pipeserve: refusing to start: {path} is invalid", file=sys.stderr)
         return 1
     config = loaded.config
+    problem = backend.install_problem()
+    if problem:
+        print(f"pipeserve: refusing to start: {problem}", file=sys.stderr)
+        return 1
     home = settings.home or default_home()
-    not_used = blas.reexec_with_openblas(settings.blas, home)
+    cpu = backend.cpu_backend()
+    not_used = blas.reexec_with_openblas(settings.blas, home) if cpu else None
     log_level = settings.log_level or config.server.log_level
     logging.config.dictConfig(logging_config(config.server.log_format, log_level))
-    log.info("BLAS: %s", describe_blas(not_used))
+    log.info("MLX backend: %s", ", ".join(backend.installed_backends()) or "mlx (bundled)")
+    if cpu:
+        log.info("BLAS: %s", describe_blas(not_used))
+    kernels = backend.keep_kernel_cache(home)
+    if kernels is not None:
+        log.info("MLX kernel cache: %s", kernels)
     if not check_response_store(config, path.parent):
         return 1
     folders = fetch_sources(config)
