@@ -222,6 +222,11 @@ class EngineOptions(Strict):
         le=256,
         description="Prompts prefilled together when a burst arrives (capped by max_batch).",
     )
+    warmup: bool = Field(
+        True,
+        description="At load, run batch 1 and max_batch once so the first requests do not pay "
+        "kernel compilation (GPU backends compile kernels per shape on first use).",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     cpu_pretranspose: bool = Field(
         True,

@@ -26,6 +26,7 @@ from pipeserve.engine.sequence import Sequence
 log = logging.getLogger("pipeserve.engine")
 
 DURATION_EMA = 0.2  # weight of the newest request in the mean request duration
+WARMUP_PROMPT_TOKENS = 8
 
 
 class Batch:
@@ -57,6 +58,28 @@ class Batch:
             prefill_batch_size=min(self.options.prefill_batch, self.options.max_batch),
             prefill_step_size=self.options.prefill_step_size,
             stream=self.stream,
+        )
+
+    def warm_up(self) -> None:
+        """Generate once at batch 1 and at max_batch, so the shapes the first requests use
+        are compiled before they arrive (MLX's CUDA backend JIT-compiles per shape)."""
+        started = time.monotonic()
+        try:
+            for size in sorted({1, self.options.max_batch}):
+                uids = self.gen.insert([[0] * WARMUP_PROMPT_TOKENS] * size, max_tokens=[2] * size)
+                pending = set(uids)
+                while pending:
+                    _, responses = self.gen.next()
+                    pending -= {r.uid for r in responses if r.finish_reason is not None}
+        except Exception:
+            log.warning(
+                "warm-up failed; the first requests compile their own kernels", exc_info=True
+            )
+            self.gen.close()
+            self.gen = self._new_generator()
+            return
+        log.info(
+            "warm-up at batch 1 and %d: %.2f s", self.options.max_batch, time.monotonic() - started
         )
 
     @property

@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from pipeserve.backend import describe_device
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.batching import Batch
@@ -163,6 +164,9 @@ class MlxEngine:
             self._stopped.set()
             return
         self._load_model = lambda: None  # drop the loader closure
+        log.info("model %s: runs on %s", self.name, describe_device())
+        if self.options.warmup:
+            batch.warm_up()
         self._loaded.set()
         courier = Courier()
         try:
