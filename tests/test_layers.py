@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "pipeserve.settings": CORE,
     "pipeserve.gevent_support": CORE,
     "pipeserve.blas": CORE,
+    "pipeserve.backend": CORE,  # which MLX backend is installed; the device a model runs on
     # the YAML schema types (data only): engines read their options from them
     "pipeserve.config.models": CORE,
     "pipeserve.config.detect_rules": CORE,
