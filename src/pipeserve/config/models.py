@@ -217,10 +217,17 @@ class EngineOptions(Strict):
     )
     prefill_step_size: int = Field(512, ge=16)
     prefill_batch: int = Field(
-        4,
+        256,
         ge=1,
         le=256,
-        description="Prompts prefilled together when a burst arrives (capped by max_batch).",
+        description="At most this many prompts are prefilled together (capped by max_batch).",
+    )
+    prefill_tokens: int = Field(
+        2048,
+        ge=16,
+        description="Prompt tokens prefilled per engine step while requests wait: a burst of "
+        "short prompts is prefilled at once, and a step never makes running streams wait for "
+        "much more than this many prompt tokens.",
     )
     warmup: bool = Field(
         True,

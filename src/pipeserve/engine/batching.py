@@ -8,6 +8,7 @@ prefix cache has one, the KV cache of its longest cached prefix.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -53,22 +54,27 @@ class Batch:
         return BatchGenerator(
             self.model,
             completion_batch_size=self.options.max_batch,
-            # A burst of prompts is prefilled together; each prefill chunk delays decoding
-            # of the running sequences, so it stays bounded by options.prefill_batch.
-            prefill_batch_size=min(self.options.prefill_batch, self.options.max_batch),
+            # Set before each step by _plan_prefill (a token budget, not a count).
+            prefill_batch_size=1,
             prefill_step_size=self.options.prefill_step_size,
             stream=self.stream,
         )
 
     def warm_up(self) -> None:
         """Generate once at batch 1 and at max_batch, so the shapes the first requests use
-        are compiled before they arrive (MLX's CUDA backend JIT-compiles per shape)."""
+        are compiled before they arrive (MLX's CUDA backend JIT-compiles per shape).
+
+        Not for a sharded model: its ranks must run every step together, and a step on
+        rank 0 alone would wait forever in the first collective."""
+        if self.options.sharding is not None:
+            return
         started = time.monotonic()
         try:
             for size in sorted({1, self.options.max_batch}):
                 uids = self.gen.insert([[0] * WARMUP_PROMPT_TOKENS] * size, max_tokens=[2] * size)
                 pending = set(uids)
                 while pending:
+                    self._plan_prefill()
                     _, responses = self.gen.next()
                     pending -= {r.uid for r in responses if r.finish_reason is not None}
         except Exception:
@@ -127,10 +133,40 @@ class Batch:
             stops = self._stops[ids] = StopSequences([[t] for t in sorted(ids)] or None)
         return stops
 
+    def _plan_prefill(self) -> None:
+        """Let as many waiting prompts join the next prefill round as fit in
+        options.prefill_tokens (at least one when none is being prefilled), at most
+        options.prefill_batch: a burst of short prompts is prefilled in one round, so
+        their first tokens come together and join the decode batch in one merge, while a
+        burst of long prompts still stalls the running streams for a bounded time.
+
+        Reads BatchGenerator's queue of waiting sequences (mlx-lm 0.32's private
+        `_unprocessed_sequences`: uid, prompt segments, ...) and prompts in progress.
+        """
+        waiting = self.gen._unprocessed_sequences
+        if not waiting:
+            return
+        chunk = self.options.prefill_step_size
+        in_progress = self.gen._currently_processing  # [segments, done, total] each
+        # A prompt's last token is not prefilled: it is the input of its first decode step.
+        left = [min(chunk, total - done - 1) for _, done, total in in_progress]
+        budget = self.options.prefill_tokens - sum(left)
+        busy = any(left)
+        room = min(self.options.prefill_batch, self.options.max_batch) - len(in_progress)
+        admitted = 0
+        for entry in itertools.islice(waiting, max(0, room)):
+            cost = min(chunk, sum(len(segment) for segment in entry[1]) - 1)
+            if cost > budget and (admitted or busy):
+                break
+            budget -= cost
+            admitted += 1
+        self.gen.prefill_batch_size = max(1, len(in_progress) + admitted)
+
     def step(self, courier: Courier) -> None:
         if self._constraints is not None:
             self._constraints.begin_step()
         try:
+            self._plan_prefill()
             prompt_responses, responses = self.gen.next()
             self._snapshot_prompts(prompt_responses)
         except Exception as exc:
