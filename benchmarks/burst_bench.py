@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeserve import blas  # noqa: E402
-from pipeserve.engine.demo import ensure_demo_model, pipeserve_home  # noqa: E402
-from tests.server.serverproc import free_port, stop  # noqa: E402
+from pipeserve import blas
+from pipeserve.engine.demo import ensure_demo_model, pipeserve_home
+from tests.server.serverproc import free_port, stop
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = ("a lighthouse keeper", "a clockmaker", "the tides", "a mountain road", "old maps")
