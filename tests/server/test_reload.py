@@ -27,9 +27,9 @@ GONE = "{name: gone, source: 'demo:qwen3', pipeline: qwen3, engine: replay}"
 ENDPOINTS = "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
 
 
-def config_text(*models: str) -> str:
+def config_text(*models: str, extra_route: str = "") -> str:
     lines = [f"pipelines_dir: {REPO / 'pipelines'}", "models:"] + [f"  - {m}" for m in models]
-    return "\n".join(lines) + "\n" + ENDPOINTS
+    return "\n".join(lines) + "\n" + ENDPOINTS + extra_route
 
 
 def test_sighup_refuses_a_broken_config_then_applies_a_valid_one(tmp_path: Path) -> None:
@@ -55,17 +55,21 @@ def test_sighup_refuses_a_broken_config_then_applies_a_valid_one(tmp_path: Path)
         assert answer(client, "steady") == "steady answer"
 
         # 2. A stream in progress, then a valid config: `slow` changes, `added` is new
-        #    (and auto-detected), `gone` is removed, `steady` is unchanged.
+        #    (and auto-detected), `gone` is removed, `steady` is unchanged, a route is added.
         stream = StreamReader(base, "slow")
         wait_for(lambda: len(stream.pieces) >= 3)
         added = "{name: added, source: 'demo:qwen3', pipeline: auto, engine: replay, replay: {completion: 'new model'}}"
         changed = SLOW.replace(WORDS, "changed answer").replace("delay: 0.1", "delay: 0")
-        config.write_text(config_text(changed, STEADY, added))
+        new_route = "  - {route: /v2/chat, api: openai-chat, models: [added]}\n"
+        config.write_text(config_text(changed, STEADY, added, extra_route=new_route))
         os.kill(proc.pid, signal.SIGHUP)
         wait_for(lambda: "added" in model_ids(base), timeout=120)
         reload_seen = time.monotonic()
 
         assert answer(client, "added") == "new model"
+        body = {"model": "added", "messages": [{"role": "user", "content": "x"}]}
+        routed = httpx.post(f"{base}/v2/chat", json=body, timeout=30).json()  # a new route
+        assert routed["choices"][0]["message"]["content"] == "new model"
         assert answer(client, "slow") == "changed answer"
         assert answer(client, "steady") == "steady answer"
         assert "gone" not in model_ids(base)
