@@ -5,6 +5,7 @@ are a 404 naming the id, in the Responses error shape."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -20,6 +21,7 @@ from pipeserve.server.generation import HttpOptions, ProtocolErrors
 from pipeserve.store import ResponseStore, StoreBusy
 
 T = TypeVar("T")
+log = logging.getLogger("pipeserve.http")
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 
@@ -41,6 +43,9 @@ class _StoreResource:
             self.errors.render(resp, ApiError("internal", f"the response store failed: {exc}"))
         except ApiError as error:
             self.errors.render(resp, error)
+        except Exception as exc:  # a bug: still answer in the protocol's shape
+            log.exception("stored response request failed")
+            self.errors.render(resp, ApiError("internal", f"internal error: {type(exc).__name__}"))
 
 
 def not_found(response_id: str) -> ApiError:
