@@ -40,6 +40,7 @@ def test_layer_ranges_follow_mlx_lm_rank_0_runs_the_last_layers() -> None:
         (SamplingParams(temperature=0.7), False),  # one shared sampler (global random state)
         (SamplingParams(temperature=0.7, seed=5), False),  # the client's own seed
         (SamplingParams(temperature=0.7, top_k=5), True),  # its own sampler: rank 0 draws
+        (SamplingParams(temperature=0.7, top_k=5, top_p=2.0), False),  # invalid: rejected later
     ],
 )
 def test_rank_0_resolves_exactly_the_seeds_a_sampler_would_draw(

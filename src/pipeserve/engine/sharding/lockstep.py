@@ -40,8 +40,11 @@ def resolve_seed(job: GenerationJob, vocab_size: int | None) -> None:
     """Draw on rank 0 the seed a sampler would draw for itself, so all ranks sample alike."""
     if job.sampling.seed is not None:
         return
-    if make_sampler(job.sampling, vocab_size) is make_sampler(job.sampling, vocab_size):
-        return  # greedy or one shared sampler: no seed of its own
+    try:
+        if make_sampler(job.sampling, vocab_size) is make_sampler(job.sampling, vocab_size):
+            return  # greedy or one shared sampler: no seed of its own
+    except ValueError:
+        return  # invalid parameters: every rank's Batch.add rejects the request alike
     job.sampling = dataclasses.replace(job.sampling, seed=random.getrandbits(63))
 
 
