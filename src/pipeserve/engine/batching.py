@@ -19,7 +19,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.channel import Courier
-from pipeserve.engine.constraints import ConstraintSet
+from pipeserve.engine.constraints import ConstraintSet, SamplerFilters
 from pipeserve.engine.prefix_cache import PrefixCache
 from pipeserve.engine.sampling import make_processors, make_sampler
 from pipeserve.engine.sequence import Sequence
@@ -125,7 +125,11 @@ class Batch:
             return sampler
         if self._constraints is None:
             self._constraints = ConstraintSet()
-        return self._constraints.wrap(key, job.constraint, sampler)
+        params = job.sampling
+        filters = SamplerFilters(
+            normalize=0 < params.top_p < 1 or params.min_p > 0, subsets=params.top_k == 0
+        )
+        return self._constraints.wrap(key, job.constraint, sampler, filters)
 
     def _stop_sequences(self, ids: frozenset[int]) -> StopSequences:
         stops = self._stops.get(ids)
@@ -292,3 +296,6 @@ class Batch:
         self.stats["prefix_cache_misses"] = self.prefix.misses
         self.stats["prefix_cache_bytes"] = self.prefix.nbytes
         self.stats["prefix_cache_entries"] = len(self.prefix)
+        self.stats["constrained_sequences"] = (
+            len(self._constraints.rows) if self._constraints else 0
+        )

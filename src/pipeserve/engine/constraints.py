@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -27,18 +28,45 @@ from pipeserve.engine.grammar import Constraint
 log = logging.getLogger("pipeserve.engine")
 
 Sampler = Callable[[mx.array], mx.array]
+SUBSET_LIMIT = 16384  # draw among the allowed tokens when there are at most this many
+SUBSET_MIN = 16
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # banned, allowed
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerFilters:
+    """What the request's sampler does besides drawing: whether it needs normalised
+    log-probabilities (top-p, min-p) and whether it may draw from a shortened row (not
+    with top-k, which expects the whole vocabulary)."""
+
+    normalize: bool
+    subsets: bool
 
 
 class RowConstraint:
-    """One request's matcher and its sampler wrapper."""
+    """One request's matcher and its sampler wrapper.
 
-    __slots__ = ("inner", "mask", "matcher", "owner", "previous", "sampled_at", "spec")
+    Where the grammar allows few tokens (JSON structure, enums, keys) the inner sampler
+    draws from just those: their log-probabilities are gathered into a short row
+    (padded with -inf to a power of two, so compiled samplers see few shapes) and the
+    draw is mapped back to token ids. Where it allows many (free string text) the whole
+    row gets a 0 / -inf bias. Either way the draw sees only allowed tokens.
+    """
 
-    def __init__(self, owner: ConstraintSet, spec: Constraint, inner: Sampler) -> None:
+    __slots__ = (
+        "inner", "mask", "matcher", "normalize", "owner", "previous", "sampled_at", "spec",
+        "subsets",
+    )  # fmt: skip
+
+    def __init__(
+        self, owner: ConstraintSet, spec: Constraint, inner: Sampler, filters: SamplerFilters
+    ) -> None:
         self.owner = owner
         self.spec = spec
         self.matcher = spec.matcher
         self.inner = inner
+        self.normalize = filters.normalize
+        self.subsets = filters.subsets
         self.previous: mx.array | None = None  # token sampled last step, not yet consumed
         self.mask: np.ndarray | None = None  # allowed tokens in the matcher's current state
         self.sampled_at = -1  # the owner's step number of the last sampling call
@@ -47,12 +75,29 @@ class RowConstraint:
         if self.mask is None:
             self.owner.refresh(logprobs)
         assert self.mask is not None
-        allowed = self.owner.allowed(self.mask, logprobs.shape[-1])
-        masked = mx.where(allowed, logprobs, -mx.inf)
-        masked = masked - mx.logsumexp(masked, axis=-1, keepdims=True)
-        token = self.inner(masked)
+        allowed = allowed_bits(self.mask, logprobs.shape[-1])
+        ids = np.flatnonzero(allowed)
+        if len(ids) == 1:
+            token = mx.array(ids.astype(np.uint32))  # forced: nothing to draw
+        elif self.subsets and len(ids) <= SUBSET_LIMIT:
+            token = self._draw_among(logprobs, ids)
+        else:
+            masked = logprobs + mx.array(_BIAS[allowed.view(np.uint8)])[None]
+            token = self.inner(_normalized(masked) if self.normalize else masked)
         self.previous, self.mask, self.sampled_at = token, None, self.owner.step
         return token
+
+    def _draw_among(self, logprobs: mx.array, ids: np.ndarray) -> mx.array:
+        width = max(SUBSET_MIN, 1 << (len(ids) - 1).bit_length())
+        padded = np.full(width, ids[0], dtype=np.uint32)
+        padded[: len(ids)] = ids
+        index = mx.array(padded)
+        row = mx.take(logprobs, index, axis=-1)
+        if width > len(ids):
+            row = mx.where(mx.arange(width) < len(ids), row, -mx.inf)
+        if self.normalize:
+            row = _normalized(row)
+        return mx.take(index, self.inner(row))
 
 
 class ConstraintSet:
@@ -65,8 +110,10 @@ class ConstraintSet:
         self.rows: dict[int, RowConstraint] = {}
         self.step = 0
 
-    def wrap(self, key: int, spec: Constraint, sampler: Sampler) -> Sampler:
-        row = RowConstraint(self, spec, sampler)
+    def wrap(
+        self, key: int, spec: Constraint, sampler: Sampler, filters: SamplerFilters
+    ) -> Sampler:
+        row = RowConstraint(self, spec, sampler, filters)
         self.rows[key] = row
         return row
 
@@ -116,12 +163,14 @@ class ConstraintSet:
         for token in row.spec.eos_ids:
             bits[token // 32] |= np.uint32(1 << (token % 32))
 
-    @staticmethod
-    def allowed(mask: np.ndarray, width: int) -> mx.array:
-        """The mask's bits as a (1, width) boolean row (tokens past the mask are banned)."""
-        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-        if bits.shape[0] >= width:
-            bits = bits[:width]
-        else:
-            bits = np.concatenate([bits, np.zeros(width - bits.shape[0], dtype=np.uint8)])
-        return mx.array(bits.astype(np.bool_))[None]
+
+def allowed_bits(mask: np.ndarray, width: int) -> np.ndarray:
+    """The mask's bits as `width` booleans (tokens past the mask are banned)."""
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    if bits.shape[0] >= width:
+        return bits[:width].view(np.bool_)
+    return np.concatenate([bits, np.zeros(width - bits.shape[0], dtype=np.uint8)]).view(np.bool_)
+
+
+def _normalized(row: mx.array) -> mx.array:
+    return row - mx.logsumexp(row, axis=-1, keepdims=True)
