@@ -1,6 +1,6 @@
 """Pipeline events -> Anthropic Messages stream events (as dicts).
 
-This one state machine (`message_events`) drives both encoders: the SSE encoder frames
+This one state machine (`MessageEvents`) drives both encoders: the SSE encoder frames
 its events, the JSON encoder folds them as an SDK accumulates a stream
 (anthropic_messages.fold_message), so streamed and non-streamed answers are the same
 message by construction.
@@ -36,8 +36,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pipeserve.api.anthropic_decode import AnthropicGenerationRequest
+from pipeserve.api.framing import KEEPALIVE, EventEncoder, Frame
 from pipeserve.context import RequestContext
-from pipeserve.errors import ErrorKind
+from pipeserve.errors import ApiError, ErrorKind
 from pipeserve.events import (
     ContentDelta,
     ErrorEvent,
@@ -312,23 +313,33 @@ class _MessageStream:
 is_json_object = arguments_valid  # no arguments at all counts: input stays {}
 
 
-def message_events(events: Iterable[Event], ctx: RequestContext) -> Iterator[dict[str, Any]]:
-    """The Anthropic stream events (as dicts) for one request's pipeline events.
+class MessageEvents(EventEncoder):
+    """The Messages stream events of one request, as frames for the shared base
+    (api/framing.py), which also drains the pipeline after the last one."""
 
-    After the last client event (message_stop, error, or a cancelled end) the rest of
-    the pipeline stream is drained, so Usage still reaches wrappers such as metrics;
-    after an error, generation is cancelled first so the drain is short.
-    """
-    state = _MessageStream(ctx)
-    stream = iter(events)
-    for event in stream:
-        yield from state.handle(event)
-        if state.done:
-            break
-    else:
-        yield from state.close()
-        return
-    if state.failed:
-        ctx.cancel("error")
-    for _ in stream:
-        pass
+    def __init__(self, ctx: RequestContext) -> None:
+        self.state = _MessageStream(ctx)
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    @property
+    def failed(self) -> bool:
+        return self.state.failed
+
+    def feed(self, event: Event) -> list[Frame]:
+        return _frames(self.state.handle(event))
+
+    def keepalive(self) -> list[Frame]:
+        return _frames(self.state.handle(KEEPALIVE))
+
+    def close(self) -> list[Frame]:
+        return _frames(self.state.close())
+
+    def error(self, err: ApiError) -> list[Frame]:
+        return _frames(self.state.fail(err.kind, err.message))
+
+
+def _frames(events: Iterable[dict[str, Any]]) -> list[Frame]:
+    return [Frame(event, event["type"]) for event in events]

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 from pipeserve.api.anthropic_decode import decode_body
-from pipeserve.api.anthropic_encode import ERROR_KINDS, ERROR_TYPES, message_events
+from pipeserve.api.anthropic_encode import ERROR_KINDS, ERROR_TYPES, MessageEvents
 from pipeserve.api.base import RequestMeta, WireProtocol, context_overflow, register_protocol
-from pipeserve.api.sse import sse_event
+from pipeserve.api.framing import close_events, json_frames, sse_frames
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ErrorKind
 from pipeserve.events import Event
@@ -42,11 +42,19 @@ class AnthropicMessages(WireProtocol):
         return {"input_tokens": input_tokens}
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
-        return fold_message(message_events(events, ctx), ctx)
+        try:
+            frames = json_frames(MessageEvents(ctx), events, ctx)
+            return fold_message(
+                (frame.data for frame in frames if isinstance(frame.data, dict)), ctx
+            )
+        finally:
+            close_events(events)
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        for event in message_events(events, ctx):
-            yield sse_event(event, event["type"])
+        try:
+            yield from sse_frames(MessageEvents(ctx), events, ctx)
+        finally:
+            close_events(events)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         kind = ERROR_TYPES.get(error.kind, "api_error")

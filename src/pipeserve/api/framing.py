@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.api.sse import sse_comment, sse_event
+from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import Event, KeepAlive
 
@@ -31,8 +32,22 @@ class Frame:
 
 
 class EventEncoder(ABC):
-    """One request's protocol events. `feed` may raise ApiError: the base then sends the
-    protocol's error events (`error`) and ends the stream there."""
+    """One request's protocol events.
+
+    `feed` may raise ApiError: the base then sends the protocol's error events (`error`)
+    and ends there. An encoder may also end the stream itself by setting `done` (and
+    `failed` when its last event was an error). After the end the rest of the pipeline
+    stream is drained, so Usage still reaches wrappers such as metrics; after an error,
+    generation is cancelled first so that the drain is short.
+    """
+
+    @property
+    def done(self) -> bool:
+        return False
+
+    @property
+    def failed(self) -> bool:
+        return False
 
     def open(self) -> Iterable[Frame]:
         return ()
@@ -40,44 +55,72 @@ class EventEncoder(ABC):
     @abstractmethod
     def feed(self, event: Event) -> Iterable[Frame]: ...
 
+    def keepalive(self) -> Iterable[Frame | KeepAlive]:
+        """A KeepAlive's events; by default an SSE comment (which a fold ignores)."""
+        return (KEEPALIVE,)
+
     def close(self) -> Iterable[Frame]:
+        """The pipeline stream ended before the encoder did."""
         return ()
 
     @abstractmethod
     def error(self, err: ApiError) -> Iterable[Frame]: ...
 
 
-def frames(encoder: EventEncoder, events: Iterable[Event]) -> Iterator[Frame | KeepAlive]:
-    """The protocol's events for a pipeline stream; KeepAlive passes through (the framing
-    turns it into a ping, a fold ignores it)."""
+KEEPALIVE = KeepAlive()
+
+
+def close_events(events: Iterable[Event]) -> None:
+    """Close the upstream generator chain so stages and the engine job are released."""
+    close = getattr(events, "close", None)  # generators, and wrappers that close theirs
+    if close is not None:
+        close()
+
+
+def frames(
+    encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
+) -> Iterator[Frame | KeepAlive]:
+    """The protocol's events for a pipeline stream (KeepAlive: a comment ping)."""
     yield from encoder.open()
-    for event in events:
+    stream = iter(events)
+    failed = False
+    for event in stream:
         if type(event) is KeepAlive:
-            yield event
+            yield from encoder.keepalive()
             continue
         try:
-            out = encoder.feed(event)
+            out = list(encoder.feed(event))
         except ApiError as err:
-            yield from encoder.error(err)
-            return
+            out, failed = list(encoder.error(err)), True
         yield from out
-    yield from encoder.close()
+        if failed or encoder.done:
+            break
+    else:
+        yield from encoder.close()
+        return
+    if failed or encoder.failed:
+        ctx.cancel("error")
+    for _ in stream:
+        pass
 
 
 def sse_frames(
-    encoder: EventEncoder, events: Iterable[Event], keepalive: bytes = KEEPALIVE_COMMENT
+    encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
 ) -> Iterator[bytes]:
-    """The SSE body: each protocol event framed, each KeepAlive as `keepalive`."""
-    for frame in frames(encoder, events):
+    """The SSE body: each protocol event framed (a KeepAlive ping as a comment)."""
+    for frame in frames(encoder, events, ctx):
         if isinstance(frame, KeepAlive):
-            yield keepalive
+            yield KEEPALIVE_COMMENT
         else:
             yield sse_event(frame.data, frame.name)
 
 
-def json_frames(encoder: EventEncoder, events: Iterable[Event]) -> Iterator[Frame]:
-    """The protocol events a fold reads: no keep-alives; an error event raises its ApiError."""
-    for frame in frames(encoder, events):
+def json_frames(
+    encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
+) -> Iterator[Frame]:
+    """The protocol events a fold reads: no comment pings; an error event that carries
+    its ApiError raises it."""
+    for frame in frames(encoder, events, ctx):
         if isinstance(frame, KeepAlive):
             continue
         if frame.error is not None:
@@ -85,4 +128,13 @@ def json_frames(encoder: EventEncoder, events: Iterable[Event]) -> Iterator[Fram
         yield frame
 
 
-__all__ = ["KEEPALIVE_COMMENT", "EventEncoder", "Frame", "frames", "json_frames", "sse_frames"]
+__all__ = [
+    "KEEPALIVE",
+    "KEEPALIVE_COMMENT",
+    "EventEncoder",
+    "close_events",
+    "Frame",
+    "frames",
+    "json_frames",
+    "sse_frames",
+]

@@ -318,7 +318,8 @@ class OpenAIChat(WireProtocol):
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         try:
-            return fold_completion(json_frames(ChatEvents(ctx, include_usage=True), events), ctx)
+            chunks = json_frames(ChatEvents(ctx, include_usage=True), events, ctx)
+            return fold_completion(chunks, ctx)
         finally:
             close_events(events)
 
@@ -326,7 +327,7 @@ class OpenAIChat(WireProtocol):
         request = ctx.request
         usage = isinstance(request, ChatGenerationRequest) and request.include_usage
         try:
-            yield from sse_frames(ChatEvents(ctx, include_usage=usage), events)
+            yield from sse_frames(ChatEvents(ctx, include_usage=usage), events, ctx)
         finally:
             close_events(events)
 

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeserve.api.base import context_overflow
-from pipeserve.api.sse import sse_comment
+from pipeserve.api.framing import KEEPALIVE_COMMENT, close_events
 from pipeserve.context import RequestContext
 from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
-from pipeserve.events import ErrorEvent, Event, TokenText, Usage
+from pipeserve.events import ErrorEvent, TokenText, Usage
 from pipeserve.request import ReasoningOptions, ToolChoice, ToolSpec
 
-KEEPALIVE_FRAME = sse_comment("keep-alive")
+KEEPALIVE_FRAME = KEEPALIVE_COMMENT
 MAX_TOP_LOGPROBS = 20
 
 M = TypeVar("M", bound=BaseModel)
@@ -61,13 +61,6 @@ def validate(model: type[M], data: Any, path: str = "") -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _api_error(exc, path) from None
-
-
-def close_events(events: Iterator[Event]) -> None:
-    """Close the upstream generator chain so stages and the engine job are released."""
-    close = getattr(events, "close", None)
-    if close is not None:
-        close()
 
 
 def _api_error(exc: ValidationError, prefix: str) -> ApiError:
