@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -125,3 +127,47 @@ def test_workers_share_one_store_per_setting(tmp_path: Path) -> None:
     bad = ServerSection(responses_store={"path": str(tmp_path / "r.sqlite3" / "x.sqlite3")})
     with pytest.raises(StoreError):
         worker_response_store(bad, tmp_path)
+
+
+GEVENT_PROBE = """
+from gevent import monkey; monkey.patch_all()
+import sqlite3, sys, gevent
+from pathlib import Path
+from pipeserve.store import ResponseStore, StoreBusy
+
+path = Path(sys.argv[1])
+store = ResponseStore(path, 30, 1 << 20, 1.0)
+store.open_checked()
+holder = sqlite3.connect(path, isolation_level=None)
+holder.execute("BEGIN IMMEDIATE")
+state = {"done": False, "ticks_while_waiting": 0}
+
+def save():
+    try:
+        store.save({"id": "resp_x", "status": "completed", "output": []}, [], None)
+    except StoreBusy:
+        pass
+    state["done"] = True
+
+def tick():
+    while not state["done"]:
+        state["ticks_while_waiting"] += 1
+        gevent.sleep(0.01)
+
+gevent.joinall([gevent.spawn(save), gevent.spawn(tick)])
+print(state["ticks_while_waiting"])
+"""
+
+
+def test_a_lock_wait_under_gevent_leaves_the_hub_running(tmp_path: Path) -> None:
+    """Under gevent a store call waiting for the lock blocks only its greenlet: another
+    greenlet keeps running meanwhile (on the hub, sqlite's busy wait would stop it)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", GEVENT_PROBE, str(tmp_path / "r.sqlite3")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert int(probe.stdout.strip()) > 1
