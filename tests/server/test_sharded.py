@@ -37,14 +37,19 @@ PROMPTS = ["Say hello", "Write a haiku about the sea", "Count to ten"]
 
 
 def sharded_config(
-    tmp: Path, family: str, strategy: str, step_timeout: float = 60.0, start_timeout: float = 300.0
+    tmp: Path,
+    family: str,
+    strategy: str,
+    step_timeout: float = 60.0,
+    start_timeout: float = 300.0,
+    plain: bool = True,
 ) -> Path:
     config = tmp / f"sharded-{family}-{strategy}.yaml"
     config.write_text(
         f"pipelines_dir: {REPO / 'pipelines'}\n"
         "models:\n"
-        f"  - {{name: plain, source: 'demo:{family}', pipeline: {family}}}\n"
-        f"  - name: split\n    source: 'demo:{family}'\n    pipeline: {family}\n"
+        + (f"  - {{name: plain, source: 'demo:{family}', pipeline: {family}}}\n" if plain else "")
+        + f"  - name: split\n    source: 'demo:{family}'\n    pipeline: {family}\n"
         f"    options:\n      sharding: {{strategy: {strategy}, ranks: 2,"
         f" step_timeout: {step_timeout}, start_timeout: {start_timeout}}}\n"
         "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
@@ -218,7 +223,7 @@ def test_lost_rank_ends_streams_with_an_error_and_the_group_restarts(
 
 def test_ranks_that_do_not_join_in_time_refuse_the_start(tmp_path: Path) -> None:
     """A rank that never joins: bounded by start_timeout, the server refuses to start."""
-    config = sharded_config(tmp_path, "qwen3", "tensor", start_timeout=0.01)
+    config = sharded_config(tmp_path, "qwen3", "tensor", start_timeout=0.01, plain=False)
     with pytest.raises(RuntimeError) as caught, server_process(config, startup_timeout=120):
         pass
     assert "did not join within start_timeout" in str(caught.value)
