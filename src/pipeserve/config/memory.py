@@ -42,7 +42,7 @@ def device_memory() -> tuple[int, str]:
     asks MLX), else the machine's RAM."""
     import mlx.core as mx
 
-    if mx.metal.is_available():
+    if mx.default_device() == mx.gpu:  # Metal or CUDA: the budget is the GPU's memory
         size = mx.device_info().get("memory_size")
         if isinstance(size, int) and size > 0:
             return size, "GPU memory"

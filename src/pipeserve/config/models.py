@@ -94,7 +94,7 @@ class ServerSection(Strict):
     memory_budget: int | str | None = Field(
         None,
         description="Memory the resident models may use, per server: bytes, a size such as"
-        ' "8GiB", or a share such as "60%" of RAM (of GPU memory where MLX has a GPU). Idle'
+        ' "8GiB", or a share such as "60%" of RAM (of GPU memory when MLX runs on a GPU). Idle'
         " on_demand models are unloaded, least recently used first, to make room. Default: no limit.",
     )
     cors_allow_origins: list[str] = Field(
