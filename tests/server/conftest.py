@@ -18,7 +18,7 @@ def replay_server() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def demo_server() -> Iterator[str]:
-    with running_server(REPO / "configs" / "default.yaml") as base:
+    with running_server(REPO / "configs" / "demo.yaml") as base:
         yield base
 
 

@@ -37,6 +37,7 @@ from pipeserve.request import (
     ToolCall,
     ToolChoice,
     ToolSpec,
+    sampling_params,
 )
 
 Loc: TypeAlias = tuple[str | int, ...]
@@ -310,14 +311,7 @@ def decode_tool_choice(
 
 
 def decode_sampling(req: s.MessagesBody) -> SamplingParams:
-    sampling = SamplingParams()
-    if req.temperature is not None:
-        sampling.temperature = req.temperature
-    if req.top_p is not None:
-        sampling.top_p = req.top_p
-    if req.top_k is not None:
-        sampling.top_k = req.top_k
-    return sampling
+    return sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
 
 
 def decode_stop(stops: list[str]) -> list[str]:

@@ -41,10 +41,10 @@ from pipeserve.events import Event
 from pipeserve.request import (
     GenerationRequest,
     Message,
-    SamplingParams,
     ToolCall,
     ToolChoice,
     ToolSpec,
+    sampling_params,
 )
 
 TEXT_PARTS = frozenset({"text", "input_text"})
@@ -275,14 +275,16 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
     choice = _tool_choice(req.tool_choice)
     tools = _allowed(req.tool_choice, _tools(req.tools))
     check_tool_choice(choice, tools, "tool_choice")
-    sampling = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+    sampling = sampling_params(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=None if req.top_k is None else max(req.top_k, 0),
+        min_p=req.min_p,
+        repetition_penalty=None
+        if req.repetition_penalty is None
+        else req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
         logit_bias=logit_bias_of(req.logit_bias),
         seed=seed_value(req.seed),
     )

@@ -40,10 +40,10 @@ from pipeserve.events import Event
 from pipeserve.request import (
     GenerationRequest,
     Message,
-    SamplingParams,
     ToolCall,
     ToolChoice,
     ToolSpec,
+    sampling_params,
 )
 from pipeserve.store import ResponseStore
 
@@ -346,11 +346,11 @@ def decode_responses(body: Any, state: ResponsesState | None = None) -> Response
         messages=messages,
         tools=tools,
         tool_choice=choice,
-        sampling=SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(req.top_k or 0, 0),
-            min_p=req.min_p or 0.0,
+        sampling=sampling_params(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=None if req.top_k is None else max(req.top_k, 0),
+            min_p=req.min_p,
             seed=seed_value(req.seed),
         ),
         max_tokens=req.max_output_tokens,

@@ -20,6 +20,7 @@ from pipeserve.config.models import ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
 from pipeserve.config.sharding_checks import check_sharding
+from pipeserve.config.source_checks import check_sources
 
 # Mirrors pipeserve.api's protocol names (a test keeps them equal); a constant here so
 # validation does not import the protocol modules.
@@ -77,6 +78,7 @@ def check_config(
     problems += _unique(doc, "endpoints", endpoints, "route", "route", normalize=_route_key)
     problems += _check_endpoints(doc, endpoints, {m.get("name") for _, m in models})
     problems += _check_key_scopes(doc, {m.get("name") for _, m in models})
+    problems += check_sources(doc, models)
     pipelines, pipeline_problems = _check_model_pipelines(doc, models, validator)
     problems += pipeline_problems
     if parsed is not None:

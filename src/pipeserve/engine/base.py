@@ -8,7 +8,7 @@ PromptReady, TokenText per generated token, then exactly one Finish and one Usag
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,3 +68,5 @@ class ModelRuntime:
     context_length: int | None = None
     default_max_tokens: int = 4096
     grammar: GrammarCompiler | None = None  # structured output (None: not available)
+    # Sampling parameters for requests that leave them unset (YAML, else generation_config).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)

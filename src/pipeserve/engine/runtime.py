@@ -23,6 +23,7 @@ from pipeserve.engine.loader import (
     load_tokenizer,
     read_config,
     resolve_source,
+    sampling_defaults,
 )
 
 log = logging.getLogger("pipeserve.engine")
@@ -40,7 +41,7 @@ def build_runtime(
     given, is a cache by model folder (engines copy their detokenizers, so models of one
     folder can share the tokenizer).
     """
-    model_dir = resolve_source(entry.source)
+    model_dir = resolve_source(entry.source, entry.sha256)
     tokenizer = tokenizers.get(model_dir) if tokenizers is not None else None
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir)
@@ -60,6 +61,9 @@ def build_runtime(
         context_length=options.context_length or context_length(model_dir),
         default_max_tokens=options.default_max_tokens,
         grammar=GrammarCompiler(tokenizer, read_config(model_dir).get("vocab_size"), eos),
+        sampling_defaults=sampling_defaults(
+            model_dir, entry.sampling.model_dump(exclude_none=True)
+        ),
     )
 
 

@@ -54,6 +54,7 @@ class GenerateStage:
         runtime = self.runtime
         request = ctx.request
         prompt = self.prompt_ids(ctx, runtime)
+        request.sampling = request.sampling.with_defaults(runtime.sampling_defaults)
         limit = runtime.context_length
         if limit is not None and len(prompt) >= limit:
             raise ContextLengthError(len(prompt), limit)

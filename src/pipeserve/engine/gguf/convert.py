@@ -1,0 +1,185 @@
+"""One GGUF file -> one mlx-lm model folder (config.json, model.safetensors, tokenizer).
+
+Metadata and tensor types are read with gguf-py (llama.cpp's own reader); the weights
+with `mx.load`, which keeps Q4_0 / Q4_1 / Q8_0 blocks as MLX affine-quantized arrays
+(group size 32) and F32 / F16 / BF16 as they are. Anything else is refused by name
+before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeserve.engine.gguf.architectures import (
+    ARCHITECTURES,
+    BLOCK_TENSORS,
+    CONFIG_KEYS,
+    GLOBAL_TENSORS,
+    OPTIONAL_CONFIG_KEYS,
+    Architecture,
+)
+from pipeserve.engine.gguf.files import GgufError
+from pipeserve.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
+
+QUANT_BITS: dict[str, int] = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+PLAIN_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
+GROUP_SIZE = 32  # every GGUF block type kept here packs 32 weights per scale
+SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *QUANT_BITS))
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_SUFFIXES = ("weight", "bias", "scales", "biases")
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(metadata, tensor name -> GGUF type name) of a GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # gguf-py raises ValueError / struct errors on bad files
+        raise GgufError(f"{path} is not a readable GGUF file: {exc}") from exc
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return meta, types
+
+
+def convert(path: Path, out: Path) -> None:
+    """Write the mlx-lm model folder of GGUF `path` into the existing folder `out`."""
+    meta, types = read_gguf(path)
+    arch_name = str(meta.get("general.architecture"))
+    arch = architecture(arch_name)
+    check_tensor_types(types)
+    names = {gguf: mlx_name(gguf, arch) for gguf in types}
+    tokenizer = build_tokenizer(meta)
+    config = model_config(meta, arch_name, arch, names, types)
+    weights = load_weights(path, names)
+    import mlx.core as mx
+
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens))
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
+
+
+def architecture(name: str) -> Architecture:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise GgufError(
+            f"GGUF architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        ) from None
+
+
+def check_tensor_types(types: dict[str, str]) -> None:
+    for name, kind in types.items():
+        if kind not in PLAIN_TYPES and kind not in QUANT_BITS:
+            raise GgufError(
+                f"tensor {name} has GGUF type {kind}, which is not supported "
+                f"(supported: {SUPPORTED_TYPES})"
+            )
+
+
+def mlx_name(gguf_name: str, arch: Architecture) -> str:
+    """mlx-lm's parameter name (without .weight / .bias) of a GGUF tensor."""
+    base = gguf_name.removesuffix(".weight").removesuffix(".bias")
+    if base in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[base]
+    match = _BLOCK_NAME.fullmatch(base)
+    if match:
+        layer, local = match.groups()
+        mapped = BLOCK_TENSORS.get(local) or arch.extra_block_tensors.get(local)
+        if mapped:
+            return f"model.layers.{layer}.{mapped}"
+    raise GgufError(
+        f"tensor {gguf_name} is not known for architecture {arch.model_type} "
+        "(rope scaling tables, vision or MoE tensors are not supported)"
+    )
+
+
+def model_config(
+    meta: dict[str, Any],
+    arch_name: str,
+    arch: Architecture,
+    names: dict[str, str],
+    types: dict[str, str],
+) -> dict[str, Any]:
+    config: dict[str, Any] = {"model_type": arch.model_type}
+    for key, gguf_key in CONFIG_KEYS.items():
+        full = f"{arch_name}.{gguf_key}"
+        if full not in meta:
+            raise GgufError(f"GGUF metadata {full} is missing")
+        config[key] = meta[full]
+    for key, (gguf_key, default) in OPTIONAL_CONFIG_KEYS.items():
+        config[key] = meta.get(f"{arch_name}.{gguf_key}", default)
+    if config["head_dim"] is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    _check_rope_scaling(meta, arch_name)
+    config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    config["tie_word_embeddings"] = "output.weight" not in types
+    config["rope_traditional"] = arch.rope_traditional
+    if arch.attention_bias_key:
+        config[arch.attention_bias_key] = any(
+            n.startswith("blk.") and n.endswith(".attn_q.bias") for n in types
+        )
+    config["eos_token_id"] = _eos_ids(meta)
+    if "tokenizer.ggml.bos_token_id" in meta:
+        config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    quantization = quantization_config(names, types)
+    if quantization:
+        config["quantization"] = quantization
+    return config
+
+
+def _check_rope_scaling(meta: dict[str, Any], arch_name: str) -> None:
+    kind = meta.get(f"{arch_name}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise GgufError(f"GGUF rope scaling {kind!r} is not supported")
+
+
+def _eos_ids(meta: dict[str, Any]) -> list[int]:
+    """End-of-sequence and end-of-turn tokens (llama.cpp stops at both)."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [int(meta[f"tokenizer.ggml.{k}"]) for k in keys if f"tokenizer.ggml.{k}" in meta]
+    return list(dict.fromkeys(ids))
+
+
+def quantization_config(names: dict[str, str], types: dict[str, str]) -> dict[str, Any]:
+    """mlx-lm's `quantization`: the most common bit width, other widths per layer."""
+    bits = {
+        names[n]: QUANT_BITS[t]
+        for n, t in types.items()
+        if t in QUANT_BITS and n.endswith(".weight")
+    }
+    if not bits:
+        return {}
+    common = Counter(bits.values()).most_common(1)[0][0]
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
+    for layer, width in sorted(bits.items()):
+        if width != common:
+            config[layer] = {"group_size": GROUP_SIZE, "bits": width}
+    return config
+
+
+def load_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
+    """mx.load's arrays under mlx-lm names (quantized ones as weight / scales / biases)."""
+    import mlx.core as mx
+
+    loaded = mx.load(str(path))
+    assert isinstance(loaded, dict)
+    weights: dict[str, Any] = {}
+    for key, value in loaded.items():
+        stem, _, suffix = key.rpartition(".")
+        if suffix not in _SUFFIXES:
+            raise GgufError(f"unexpected tensor {key} in {path.name}")
+        gguf_name = f"{stem}.bias" if suffix == "bias" else f"{stem}.weight"
+        weights[f"{names[gguf_name]}.{suffix}"] = value
+    return weights
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
