@@ -1,8 +1,9 @@
 """pipeserve vs mlx_lm.server, side by side in one run (ratios, not absolute times).
 
-    python benchmarks/serve_bench.py [--shape small|qwen3-0.6b] [--tokens 48] [--rounds 2]
+    python benchmarks/serve_bench.py [--shape small|qwen3-0.6b|smollm2] [--tokens 48] [--rounds 2]
 
-Builds a random-weight Qwen3-architecture fp32 model offline, then for each BLAS
+Builds a random-weight Qwen3-architecture fp32 model offline (or, with --shape smollm2,
+takes the shipped default model's converted GGUF folder, Q4_1 weights), then for each BLAS
 setting ("same": both servers with OpenBLAS preloaded; "as installed": each server as
 it starts out of the box) serves it with pipeserve and with mlx_lm.server on
 127.0.0.1, alternating, each with a warm-up request, and prints: time to first token,
@@ -118,12 +119,15 @@ def start(cmd: list[str], env: dict[str, str], port: int, log: Path) -> subproce
     raise RuntimeError(f"{cmd} did not start")
 
 
-def pipeserve_cmd(model_dir: Path, port: int, work: Path, max_batch: int = 8) -> list[str]:
+def pipeserve_cmd(
+    model_dir: Path, port: int, work: Path, max_batch: int = 8, pipeline: str = "qwen3",
+    dtype: str = "auto",
+) -> list[str]:  # fmt: skip
     config = work / "bench.yaml"
     config.write_text(
         f"pipelines_dir: {REPO / 'pipelines'}\n"
-        f"models:\n  - name: bench\n    source: {model_dir}\n    pipeline: qwen3\n"
-        f"    options: {{max_batch: {max_batch}, queue_size: 64}}\n"
+        f"models:\n  - name: bench\n    source: {model_dir}\n    pipeline: {pipeline}\n"
+        f"    options: {{max_batch: {max_batch}, queue_size: 64, dtype: {dtype}}}\n"
         "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
     )
     return [
@@ -210,13 +214,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shape", default="small", choices=["small", "qwen3-0.6b"])
+    parser.add_argument("--shape", default="small", choices=["small", "qwen3-0.6b", "smollm2"])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-out-of-box", action="store_true")
     args = parser.parse_args()
     home = pipeserve_home()
-    model_dir = build_bench_model(args.shape, home / "bench")
+    model_dir, pipeline = bench_model(args.shape, home)
     work = Path(tempfile.mkdtemp(prefix="pipeserve-bench-"))
     base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARKER)}
     openblas_env = {**base_env, **(blas.openblas_environment(home) or {})}
@@ -224,14 +228,19 @@ def main() -> int:
     if not args.skip_out_of_box:
         settings.append(("as installed", base_env, base_env))
     print(
-        f"model: random-weight Qwen3 fp32, shape {args.shape}; {args.tokens} tokens per stream; median of {args.rounds}"
+        f"model: {model_dir.name} ({args.shape}); {args.tokens} tokens per stream; median of {args.rounds}"
     )
     for label, pipe_env, peer_env in settings:
         rows = {}
         port = free_port()
-        rows["pipeserve"] = measure_server(
-            "pipeserve", pipeserve_cmd(model_dir, port, work), pipe_env, port, "bench", args, work
-        )
+        cmd = pipeserve_cmd(model_dir, port, work, pipeline=pipeline)
+        rows["pipeserve"] = measure_server("pipeserve", cmd, pipe_env, port, "bench", args, work)
+        if args.shape == "smollm2":  # also with the weights as stored (mlx_lm.server's layout)
+            port = free_port()
+            cmd = pipeserve_cmd(model_dir, port, work, pipeline=pipeline, dtype="quantized")
+            rows["pipeserve (q)"] = measure_server(
+                "pipeserve-q", cmd, pipe_env, port, "bench", args, work
+            )
         port = free_port()
         rows["mlx_lm.server"] = measure_server(
             "mlx_lm", mlx_lm_cmd(model_dir, port), peer_env, port, str(model_dir), args, work
@@ -244,17 +253,31 @@ def main() -> int:
     return 0
 
 
+def bench_model(shape: str, home: Path) -> tuple[Path, str]:
+    """(model folder, pipeline) of a benchmark shape."""
+    if shape != "smollm2":
+        return build_bench_model(shape, home / "bench"), "qwen3"
+    from pipeserve.config import load_server_config
+    from pipeserve.engine.loader import resolve_source
+
+    entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
+    return resolve_source(entry.source, entry.sha256), entry.pipeline
+
+
 def print_table(label: str, rows: dict[str, dict[str, float]]) -> None:
     cols = ["ttft", "decode", "agg1", "agg4", "agg8"]
     print(f"\n## {label}")
     print(f"{'server':<16}" + "".join(f"{c:>10}" for c in cols))
     for name, row in rows.items():
         print(f"{name:<16}" + "".join(f"{row[c]:>10.3f}" for c in cols))
-    p, m = rows["pipeserve"], rows["mlx_lm.server"]
-    print(
-        f"{'ratio p/m':<16}"
-        + "".join(f"{(p[c] / m[c] if m[c] else float('nan')):>10.2f}" for c in cols)
-    )
+    m = rows["mlx_lm.server"]
+    for name in [n for n in rows if n.startswith("pipeserve")]:
+        p = rows[name]
+        print(
+            f"{'ratio ' + name.removeprefix('pipeserve') + ' p/m':<16}"
+            + "".join(f"{(p[c] / m[c] if m[c] else float('nan')):>10.2f}" for c in cols)
+        )
+    p = rows["pipeserve"]
     if "prefix_ratio" in p:
         print(f"pipeserve repeated long prompt TTFT / first TTFT: {p['prefix_ratio']:.2f}")
 
