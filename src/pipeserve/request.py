@@ -7,7 +7,7 @@ Nothing here knows which protocol the client speaks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
 ReasoningEffort: TypeAlias = Literal["minimal", "low", "medium", "high"]
@@ -81,7 +81,9 @@ class SamplingParams:
     def with_defaults(self, defaults: dict[str, float]) -> SamplingParams:
         """These parameters with a model's defaults for those the client did not set."""
         missing = {name: value for name, value in defaults.items() if name in self.unset}
-        return replace(self, **missing, unset=self.unset - set(missing)) if missing else self
+        if not missing:
+            return self
+        return replace(self, unset=self.unset - set(missing), **cast("dict[str, Any]", missing))
 
 
 # Parameters a model entry (or its generation_config.json) may give defaults for.

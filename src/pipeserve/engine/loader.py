@@ -17,6 +17,8 @@ from typing import Any
 
 log = logging.getLogger("pipeserve.engine")
 
+DTYPES = ("float32", "float16", "bfloat16")  # options.dtype values that cast every weight
+
 
 def resolve_source(source: str, sha256: str | None = None) -> Path:
     """The local folder of a model source, building, downloading or converting it if

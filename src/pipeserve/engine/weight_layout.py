@@ -13,7 +13,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_unflatten
 
-DTYPES = ("float32", "float16", "bfloat16")
+from pipeserve.engine.loader import DTYPES
+
 LAYOUTS = ("auto", "quantized", *DTYPES)
 
 
