@@ -1,6 +1,7 @@
 """Structured output through each shipped pipeline on its real MLX demo model (random
 weights, temperature 1.0): the family's real render, generate (grammar enforced in the
-engine's batch), thinking and tool_calls stages, built from the validated YAML.
+engine's batch), thinking and tool_calls stages, built from the validated YAML (here,
+next to the engine tests, to share their session-wide demo engines).
 
 Forced tool calls must come out as a valid call in the family's own format (the
 tool_calls stage parses it) with schema-valid arguments; with reasoning on, the
@@ -11,7 +12,7 @@ model closes it soon; the grammar alone decides what follows).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,7 @@ from pipeserve.request import (
     ToolSpec,
 )
 from pipeserve.stages.base import BuildEnv, Chain
-
-from .helpers import summarize, without_usage
+from tests.stages.helpers import summarize, without_usage
 
 pytestmark = pytest.mark.mlx
 
@@ -70,26 +70,6 @@ ANSWER = {
 }
 # The marker that ends reasoning, per family (biased so a random model reaches it).
 REASONING_CLOSE = {"qwen3": "</think>", "glm": "</think>", "kimi": "</think>", "gpt-oss": "<|end|>"}
-
-
-@pytest.fixture(scope="module")
-def mlx_runtime(demo_model_dir: Any) -> Iterator[Callable[[str], Any]]:
-    """family -> a real MLX runtime on its demo model (closed at the end)."""
-    from pipeserve.config.models import ModelEntry
-    from pipeserve.engine.runtime import build_runtime
-
-    built: dict[str, Any] = {}
-
-    def get(family: str) -> Any:
-        if family not in built:
-            demo_model_dir(family)
-            entry = ModelEntry(name=f"s-{family}", source=f"demo:{family}", pipeline=family)
-            built[family] = build_runtime(entry)
-        return built[family]
-
-    yield get
-    for runtime in built.values():
-        runtime.engine.close()
 
 
 def run(runtime: Any, family: str, **fields: Any) -> list[tuple[Any, ...]]:
