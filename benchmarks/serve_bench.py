@@ -274,7 +274,7 @@ def print_table(label: str, rows: dict[str, dict[str, float]]) -> None:
     for name in [n for n in rows if n.startswith("pipeserve")]:
         p = rows[name]
         print(
-            f"{'ratio ' + name.removeprefix('pipeserve') + ' p/m':<16}"
+            f"{'ratio' + name.removeprefix('pipeserve') + ' p/m':<16}"
             + "".join(f"{(p[c] / m[c] if m[c] else float('nan')):>10.2f}" for c in cols)
         )
     p = rows["pipeserve"]
