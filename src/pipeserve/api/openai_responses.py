@@ -10,13 +10,14 @@ JSON encoder runs the same item builder as the stream and returns its final resp
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
+from pipeserve.api.framing import EventEncoder, Frame, json_frames, sse_frames
 from pipeserve.api.openai_common import (
     Lenient,
     check,
@@ -32,7 +33,6 @@ from pipeserve.api.openai_common import (
 )
 from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
 from pipeserve.api.openai_responses_state import ResolvedInput, ResponsesState
-from pipeserve.api.sse import sse_event
 from pipeserve.api.structured import openai_output_format
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
@@ -427,38 +427,19 @@ class OpenAIResponses(WireProtocol):
             self.state.keep(request.stored_input, response)
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
-        builder = ResponsesBuilder(ctx, _echo_of(ctx))
+        """The response of the last stream event (response.completed / .incomplete)."""
         try:
-            for event in events:
-                builder.feed(event)
+            frames = list(json_frames(ResponseEvents(ctx, self.keep), events, ctx))
         finally:
             close_events(events)
-        last = builder.final()[-1]
+        last = frames[-1].data
         assert isinstance(last, dict)
         response: dict[str, Any] = last["response"]
-        self.keep(ctx, response)
         return response
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        builder = ResponsesBuilder(ctx, _echo_of(ctx))
         try:
-            yield from _frames(builder.start())
-            for event in events:
-                try:
-                    frames = builder.feed(event)
-                except ApiError as err:
-                    yield from _frames([builder.failed(err)])
-                    return
-                yield from _frames(frames)
-            try:
-                final = builder.final()
-            except ApiError as err:
-                yield from _frames([builder.failed(err)])
-                return
-            last = final[-1]
-            if isinstance(last, dict):
-                self.keep(ctx, last["response"])
-            yield from _frames(final)
+            yield from sse_frames(ResponseEvents(ctx, self.keep), events, ctx)
         finally:
             close_events(events)
 
@@ -476,9 +457,40 @@ class OpenAIResponses(WireProtocol):
         return body
 
 
-def _frames(events: list[dict[str, Any] | bytes]) -> Iterator[bytes]:
-    for event in events:
-        yield event if isinstance(event, bytes) else sse_event(event, event["type"])
+class ResponseEvents(EventEncoder):
+    """The Responses stream events of one request (ResponsesBuilder's), for the shared
+    base (api/framing.py). The finished response is stored before its last event."""
+
+    def __init__(
+        self, ctx: RequestContext, keep: Callable[[RequestContext, dict[str, Any]], None]
+    ) -> None:
+        self.ctx = ctx
+        self.builder = ResponsesBuilder(ctx, _echo_of(ctx))
+        self.keep = keep
+
+    def open(self) -> list[Frame]:
+        return _wire(self.builder.start())
+
+    def feed(self, event: Event) -> list[Frame]:
+        return _wire(self.builder.feed(event))
+
+    def close(self) -> list[Frame]:
+        try:
+            final = self.builder.final()
+        except ApiError as err:
+            return self.error(err)
+        last = final[-1]
+        if isinstance(last, dict):
+            self.keep(self.ctx, last["response"])
+        return _wire(final)
+
+    def error(self, err: ApiError) -> list[Frame]:
+        failed = self.builder.failed(err)
+        return [Frame(failed, failed["type"], error=err)]
+
+
+def _wire(events: list[dict[str, Any] | bytes]) -> list[Frame]:
+    return [Frame(event, event["type"]) for event in events if isinstance(event, dict)]
 
 
 __all__ = ["OpenAIResponses", "ResponsesGenerationRequest", "decode_responses"]
