@@ -10,7 +10,6 @@ thread (`run_off_hub`) so a large schema never stalls the gevent hub.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -169,7 +168,3 @@ def _first_line(message: str) -> str:
     """llguidance errors carry a parser-state dump after the first lines; keep the reason."""
     text = message.strip().split("\n<state>")[0].strip()
     return text[:500]
-
-
-def json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
