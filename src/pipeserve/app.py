@@ -66,8 +66,8 @@ def create_app(
     for endpoint in config.endpoints:
         served[endpoint.route] = protocols[endpoint.api]()
         add_endpoint(app, endpoint, served[endpoint.route], table, options, metrics)
-        if store is not None and hasattr(served[endpoint.route], "use_store"):
-            served[endpoint.route].use_store(store)  # type: ignore[attr-defined]
+        if store is not None and served[endpoint.route].stores_responses:
+            served[endpoint.route].use_store(store)
             add_stored_response_routes(app, endpoint.route, served[endpoint.route], store, options)
     app.add_error_handler(falcon.HTTPError, RoutingErrors(served, protocols["openai-chat"]()))
     models_resource = ModelsResource(table, keys)

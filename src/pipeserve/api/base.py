@@ -9,13 +9,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from pipeserve.store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class WireProtocol(ABC):
     client_header: ClassVar[str | None] = None
     # True: the protocol also serves `<route>/count_tokens` (the two count_tokens_* methods).
     counts_tokens: ClassVar[bool] = False
+    # True: the protocol keeps answers in the server's response store (`use_store`) and
+    # serves them back on its own routes (Responses).
+    stores_responses: ClassVar[bool] = False
     # Content-Type of a streamed answer (Ollama streams NDJSON, the others SSE).
     stream_content_type: ClassVar[str] = "text/event-stream; charset=utf-8"
     # Paths below the endpoint's route that generate ("": the route itself); the decoder
@@ -75,6 +81,10 @@ class WireProtocol(ABC):
     @abstractmethod
     def error_body(self, error: ApiError) -> dict[str, Any]:
         """The protocol's own error JSON for `error`."""
+
+    def use_store(self, store: ResponseStore) -> None:
+        """Hand the protocol the server's response store (only where stores_responses)."""
+        raise NotImplementedError(f"{self.name} does not store responses")
 
     def count_tokens_body(self, body: Any, meta: RequestMeta) -> GenerationRequest:
         """Decode a count_tokens body (only where counts_tokens is True)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -410,6 +410,7 @@ def _echo_of(ctx: RequestContext) -> dict[str, Any]:
 @register_protocol
 class OpenAIResponses(WireProtocol):
     name = "openai-responses"
+    stores_responses: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.state = ResponsesState()  # stateless until the app gives it a store
