@@ -15,11 +15,12 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.channel import Courier
 from pipeserve.engine.constraints import ConstraintSet, SamplerFilters
+from pipeserve.engine.lean import LeanBatchGenerator
 from pipeserve.engine.prefix_cache import PrefixCache
 from pipeserve.engine.sampling import make_processors, make_sampler
 from pipeserve.engine.sequence import Sequence
@@ -50,8 +51,8 @@ class Batch:
             stats.setdefault(name, 0)
         self._update_stats()
 
-    def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+    def _new_generator(self) -> Any:  # a LeanBatchGenerator (mlx-lm classes are untyped)
+        return LeanBatchGenerator(
             self.model,
             completion_batch_size=self.options.max_batch,
             # Set before each step by _plan_prefill (a token budget, not a count).
@@ -100,7 +101,7 @@ class Batch:
             (uid,) = self.gen.insert(
                 [list(lookup.rest)],
                 max_tokens=[job.max_tokens],
-                caches=[lookup.cache],  # type: ignore[list-item]  # None: a fresh cache
+                caches=[lookup.cache],  # None: a fresh cache
                 all_tokens=[list(prompt[: lookup.cached_tokens])],
                 samplers=[self._sampler(key, job)],
                 logits_processors=[make_processors(job.sampling)],
@@ -171,6 +172,7 @@ class Batch:
             self._constraints.begin_step()
         try:
             self._plan_prefill()
+            self.gen.logprobs_wanted = any(seq.job.logprobs for seq in self.seqs.values())
             prompt_responses, responses = self.gen.next()
             self._snapshot_prompts(prompt_responses)
         except Exception as exc:

@@ -1,0 +1,83 @@
+"""mlx-lm's BatchGenerator with a leaner decode step for the common case.
+
+mlx-lm normalises every step's logits into log-probabilities for the whole batch
+(`logits - logsumexp(logits)`, batch x vocabulary) and splits them into one array per
+sequence, whether or not anyone reads them. When every sequence in the batch samples
+greedily with no logits processor and no request asked for logprobs, the next token is
+the argmax of the logits, which is the argmax of the log-probabilities (the same
+constant is subtracted from every entry of a row): this step skips the normalisation.
+On MLX's CPU backend the logsumexp over 64 x 151k logits cost several times the
+forward pass of a small model. Any other batch runs mlx-lm's own step unchanged.
+
+Built by subclassing (mlx-lm 0.32): the generator's empty generation batch, and every
+batch a finished prefill turns into, become `LeanGenerationBatch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
+
+# mlx-lm's classes as untyped bases (their annotations do not describe their state).
+_mlx_generate: Any = importlib.import_module("mlx_lm.generate")
+GenerationBatch: Any = _mlx_generate.GenerationBatch
+PromptProcessingBatch: Any = _mlx_generate.PromptProcessingBatch
+BatchGenerator: Any = _mlx_generate.BatchGenerator
+
+
+class LeanGenerationBatch(GenerationBatch):
+    logprobs_wanted = True  # set by the generator before each step
+
+    def _lean(self) -> bool:
+        if self.logprobs_wanted or any(self.logits_processors):
+            return False
+        fallback = self.fallback_sampler
+        samplers = self.samplers or [None]
+        return all((fallback if s is None else s) is greedy_sampler for s in samplers)
+
+    def _step(self) -> Any:
+        if not self._lean():
+            return super()._step()
+        batch: Any = self  # mlx-lm's untyped state
+        batch._current_tokens = inputs = batch._next_tokens
+        batch._current_logprobs = batch._next_logprobs
+        logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
+        batch._next_tokens = mx.argmax(logits, axis=-1)  # what greedy_sampler returns
+        batch._next_logprobs = [None] * len(batch.uids)
+        mx.async_eval(batch._next_tokens)
+        # Rows from a step of mlx-lm's own (a batch that just joined) are still arrays.
+        mx.eval(inputs, [row for row in batch._current_logprobs if row is not None])
+        tokens: list[int] = inputs.tolist()
+        for history, token in zip(batch.tokens, tokens):
+            history.append(token)
+        return tokens, batch._current_logprobs
+
+
+class LeanPromptBatch(PromptProcessingBatch):
+    def generate(self, tokens: list[list[int]]) -> Any:
+        batch = super().generate(tokens)
+        batch.__class__ = LeanGenerationBatch  # its first step (in __init__) was mlx-lm's
+        return batch
+
+
+class LeanBatchGenerator(BatchGenerator):
+    """BatchGenerator whose decode step is LeanGenerationBatch's; set `logprobs_wanted`
+    (any request in the batch asked for logprobs) before each `next()`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logprobs_wanted = True
+        self._generation_batch.__class__ = LeanGenerationBatch
+        self._prompt_batch.__class__ = LeanPromptBatch
+
+    def _make_batch(self, n: int) -> Any:
+        batch = super()._make_batch(n)
+        batch.__class__ = LeanPromptBatch
+        return batch
+
+    def _next(self) -> Any:
+        self._generation_batch.logprobs_wanted = self.logprobs_wanted
+        return super()._next()

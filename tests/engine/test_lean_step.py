@@ -1,0 +1,91 @@
+"""The lean decode step: argmax of the logits when the whole batch is greedy without
+logprobs; mlx-lm's own step as soon as one request needs more. Same tokens either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.config.models import EngineOptions
+from pipeserve.engine.batching import Batch
+from pipeserve.engine.channel import Channel, Courier
+from pipeserve.engine.detokenize import Detokenizers
+from pipeserve.engine.lean import LeanGenerationBatch
+from pipeserve.engine.sequence import Sequence
+from tests.engine.helpers import job, reference_ids
+
+pytestmark = pytest.mark.mlx
+
+TEXTS = ("Hi there", "Write a poem about the sea, please", "1 2 3 4 5 6 7 8")
+
+
+class Driver:
+    """A Batch run step by step on the test thread (it belongs to the thread that runs it)."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.batch = Batch(model, EngineOptions(max_batch=8), {})
+        self.courier, self.detokenizers, self.tokenizer = (
+            Courier(),
+            Detokenizers(tokenizer),
+            tokenizer,
+        )
+        self.seqs: list[Sequence] = []
+        self.lean_steps = 0
+
+    def add(self, request) -> Sequence:
+        seq = Sequence(request, Channel(), self.detokenizers.new(), self.tokenizer)
+        self.batch.add(len(self.seqs), seq, self.courier)
+        self.seqs.append(seq)
+        return seq
+
+    def step(self) -> None:
+        self.batch.step(self.courier)
+        generation = self.batch.gen._generation_batch
+        assert isinstance(generation, LeanGenerationBatch)
+        self.lean_steps += bool(len(generation) and generation._lean())
+
+    def events(self, seq: Sequence) -> list:
+        self.courier.flush()
+        out = []
+        while (got := seq.channel.get(0)) is not None:
+            out.extend(got)
+        return [e for e in out if hasattr(e, "token_id")]
+
+
+def test_greedy_batch_takes_the_lean_step_and_matches_mlx_lm(demo_model) -> None:
+    model, tokenizer = demo_model("qwen3")
+    driver = Driver(model, tokenizer)
+    prompts = [list(tokenizer.encode(t)) for t in TEXTS]
+    seqs = [driver.add(job(p, max_tokens=10)) for p in prompts]
+    while driver.batch.seqs:
+        driver.step()
+    assert driver.lean_steps >= 8
+    for prompt, seq in zip(prompts, seqs):
+        assert [e.token_id for e in driver.events(seq)] == reference_ids(
+            model, tokenizer, prompt, 10
+        )
+
+
+def test_a_logprobs_request_switches_to_mlx_lm_step_and_back(demo_model) -> None:
+    model, tokenizer = demo_model("qwen3")
+    driver = Driver(model, tokenizer)
+    prompts = [list(tokenizer.encode(t)) for t in TEXTS]
+    greedy = driver.add(job(prompts[0], max_tokens=24))
+    for _ in range(6):
+        driver.step()
+    lean_before = driver.lean_steps
+    wanting = job(prompts[1], max_tokens=5)
+    wanting.logprobs, wanting.top_logprobs = True, 2
+    with_logprobs = driver.add(wanting)
+    while with_logprobs in driver.batch.seqs.values():
+        driver.step()
+    assert driver.lean_steps == lean_before  # mlx-lm's step while logprobs are wanted
+    tokens = driver.events(with_logprobs)
+    assert len(tokens) == 5 and all(
+        t.logprob is not None and len(t.top_logprobs) == 2 for t in tokens
+    )
+    assert [t.token_id for t in tokens] == reference_ids(model, tokenizer, prompts[1], 5)
+    while driver.batch.seqs:
+        driver.step()
+    assert driver.lean_steps > lean_before  # lean again once it left
+    ids = [e.token_id for e in driver.events(greedy)]
+    assert ids == reference_ids(model, tokenizer, prompts[0], 24)
