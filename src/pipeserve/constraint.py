@@ -44,12 +44,14 @@ class GrammarPlan:
 
     build: the llguidance grammar JSON for the model's tokenizer; forced: assistant
     prefill text the grammar starts with (fed to the matcher before decoding); param:
-    the request field a compile error names.
+    the request field a compile error names; optional: the request is still right when
+    an engine cannot enforce it (the prefill alone forces the call, as before grammars).
     """
 
     build: Callable[[Tokens], str]
     forced: str = ""
     param: str = "tool_choice"
+    optional: bool = False
 
 
 __all__ = ["Envelope", "GrammarPlan", "Tokens"]

@@ -36,6 +36,9 @@ class Constraint:
     matcher: Any  # llguidance.LLMatcher, already past any forced prefix
     vocab_size: int  # the mask's width in tokens
     eos_ids: tuple[int, ...]  # allowed once the grammar is complete
+    # True when the request is still right without enforcement (a forced tool call,
+    # whose prompt prefill already opens the call): engines that cannot enforce may drop it.
+    optional: bool = False
 
 
 def build_lltokenizer(tokenizer: Any, vocab_size: int | None, eos_ids: Iterable[int]) -> Any:
@@ -118,14 +121,14 @@ class GrammarCompiler:
     def eos_ids(self) -> list[int]:
         return list(self.tokenizer.eos_tokens)
 
-    def constraint(self, grammar: str, forced: str = "") -> Constraint:
+    def constraint(self, grammar: str, forced: str = "", optional: bool = False) -> Constraint:
         """A request's constraint: a fresh matcher that has consumed the `forced` text
         (an assistant prefill the grammar covers); GrammarError if either is invalid."""
         matcher = self.compile(grammar)
         if forced and not matcher.consume_tokens(self.encode(forced)):
             raise GrammarError(f"the forced prefix {forced!r} does not fit the grammar")
         llt = self.tokenizer
-        return Constraint(matcher, int(llt.vocab_size), tuple(llt.eos_tokens))
+        return Constraint(matcher, int(llt.vocab_size), tuple(llt.eos_tokens), optional)
 
     def compile(self, grammar: str) -> Any:
         """A fresh matcher for `grammar` (llguidance grammar JSON); GrammarError if invalid."""

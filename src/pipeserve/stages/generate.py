@@ -157,7 +157,9 @@ def constraint(ctx: RequestContext, runtime: ModelRuntime) -> Constraint | None:
             "invalid_request", "structured output is not available for this model.", plan.param
         )
     try:
-        return run_off_hub(lambda: compiler.constraint(plan.build(compiler), plan.forced))
+        return run_off_hub(
+            lambda: compiler.constraint(plan.build(compiler), plan.forced, plan.optional)
+        )
     except GrammarError as exc:
         raise ApiError(
             "invalid_request", f"Invalid value for '{plan.param}': {exc}", plan.param

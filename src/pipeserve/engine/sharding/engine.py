@@ -93,6 +93,8 @@ class ShardedEngine(MlxEngine):
         return self._batch
 
     def submit(self, job: GenerationJob) -> EngineStream:
+        if job.constraint is not None and job.constraint.optional:
+            job.constraint = None  # a forced tool call: its prefill still forces the call
         if job.constraint is not None:
             # Every rank samples for itself, and a grammar matcher lives on rank 0 only.
             raise ApiError(

@@ -30,7 +30,7 @@ def forced_call_plan(params: ToolFormatParams, tools: list[ToolSpec], forced: st
         start = "start: " + " | ".join(f"call{i}" for i in range(len(tools)))
         return json.dumps({"grammars": [{"lark_grammar": "\n".join([start, *rules]) + "\n"}]})
 
-    return GrammarPlan(build, forced=forced, param="tool_choice")
+    return GrammarPlan(build, forced=forced, param="tool_choice", optional=True)
 
 
 def call_rules(params: ToolFormatParams, tool: ToolSpec, rule: str, tokens: Tokens) -> list[str]:
