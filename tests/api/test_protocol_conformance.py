@@ -120,12 +120,7 @@ def test_a_mid_stream_error_ends_the_stream_with_an_error(name: str) -> None:
 # Ollama's non-streaming fold turns every in-stream error into "internal" (a 500 where a
 # timeout is a 504): its error chunk carries only a message. Known; strict, so fixing it
 # makes this mark fail and go.
-KIND_LOST = pytest.mark.xfail(reason="ollama's JSON fold loses the error kind", strict=True)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=KIND_LOST) if n == "ollama" else n for n in NAMES]
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_a_mid_stream_error_is_an_api_error_of_its_kind_without_streaming(name: str) -> None:
     protocol, ctx = protocol_and_ctx(name, stream=False)
     events = Tracked(FAULT)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from pipeserve import __version__
 from pipeserve.api.base import ModelFacts, RequestMeta, WireProtocol, register_protocol
 from pipeserve.api.ollama_decode import OllamaGenerationRequest, decode_ollama
-from pipeserve.api.ollama_encode import ollama_chunks
+from pipeserve.api.ollama_encode import ErrorChunk, ollama_chunks
 from pipeserve.api.openai_common import cancelled_error, close_events
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, invalid
@@ -46,8 +46,8 @@ def fold_chunks(chunks: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[s
     calls: list[Any] = []
     logprobs: list[Any] | None = None
     for chunk in chunks:
-        if "error" in chunk:
-            raise ApiError("internal", str(chunk["error"]))
+        if isinstance(chunk, ErrorChunk):
+            raise chunk.api_error
         part = chunk.get("message", chunk)
         content.append(part.get("content", part.get("response", "")))
         thinking.append(part.get("thinking", ""))

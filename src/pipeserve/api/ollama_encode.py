@@ -28,7 +28,9 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from pipeserve.api.openai_common import api_error_from_event
 from pipeserve.context import RequestContext
+from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
     ErrorEvent,
@@ -113,7 +115,7 @@ class _OllamaStream:
         elif isinstance(event, Usage):
             yield from self.end(event)
         elif isinstance(event, ErrorEvent):
-            yield from self.fail(event.message)
+            yield from self.fail(api_error_from_event(event))
 
     def logprobs(self) -> list[dict[str, Any]] | None:
         """The logprobs of the tokens sampled since the previous chunk (when asked)."""
@@ -154,7 +156,7 @@ class _OllamaStream:
         if event.reason == "cancelled":
             self.done = True  # client gone or request aborted: end without done
         elif event.reason == "error":
-            yield from self.fail("generation failed")
+            yield from self.fail(ApiError("internal", "generation failed"))
         else:
             self.finish = event
 
@@ -178,13 +180,22 @@ class _OllamaStream:
         self.done = True
         yield last
 
-    def fail(self, message: str) -> Iterator[dict[str, Any]]:
+    def fail(self, error: ApiError) -> Iterator[dict[str, Any]]:
         self.done = self.failed = True
-        yield {"error": message}
+        yield ErrorChunk(error)
 
     def close(self) -> Iterator[dict[str, Any]]:
         if not self.done:
-            yield from self.fail("generation ended without a finish reason")
+            yield from self.fail(ApiError("internal", "generation ended without a finish reason"))
+
+
+class ErrorChunk(dict[str, Any]):
+    """Ollama's `{"error": message}` object; keeps the fault's kind so a `stream: false`
+    fold answers with its status (a timeout is a 504, not a 500)."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error=error.message)
+        self.api_error = error
 
 
 def ollama_chunks(
