@@ -4,13 +4,15 @@ generation_config.json, fill what a request leaves unset; a request's own values
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from pipeserve.api.anthropic_decode import decode_sampling
 from pipeserve.api.anthropic_schema import MessagesBody
+from pipeserve.api.ollama_decode import decode_ollama
+from pipeserve.api.openai_completions import decode_completion
 from pipeserve.config.models import EngineOptions, ModelEntry, SamplingDefaults
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.engine.loader import sampling_defaults
@@ -38,6 +40,33 @@ def test_anthropic_request_without_sampling_takes_the_defaults() -> None:
     )
     params = decode_sampling(body).with_defaults({"temperature": 0.2, "top_p": 0.9})
     assert (params.temperature, params.top_p) == (0.2, 0.9)
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        lambda: decode_completion({"model": "m", "prompt": "hi"}),
+        lambda: decode_ollama({"model": "m", "prompt": "hi"}, "generate"),
+        lambda: decode_ollama(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat"
+        ),
+    ],
+    ids=["completions", "ollama-generate", "ollama-chat"],
+)
+def test_completions_and_ollama_requests_without_sampling_take_the_defaults(
+    decode: Callable[[], GenerationRequest],
+) -> None:
+    defaults = {"temperature": 0.0, "repetition_penalty": 1.1}
+    params = decode().sampling.with_defaults(defaults)
+    assert (params.temperature, params.repetition_penalty) == (0.0, 1.1)
+
+
+def test_ollama_options_win_over_the_defaults() -> None:
+    body = {"model": "m", "prompt": "hi", "options": {"temperature": 0.7, "repeat_penalty": 1.3}}
+    params = decode_ollama(body, "generate").sampling.with_defaults(
+        {"temperature": 0.0, "repetition_penalty": 1.1, "top_p": 0.9}
+    )
+    assert (params.temperature, params.repetition_penalty, params.top_p) == (0.7, 1.3, 0.9)
 
 
 def test_config_over_generation_config(tmp_path: Path) -> None:

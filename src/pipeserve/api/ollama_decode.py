@@ -37,6 +37,7 @@ from pipeserve.request import (
     SamplingParams,
     ToolCall,
     ToolSpec,
+    sampling_params,
 )
 
 EFFORTS = ("low", "medium", "high")
@@ -169,14 +170,17 @@ def refuse_generate_fields(req: GenerateIn) -> None:
 
 
 def sampling(options: OptionsIn) -> SamplingParams:
-    return SamplingParams(
-        temperature=1.0 if options.temperature is None else options.temperature,
-        top_p=1.0 if options.top_p is None else options.top_p,
-        top_k=options.top_k or 0,
-        min_p=options.min_p or 0.0,
-        repetition_penalty=options.repeat_penalty or 1.0,
-        presence_penalty=options.presence_penalty or 0.0,
-        frequency_penalty=options.frequency_penalty or 0.0,
+    # Options left out take the model's sampling defaults (YAML / generation_config.json).
+    return sampling_params(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=None if options.top_k is None else max(options.top_k, 0),
+        min_p=options.min_p,
+        repetition_penalty=None
+        if options.repeat_penalty is None
+        else options.repeat_penalty or 1.0,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
         seed=seed_value(options.seed),
     )
 

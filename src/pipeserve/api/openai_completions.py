@@ -36,7 +36,7 @@ from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ErrorKind, invalid
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest, RawPrompt, SamplingParams
+from pipeserve.request import GenerationRequest, RawPrompt, sampling_params
 
 DEFAULT_MAX_TOKENS = 16
 # An error chunk's OpenAI type -> the kind the non-stream answer is rendered from.
@@ -115,14 +115,17 @@ def refuse_unhonoured(req: CompletionRequestIn) -> None:
 def decode_completion(body: Any) -> CompletionGenerationRequest:
     req = validate(CompletionRequestIn, body)
     refuse_unhonoured(req)
-    sampling = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+    # Parameters left out take the model's sampling defaults (YAML / generation_config.json).
+    sampling = sampling_params(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=None if req.top_k is None else max(req.top_k, 0),
+        min_p=req.min_p,
+        repetition_penalty=None
+        if req.repetition_penalty is None
+        else req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
         logit_bias=logit_bias_of(req.logit_bias),
         seed=seed_value(req.seed),
     )
