@@ -41,6 +41,7 @@ from pipeserve.events import Event
 from pipeserve.request import (
     GenerationRequest,
     Message,
+    SamplingParams,
     ToolCall,
     ToolChoice,
     ToolSpec,
@@ -76,12 +77,10 @@ class StreamOptions(Lenient):
     include_usage: bool | None = None
 
 
-class ChatRequestIn(Lenient):
-    model: str
-    messages: list[MessageIn] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    stop: Any = None
+class OpenAISamplingIn(Lenient):
+    """The sampling fields Chat and legacy Completions share; left out, the model's
+    sampling defaults apply (YAML / generation_config.json)."""
+
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -90,6 +89,30 @@ class ChatRequestIn(Lenient):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = None
+    logit_bias: Any = None  # checked by logit_bias_of
+
+    def sampling(self) -> SamplingParams:
+        return sampling_params(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=None if self.top_k is None else max(self.top_k, 0),
+            min_p=self.min_p,
+            repetition_penalty=None
+            if self.repetition_penalty is None
+            else self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=logit_bias_of(self.logit_bias),
+            seed=seed_value(self.seed),
+        )
+
+
+class ChatRequestIn(OpenAISamplingIn):
+    model: str
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    stop: Any = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int | None = None
@@ -100,7 +123,6 @@ class ChatRequestIn(Lenient):
     reasoning_effort: str | None = None
     parallel_tool_calls: bool | None = None
     mock_response: str | None = None
-    logit_bias: Any = None  # checked by logit_bias_of
     chat_template_kwargs: Any = None  # checked by api/template_kwargs
     # Known fields this server cannot honour: refused when set to anything but a no-op
     # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
@@ -275,19 +297,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
     choice = _tool_choice(req.tool_choice)
     tools = _allowed(req.tool_choice, _tools(req.tools))
     check_tool_choice(choice, tools, "tool_choice")
-    sampling = sampling_params(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=None if req.top_k is None else max(req.top_k, 0),
-        min_p=req.min_p,
-        repetition_penalty=None
-        if req.repetition_penalty is None
-        else req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        logit_bias=logit_bias_of(req.logit_bias),
-        seed=seed_value(req.seed),
-    )
+    sampling = req.sampling()
     template_kwargs, reasoning = decode_template_kwargs(
         req.chat_template_kwargs, reasoning_options(req.reasoning_effort, "reasoning_effort")
     )

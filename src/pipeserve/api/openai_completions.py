@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.openai_chat import logit_bias_of, stop_of
+from pipeserve.api.openai_chat import OpenAISamplingIn, stop_of
 from pipeserve.api.openai_common import (
     KEEPALIVE_FRAME,
     Lenient,
@@ -27,7 +27,6 @@ from pipeserve.api.openai_common import (
     check,
     close_events,
     openai_error_body,
-    seed_value,
     unsupported,
     validate,
 )
@@ -36,7 +35,7 @@ from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ErrorKind, invalid
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest, RawPrompt, sampling_params
+from pipeserve.request import GenerationRequest, RawPrompt
 
 DEFAULT_MAX_TOKENS = 16
 # An error chunk's OpenAI type -> the kind the non-stream answer is rendered from.
@@ -53,18 +52,11 @@ class StreamOptions(Lenient):
     include_usage: bool | None = None
 
 
-class CompletionRequestIn(Lenient):
+class CompletionRequestIn(OpenAISamplingIn):
     model: str
     prompt: Any = None
     suffix: Any = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
     n: int | None = None
     best_of: int | None = None
     stream: bool | None = None
@@ -72,8 +64,6 @@ class CompletionRequestIn(Lenient):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     stop: Any = None
-    seed: int | None = None
-    logit_bias: Any = None
     mock_response: str | None = None
 
 
@@ -115,20 +105,7 @@ def refuse_unhonoured(req: CompletionRequestIn) -> None:
 def decode_completion(body: Any) -> CompletionGenerationRequest:
     req = validate(CompletionRequestIn, body)
     refuse_unhonoured(req)
-    # Parameters left out take the model's sampling defaults (YAML / generation_config.json).
-    sampling = sampling_params(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=None if req.top_k is None else max(req.top_k, 0),
-        min_p=req.min_p,
-        repetition_penalty=None
-        if req.repetition_penalty is None
-        else req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        logit_bias=logit_bias_of(req.logit_bias),
-        seed=seed_value(req.seed),
-    )
+    sampling = req.sampling()
     return CompletionGenerationRequest(
         model=req.model,
         messages=[],
