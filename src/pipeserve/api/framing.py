@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pipeserve.api.sse import sse_comment, sse_event
 from pipeserve.context import RequestContext
@@ -77,6 +77,39 @@ def close_events(events: Iterable[Event]) -> None:
         close()
 
 
+class ChunkState(Protocol):
+    """A protocol's per-request object state for encoders that stream plain objects
+    (Completions, Ollama): done after its last object, failed after an error object."""
+
+    done: bool
+    failed: bool
+
+    def handle(self, event: Event) -> Iterator[dict[str, Any]]: ...
+
+    def close(self) -> Iterator[dict[str, Any]]: ...
+
+
+def chunks_then_drain(
+    state: ChunkState, events: Iterable[Event], ctx: RequestContext
+) -> Iterator[dict[str, Any]]:
+    """The state's objects for the pipeline events. After the last one (done, error, or a
+    cancelled end) the rest of the pipeline stream is drained, so Usage still reaches
+    wrappers such as metrics; after an error, generation is cancelled first so the drain
+    is short."""
+    stream = iter(events)
+    for event in stream:
+        yield from state.handle(event)
+        if state.done:
+            break
+    else:
+        yield from state.close()
+        return
+    if state.failed:
+        ctx.cancel("error")
+    for _ in stream:
+        pass
+
+
 def frames(
     encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
 ) -> Iterator[Frame | KeepAlive]:
@@ -129,6 +162,8 @@ def json_frames(
 
 
 __all__ = [
+    "ChunkState",
+    "chunks_then_drain",
     "KEEPALIVE",
     "KEEPALIVE_COMMENT",
     "EventEncoder",

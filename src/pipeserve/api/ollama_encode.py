@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from pipeserve.api.framing import chunks_then_drain
 from pipeserve.api.openai_common import api_error_from_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
@@ -201,23 +202,10 @@ class ErrorChunk(dict[str, Any]):
 def ollama_chunks(
     events: Iterable[Event], ctx: RequestContext, chat: bool
 ) -> Iterator[dict[str, Any]]:
-    """The objects Ollama streams for one request's pipeline events. After the last one
-    (done, error, or a cancelled end) the rest of the pipeline stream is drained, so
-    Usage still reaches wrappers such as metrics; after an error, generation is
-    cancelled first so the drain is short."""
+    """The objects Ollama streams for one request's pipeline events, then
+    the rest of the stream drained (api/framing.py `chunks_then_drain`)."""
     state = _OllamaStream(ctx, chat)
-    stream = iter(events)
-    for event in stream:
-        yield from state.handle(event)
-        if state.done:
-            break
-    else:
-        yield from state.close()
-        return
-    if state.failed:
-        ctx.cancel("error")
-    for _ in stream:
-        pass
+    yield from chunks_then_drain(state, events, ctx)
 
 
 __all__ = ["created_at", "ollama_chunks"]

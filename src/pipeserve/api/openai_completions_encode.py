@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from pipeserve.api.framing import chunks_then_drain
 from pipeserve.api.openai_common import chat_usage, new_id, now, openai_error_body
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
@@ -124,24 +125,11 @@ class _Completion:
 def completion_chunks(
     events: Iterable[Event], ctx: RequestContext, echo: bool
 ) -> Iterator[dict[str, Any]]:
-    """The Completions chunks for one request's pipeline events. After the last chunk
-    (usage, error, or a cancelled end) the rest of the pipeline stream is drained, so
-    Usage still reaches wrappers such as metrics; after an error, generation is
-    cancelled first so the drain is short."""
+    """The Completions chunks for one request's pipeline events, then
+    the rest of the stream drained (api/framing.py `chunks_then_drain`)."""
     state = _Completion(ctx, echo)
     yield from state.start()
-    stream = iter(events)
-    for event in stream:
-        yield from state.handle(event)
-        if state.done:
-            break
-    else:
-        yield from state.close()
-        return
-    if state.failed:
-        ctx.cancel("error")
-    for _ in stream:
-        pass
+    yield from chunks_then_drain(state, events, ctx)
 
 
 __all__ = ["KEEP_ALIVE", "completion_chunks"]
