@@ -41,7 +41,9 @@ class TokenStream(Protocol):
 
 
 class Engine(Protocol):
-    """What stages and the server use of an engine (MlxEngine, ReplayEngine)."""
+    """What stages and the server use of an engine (MlxEngine, ReplayEngine, ShardedEngine,
+    the server's ManagedEngine and RemoteEngine wrappers). Every member is declared here,
+    so the server never probes an engine with getattr."""
 
     accepts_mock_response: bool  # the request's mock_response is replayed (replay only)
     max_tokens_limit: int | None  # upper bound on a request's max_tokens
@@ -52,7 +54,35 @@ class Engine(Protocol):
     def stats(self) -> dict[str, float]:
         """Live counters for the metrics endpoint."""
 
+    @property
+    def healthy(self) -> bool:
+        """False when the engine cannot serve at all (a sharded model whose group was lost,
+        an engine host that is down): `/health` answers 503."""
+
+    @property
+    def health_reason(self) -> str:
+        """Why the engine is not healthy ("" while it is)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Residency facts for /v1/models (state, load policy, memory); {} when the engine
+        is not managed by a fleet (always resident)."""
+
     def close(self) -> None: ...
+
+
+class AlwaysHealthy:
+    """The health and residency members of an engine that cannot lose its model."""
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    @property
+    def health_reason(self) -> str:
+        return ""
+
+    def describe(self) -> dict[str, Any]:
+        return {}
 
 
 @dataclass

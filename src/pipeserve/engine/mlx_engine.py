@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from pipeserve.backend import describe_device
 from pipeserve.config.models import EngineOptions
-from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.base import AlwaysHealthy, GenerationJob
 from pipeserve.engine.batching import Batch
 from pipeserve.engine.channel import (
     Channel,
@@ -48,7 +48,7 @@ RETRY_AFTER_SECONDS = 1.0
 MAX_RETRY_AFTER = 60.0
 
 
-class MlxEngine:
+class MlxEngine(AlwaysHealthy):
     """Engine for a loaded mlx-lm model; `submit` is safe from any thread or greenlet."""
 
     accepts_mock_response = False

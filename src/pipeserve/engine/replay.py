@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.base import AlwaysHealthy, GenerationJob
 from pipeserve.engine.channel import Channel, Courier, os_lock, os_simple_queue, start_os_thread
 from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.sequence import Sequence
@@ -42,7 +42,7 @@ class _Replay:
     key: int = field(default=0)
 
 
-class ReplayEngine:
+class ReplayEngine(AlwaysHealthy):
     accepts_mock_response = True
 
     def __init__(

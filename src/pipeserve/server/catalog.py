@@ -20,17 +20,16 @@ log = logging.getLogger("pipeserve.http")
 
 
 def model_facts(served: ServedModel) -> ModelFacts:
-    runtime = getattr(served, "runtime", None)
-    tokenizer = getattr(runtime, "tokenizer", None)
+    runtime = served.runtime
+    tokenizer = runtime.tokenizer  # mlx-lm's wrapper of a Hugging Face tokenizer (untyped)
     template = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "chat_template", None)
-    engine = getattr(runtime, "engine", None)
-    stats = engine.stats() if engine is not None else {}
+    stats = runtime.engine.stats()
     return ModelFacts(
         name=served.name,
         family=served.family,
         source=served.entry.source,
-        folder=getattr(runtime, "model_dir", None),
-        context_length=getattr(runtime, "context_length", None),
+        folder=runtime.model_dir,
+        context_length=runtime.context_length,
         capabilities=served.chain.capabilities(),
         chat_template=template if isinstance(template, str) else None,
         resident=bool(stats.get("resident", True)),

@@ -105,19 +105,29 @@ class ManagedEngine:
         self.last_used = time.monotonic()
         self.fleet.notify()
 
-    def stats(self) -> dict[str, Any]:
-        inner = getattr(self.engine, "stats", None)
-        out: dict[str, Any] = dict(inner()) if callable(inner) else {}
+    def stats(self) -> dict[str, float]:
+        engine = self.engine
+        out = dict(engine.stats()) if engine is not None else {}
         out.update(resident=int(self.state == "loaded"), memory_bytes=self.memory_bytes())
         return out
 
     def memory_bytes(self) -> int:
         """Weights as stored plus the live prefix cache, while resident."""
-        if self.state == "unloaded":
-            return 0
-        inner = getattr(self.engine, "stats", None)
-        cache = dict(inner()).get("prefix_cache_bytes", 0) if callable(inner) else 0
-        return self.size + int(cache)
+        engine = self.engine
+        if self.state == "unloaded" or engine is None:
+            return self.size if self.state == "loading" else 0
+        return self.size + int(engine.stats().get("prefix_cache_bytes", 0))
+
+    @property
+    def healthy(self) -> bool:
+        """A model that is not resident is healthy: it loads on the next request."""
+        engine = self.engine
+        return engine is None or engine.healthy
+
+    @property
+    def health_reason(self) -> str:
+        engine = self.engine
+        return "" if engine is None else engine.health_reason
 
     def describe(self) -> dict[str, Any]:
         """What /v1/models says about this model's residency."""

@@ -44,12 +44,12 @@ class HealthResource:
 
 
 def _unhealthy(model: ServedModel) -> str | None:
-    """Why a loaded engine cannot serve (a sharded model whose group was lost), or None."""
+    """Why a model's engine cannot serve (a sharded model whose group was lost, an engine
+    host that is down), or None."""
     engine = model.runtime.engine
-    for candidate in (engine, getattr(engine, "engine", None)):  # a ManagedEngine's inner one
-        if candidate is not None and not getattr(candidate, "healthy", True):
-            return str(getattr(candidate, "health_reason", "") or "unhealthy")
-    return None
+    if engine.healthy:
+        return None
+    return engine.health_reason or "unhealthy"
 
 
 class RootResource:
@@ -140,8 +140,7 @@ class ModelsResource:
 
 def residency(model: ServedModel) -> dict[str, Any]:
     """state (loaded / loading / not-loaded), load policy and memory, as LM Studio lists them."""
-    describe = getattr(model.runtime.engine, "describe", None)
-    return dict(describe()) if callable(describe) else {}
+    return dict(model.runtime.engine.describe())
 
 
 class MetricsResource:
