@@ -135,7 +135,8 @@ class GenerationRequest:
     mock_response: str | None = None  # replay engine only
     parallel_tool_calls: bool = True
     # Client-sent chat-template variables (Chat's chat_template_kwargs), already checked
-    # safe by the decoder (api/template_kwargs.py); the pipeline's own kwargs come first.
+    # safe by the decoder (api/openai_chat/template_kwargs.py); the pipeline's own kwargs
+    # come first.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     output_format: OutputFormat | None = None  # structured output (None: free text)
     raw_prompt: RawPrompt | None = None  # set instead of messages by completion protocols

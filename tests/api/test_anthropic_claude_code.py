@@ -20,7 +20,7 @@ import httpx2 as httpx  # the anthropic SDK runs on httpx2 (same API as httpx)
 import pytest
 from anthropic._streaming import SSEDecoder
 
-from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import RequestMeta
 from pipeserve.events import (
     ContentDelta,

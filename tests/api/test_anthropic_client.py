@@ -15,7 +15,7 @@ import anthropic
 import httpx2 as httpx  # the anthropic SDK runs on httpx2 (same API as httpx)
 import pytest
 
-from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import RequestMeta
 from pipeserve.errors import ApiError
 from pipeserve.events import (

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import RequestMeta
 from pipeserve.errors import ApiError
 from pipeserve.request import (

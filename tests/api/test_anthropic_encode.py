@@ -15,7 +15,7 @@ from anthropic._streaming import SSEDecoder
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SdkMessage
 
-from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,

@@ -16,7 +16,7 @@ from anthropic._streaming import SSEDecoder
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SdkMessage
 
-from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import RequestMeta
 from pipeserve.events import Event, Finish, PromptReady, TokenText, Usage
 from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, RequestContext, Stage

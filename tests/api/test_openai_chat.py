@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta
-from pipeserve.api.openai_chat import OpenAIChat
+from pipeserve.api.openai_chat.protocol import OpenAIChat
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,

@@ -19,14 +19,14 @@ import pytest
 from openai import OpenAI, Stream
 
 from pipeserve.api.base import RequestMeta, WireProtocol
-from pipeserve.api.openai_chat import OpenAIChat
+from pipeserve.api.openai_chat.protocol import OpenAIChat
 from pipeserve.api.openai_common import (
     LogprobCursor,
     openai_error_body,
     param_path,
     reasoning_options,
 )
-from pipeserve.api.openai_responses import OpenAIResponses
+from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.errors import ApiError
 from pipeserve.events import Event, TokenText, TopLogprob
 from pipeserve.request import GenerationRequest, Message

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import RequestMeta
-from pipeserve.api.openai_responses import OpenAIResponses
+from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,

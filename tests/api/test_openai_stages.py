@@ -9,8 +9,8 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from pipeserve.api.base import RequestMeta
-from pipeserve.api.openai_chat import OpenAIChat
-from pipeserve.api.openai_responses import OpenAIResponses
+from pipeserve.api.openai_chat.protocol import OpenAIChat
+from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.events import Event, Finish, PromptReady, TokenText, Usage
 from pipeserve.stages import STAGE_REGISTRY, BuildEnv, load_builtin_stages
 from pipeserve.stages.base import RequestContext

@@ -10,8 +10,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from pipeserve.api.openai_responses import OpenAIResponses
-from pipeserve.api.openai_responses_replay import replay_events
+from pipeserve.api.openai_responses.protocol import OpenAIResponses
+from pipeserve.api.openai_responses.replay import replay_events
 from pipeserve.events import ContentDelta, Event, Finish, PromptReady, ReasoningDelta, Usage
 from tests.api.test_openai_common import Harness
 

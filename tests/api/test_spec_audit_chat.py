@@ -18,7 +18,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pipeserve.api.base import RequestMeta, WireProtocol
-from pipeserve.api.openai_chat import OpenAIChat
+from pipeserve.api.openai_chat.protocol import OpenAIChat
 from pipeserve.config import load_pipeline
 from pipeserve.errors import ApiError
 from pipeserve.events import (

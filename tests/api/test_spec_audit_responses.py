@@ -15,7 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from pipeserve.api.base import RequestMeta
-from pipeserve.api.openai_responses import OpenAIResponses
+from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeserve.api.anthropic_messages import AnthropicMessages
+from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import WireProtocol
-from pipeserve.api.openai_chat import OpenAIChat
-from pipeserve.api.openai_responses import OpenAIResponses
+from pipeserve.api.openai_chat.protocol import OpenAIChat
+from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.errors import ApiError
 from pipeserve.request import GenerationRequest
 from pipeserve.server.generation import closing_stream

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pipeserve.api.template_kwargs import decode_template_kwargs
+from pipeserve.api.openai_chat.template_kwargs import decode_template_kwargs
 from pipeserve.request import ReasoningOptions
 
 pytestmark = pytest.mark.server

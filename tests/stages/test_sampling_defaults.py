@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.api.anthropic_decode import decode_sampling
-from pipeserve.api.anthropic_schema import MessagesBody
-from pipeserve.api.ollama_decode import decode_ollama
-from pipeserve.api.openai_completions import decode_completion
+from pipeserve.api.anthropic_messages.decode import decode_sampling
+from pipeserve.api.anthropic_messages.schema import MessagesBody
+from pipeserve.api.ollama.decode import decode_ollama
+from pipeserve.api.openai_completions.decode import decode_completion
 from pipeserve.config.models import EngineOptions, ModelEntry, SamplingDefaults
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.engine.loader import sampling_defaults

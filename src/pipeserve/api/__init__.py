@@ -1,5 +1,7 @@
-"""Wire protocols: `load_builtin_protocols()` imports the built-in protocol modules, which
-register themselves (importing this package alone registers nothing). See docs/extending.md."""
+"""Wire protocols: `load_builtin_protocols()` imports each built-in protocol package's
+`protocol` module, which registers itself (importing this package, or a protocol package,
+alone registers nothing). Every protocol package has the same modules (schema, decode,
+encode, fold, protocol); see docs/architecture.md "Protocols" and docs/extending.md."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ PROTOCOL_MODULES: tuple[str, ...] = (
 
 
 def load_builtin_protocols() -> dict[str, type[WireProtocol]]:
-    for module in PROTOCOL_MODULES:
-        importlib.import_module(f"pipeserve.api.{module}")
+    for package in PROTOCOL_MODULES:
+        importlib.import_module(f"pipeserve.api.{package}.protocol")
     return PROTOCOL_REGISTRY
 
 

@@ -13,8 +13,8 @@ from typing import Any, Literal, TypeVar
 import falcon
 
 from pipeserve.api.base import WireProtocol
-from pipeserve.api.openai_responses_replay import replay_events
-from pipeserve.api.openai_responses_state import store_busy
+from pipeserve.api.openai_responses.replay import replay_events
+from pipeserve.api.openai_responses.state import store_busy
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
 from pipeserve.server.generation import HttpOptions, ProtocolErrors

@@ -1,4 +1,5 @@
-"""Builds Responses output items and stream events from pipeline events.
+"""Builds Responses output items and stream events from pipeline events (ResponsesBuilder),
+and hands them to the shared base (api/framing.py) as one EventEncoder (ResponseEvents).
 
 Items are strictly sequential: opening an item (reasoning, message, function_call)
 closes the open one with its `.done` events. Every stream event carries a
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import base64
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeserve.api.framing import EventEncoder, Frame
 from pipeserve.api.openai_common import (
     KEEPALIVE_FRAME,
     LogprobCursor,
@@ -50,7 +53,7 @@ from pipeserve.events import (
     arguments_valid,
 )
 
-Frame = dict[str, Any] | bytes
+Built = dict[str, Any] | bytes  # a builder's event (bytes: a keep-alive frame)
 SEALED_REASONING = "reasoning.encrypted_content"
 _SEAL_PREFIX = "pipeserve.v1:"
 
@@ -147,13 +150,13 @@ class ResponsesBuilder:
             **extra,
         }
 
-    def start(self) -> list[Frame]:
+    def start(self) -> list[Built]:
         return [
             self.event("response.created", response=self.response("in_progress")),
             self.event("response.in_progress", response=self.response("in_progress")),
         ]
 
-    def final(self) -> list[Frame]:
+    def final(self) -> list[Built]:
         """The closing stream events; the last one's `response` is the non-streaming body."""
         if self.finish is None:
             raise ApiError("internal", "generation ended without a finish")
@@ -176,7 +179,7 @@ class ResponsesBuilder:
 
     # ------------------------------------------------------------ events
 
-    def feed(self, event: Event) -> list[Frame]:
+    def feed(self, event: Event) -> list[Built]:
         if isinstance(event, (ContentDelta, TokenText)):
             direct = event if isinstance(event, TokenText) else None
             return self.text("message", event.text, self.cursor.take(direct)) if event.text else []
@@ -200,19 +203,19 @@ class ResponsesBuilder:
             return [KEEPALIVE_FRAME]
         return []
 
-    def on_finish(self, event: Finish) -> list[Frame]:
+    def on_finish(self, event: Finish) -> list[Built]:
         if event.reason == "cancelled":
             raise cancelled_error(self.ctx)
         if event.reason == "error":
             raise ApiError("internal", "generation failed")
         self.finish = event
-        frames: list[Frame] = []
+        frames: list[Built] = []
         if not self.output and self.open is None:  # nothing generated: still answer with a message
             frames += self.open_text_item("message")
         return frames + self.close_open(incomplete=event.reason == "length")
 
-    def text(self, kind: str, delta: str, logprobs: list[dict[str, Any]]) -> list[Frame]:
-        frames: list[Frame] = []
+    def text(self, kind: str, delta: str, logprobs: list[dict[str, Any]]) -> list[Built]:
+        frames: list[Built] = []
         if self.open is None or self.open.item["type"] != kind:
             frames += self.close_open()
             frames += self.open_text_item(kind)
@@ -231,7 +234,7 @@ class ResponsesBuilder:
             frames.append(self.event("response.reasoning_text.delta", **ids, delta=delta))
         return frames
 
-    def open_text_item(self, kind: str) -> list[Frame]:
+    def open_text_item(self, kind: str) -> list[Built]:
         if kind == "message":
             item = {
                 "id": new_id("msg_"),
@@ -260,7 +263,7 @@ class ResponsesBuilder:
             return [added, self.event(kind_added, **ids, summary_index=0, part=part)]
         return [added, self.event("response.content_part.added", **ids, content_index=0, part=part)]
 
-    def call_start(self, event: ToolCallStart) -> list[Frame]:
+    def call_start(self, event: ToolCallStart) -> list[Built]:
         frames = self.close_open()
         namespace, name = split_namespace(event.name)
         item: dict[str, Any] = {
@@ -281,18 +284,18 @@ class ResponsesBuilder:
         )
         return frames
 
-    def call_delta(self, call_index: int, fragment: str) -> list[Frame]:
+    def call_delta(self, call_index: int, fragment: str) -> list[Built]:
         if self.open is None or self.open.call_index != call_index or not fragment:
             return []
         self.open.parts.append(fragment)
         ids = {"item_id": self.open.item["id"], "output_index": self.open.index}
         return [self.event("response.function_call_arguments.delta", **ids, delta=fragment)]
 
-    def call_end(self, event: ToolCallEnd) -> list[Frame]:
+    def call_end(self, event: ToolCallEnd) -> list[Built]:
         if self.open is None or self.open.call_index != event.index:
             return []
         streamed = "".join(self.open.parts)
-        frames: list[Frame] = []
+        frames: list[Built] = []
         if event.arguments.startswith(streamed):
             frames += self.call_delta(event.index, event.arguments[len(streamed) :])
         self.open.item["arguments"] = event.arguments  # the coerced arguments are final
@@ -323,13 +326,13 @@ class ResponsesBuilder:
     def output_text(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
-    def close_open(self, incomplete: bool = False) -> list[Frame]:
+    def close_open(self, incomplete: bool = False) -> list[Built]:
         current, self.open = self.open, None
         if current is None:
             return []
         item = self.snapshot(current, "incomplete" if incomplete else "completed")
         self.output.append(item)
-        frames: list[Frame] = []
+        frames: list[Built] = []
         ids = {"item_id": item["id"], "output_index": current.index}
         if item["type"] == "message":
             part = item["content"][0]
@@ -379,4 +382,49 @@ class ResponsesBuilder:
         return frames
 
 
-__all__ = ["SEALED_REASONING", "ResponsesBuilder", "open_reasoning", "seal_reasoning"]
+class ResponseEvents(EventEncoder):
+    """The Responses stream events of one request (ResponsesBuilder's), for the shared
+    base (api/framing.py). The finished response is stored before its last event."""
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        echo: dict[str, Any],
+        keep: Callable[[RequestContext, dict[str, Any]], None],
+    ) -> None:
+        self.ctx = ctx
+        self.builder = ResponsesBuilder(ctx, echo)
+        self.keep = keep
+
+    def open(self) -> list[Frame]:
+        return _wire(self.builder.start())
+
+    def feed(self, event: Event) -> list[Frame]:
+        return _wire(self.builder.feed(event))
+
+    def close(self) -> list[Frame]:
+        try:
+            final = self.builder.final()
+        except ApiError as err:
+            return self.error(err)
+        last = final[-1]
+        if isinstance(last, dict):
+            self.keep(self.ctx, last["response"])
+        return _wire(final)
+
+    def error(self, err: ApiError) -> list[Frame]:
+        failed = self.builder.failed(err)
+        return [Frame(failed, failed["type"], error=err)]
+
+
+def _wire(events: list[Built]) -> list[Frame]:
+    return [Frame(event, event["type"]) for event in events if isinstance(event, dict)]
+
+
+__all__ = [
+    "SEALED_REASONING",
+    "ResponseEvents",
+    "ResponsesBuilder",
+    "open_reasoning",
+    "seal_reasoning",
+]

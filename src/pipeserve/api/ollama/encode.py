@@ -2,7 +2,7 @@
 
 One state machine (`ollama_chunks`) drives both encoders, as for Anthropic Messages:
 the stream encoder writes each object as one NDJSON line, the JSON encoder folds them
-into the single object of `stream: false` (ollama.fold_chunks), so streamed and
+into the single object of `stream: false` (fold.py), so streamed and
 non-streamed answers agree by construction.
 
 - Chat chunks carry `message` (role, content, and `thinking` / `tool_calls` when

@@ -1,138 +1,41 @@
-"""OpenAI Chat Completions (`/v1/chat/completions`): the request decoder and the protocol.
+"""OpenAI Chat Completions request body -> ChatGenerationRequest.
 
-Events and their fold live in openai_chat_encode. Unknown body fields are accepted and
-ignored; malformed known fields are a 400 naming the field (`messages[2].content[0].text`),
-and so are known fields we cannot honour when ignoring them would silently change the answer
-(n > 1, JSON response formats, audio, the legacy functions API). `logit_bias` is applied
-with this model's token ids (as other open-model servers do; ids outside its vocabulary
-are a 400).
+Unknown body fields are accepted and ignored; malformed known fields are a 400 naming the
+field (`messages[2].content[0].text`), and so are known fields we cannot honour when
+ignoring them would silently change the answer (n > 1, JSON response formats, audio, the
+legacy functions API). `logit_bias` is applied with this model's token ids (as other
+open-model servers do; ids outside its vocabulary are a 400).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
-from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.framing import json_frames, sse_frames
-from pipeserve.api.openai_chat_encode import ChatEvents, fold_completion
+from pipeserve.api.openai_chat.schema import ChatRequestIn, MessageIn
+from pipeserve.api.openai_chat.template_kwargs import decode_template_kwargs
 from pipeserve.api.openai_common import (
-    Lenient,
     check,
     check_tool_choice,
-    close_events,
-    openai_error_body,
     reasoning_options,
-    seed_value,
     text_of_parts,
     tool_choice_mode,
     unsupported,
     validate,
 )
 from pipeserve.api.structured import openai_output_format
-from pipeserve.api.template_kwargs import decode_template_kwargs
-from pipeserve.context import RequestContext
-from pipeserve.errors import ApiError, invalid
-from pipeserve.events import Event
+from pipeserve.errors import invalid
 from pipeserve.request import (
     GenerationRequest,
     Message,
-    SamplingParams,
     ToolCall,
     ToolChoice,
     ToolSpec,
-    sampling_params,
 )
 
 TEXT_PARTS = frozenset({"text", "input_text"})
 IMAGE_PARTS = frozenset({"image_url", "input_image", "input_audio", "file", "image"})
-
-
-class FunctionCallIn(Lenient):
-    name: str
-    arguments: Any = ""
-
-
-class ToolCallIn(Lenient):
-    id: str
-    type: str = "function"
-    function: FunctionCallIn
-
-
-class MessageIn(Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Any = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    reasoning: Any = None  # the newer vLLM / OpenRouter spelling (a string when used that way)
-
-
-class StreamOptions(Lenient):
-    include_usage: bool | None = None
-
-
-class OpenAISamplingIn(Lenient):
-    """The sampling fields Chat and legacy Completions share; left out, the model's
-    sampling defaults apply (YAML / generation_config.json)."""
-
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
-    logit_bias: Any = None  # checked by logit_bias_of
-
-    def sampling(self) -> SamplingParams:
-        return sampling_params(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=None if self.top_k is None else max(self.top_k, 0),
-            min_p=self.min_p,
-            repetition_penalty=None
-            if self.repetition_penalty is None
-            else self.repetition_penalty or 1.0,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=logit_bias_of(self.logit_bias),
-            seed=seed_value(self.seed),
-        )
-
-
-class ChatRequestIn(OpenAISamplingIn):
-    model: str
-    messages: list[MessageIn] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    stop: Any = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    reasoning_effort: str | None = None
-    parallel_tool_calls: bool | None = None
-    mock_response: str | None = None
-    chat_template_kwargs: Any = None  # checked by api/template_kwargs
-    # Known fields this server cannot honour: refused when set to anything but a no-op
-    # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
-    # prediction, verbosity, prompt_cache_key, safety_identifier, web_search_options --
-    # only affect billing, storage, latency or hosted tools and are accepted and ignored.
-    response_format: Any = None
-    modalities: Any = None
-    audio: Any = None
-    functions: Any = None
-    function_call: Any = None
 
 
 @dataclass(slots=True)
@@ -140,9 +43,6 @@ class ChatGenerationRequest(GenerationRequest):
     """GenerationRequest plus the Chat-only facts its encoder needs."""
 
     include_usage: bool = False
-
-
-# ---------------------------------------------------------------- decode
 
 
 def _arguments(value: Any) -> str:
@@ -251,24 +151,6 @@ def stop_of(raw: Any) -> list[str]:
     return [s for s in values if s]
 
 
-def logit_bias_of(raw: Any) -> dict[int, float]:
-    """`{"token id": bias}` in this model's vocabulary (ids are checked against it later)."""
-    if raw is None:
-        return {}
-    check(isinstance(raw, dict), "logit_bias", "expected an object mapping token ids to biases")
-    bias: dict[int, float] = {}
-    for key, value in raw.items():
-        check(isinstance(key, str) and key.isdigit(), "logit_bias", f"{key!r} is not a token id")
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        check(
-            number and -100 <= value <= 100,
-            "logit_bias",
-            f"the bias of {key} must be a number in [-100, 100]",
-        )
-        bias[int(key)] = float(value)
-    return bias
-
-
 def _refuse_unhonoured(req: ChatRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
     if req.modalities is not None:
@@ -321,30 +203,4 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
     )
 
 
-@register_protocol
-class OpenAIChat(WireProtocol):
-    name = "openai-chat"
-
-    def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
-        return decode_chat(body)
-
-    def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
-        try:
-            chunks = json_frames(ChatEvents(ctx, include_usage=True), events, ctx)
-            return fold_completion(chunks, ctx)
-        finally:
-            close_events(events)
-
-    def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        request = ctx.request
-        usage = isinstance(request, ChatGenerationRequest) and request.include_usage
-        try:
-            yield from sse_frames(ChatEvents(ctx, include_usage=usage), events, ctx)
-        finally:
-            close_events(events)
-
-    def error_body(self, error: ApiError) -> dict[str, Any]:
-        return openai_error_body(error)
-
-
-__all__ = ["ChatGenerationRequest", "OpenAIChat", "decode_chat"]
+__all__ = ["ChatGenerationRequest", "decode_chat", "stop_of"]

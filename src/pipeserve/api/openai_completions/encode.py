@@ -2,7 +2,7 @@
 
 One state machine (`completion_chunks`) drives both encoders, as for Anthropic Messages:
 the SSE encoder frames each chunk (and `[DONE]` after the usage chunk), the JSON encoder
-folds them into one `text_completion` (openai_completions.fold_completion), so streamed
+folds them into one `text_completion` (fold.py), so streamed
 and non-streamed answers are the same text by construction.
 
 - `echo`: the first chunk carries the prompt text.

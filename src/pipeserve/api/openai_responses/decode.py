@@ -1,29 +1,20 @@
-"""OpenAI Responses (`/v1/responses`): request decoder and encoders.
+"""OpenAI Responses request body -> ResponsesGenerationRequest.
 
-With the response store (openai_responses_state.py), `previous_response_id` and
-`item_reference` inputs are resolved and responses are stored; without it they are
-refused (400 naming them) and clients resend the history (as Codex does). `conversation`
-and `prompt` are always refused. Output items are built strictly one after another; the
-JSON encoder runs the same item builder as the stream and returns its final response object.
+With the response store (state.py), `previous_response_id` and `item_reference` inputs
+are resolved and responses are stored; without it they are refused (400 naming them) and
+clients resend the history (as Codex does). `conversation` and `prompt` are always
+refused. `_echo` gathers the request fields a Response object echoes back.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-from pydantic import Field
-
-from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.framing import EventEncoder, Frame, json_frames, sse_frames
 from pipeserve.api.openai_common import (
-    Lenient,
     check,
     check_tool_choice,
-    close_events,
-    openai_error_body,
     reasoning_options,
     seed_value,
     text_of_parts,
@@ -31,12 +22,18 @@ from pipeserve.api.openai_common import (
     unsupported,
     validate,
 )
-from pipeserve.api.openai_responses_encode import ResponsesBuilder, open_reasoning
-from pipeserve.api.openai_responses_state import ResolvedInput, ResponsesState
+from pipeserve.api.openai_responses.encode import open_reasoning
+from pipeserve.api.openai_responses.schema import (
+    CallOutputItem,
+    CustomCallItem,
+    FunctionCallItem,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequestIn,
+)
+from pipeserve.api.openai_responses.state import ResolvedInput, ResponsesState
 from pipeserve.api.structured import openai_output_format
-from pipeserve.context import RequestContext
-from pipeserve.errors import ApiError, invalid
-from pipeserve.events import Event
+from pipeserve.errors import invalid
 from pipeserve.request import (
     GenerationRequest,
     Message,
@@ -45,7 +42,6 @@ from pipeserve.request import (
     ToolSpec,
     sampling_params,
 )
-from pipeserve.store import ResponseStore
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 IMAGE_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url"})
@@ -53,75 +49,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # `include` asks for extra output. Ours are logprobs and reasoning.encrypted_content; other
 # values (hosted tools, input images, and any an agent CLI adds later) add nothing here and
 # are ignored, so a newer client is not refused for asking for more.
-
-
-class ReasoningIn(Lenient):
-    effort: str | None = None
-    # any of them: the reasoning text is sent as the item's summary (we do not shorten it)
-    summary: Literal["auto", "concise", "detailed"] | None = None
-
-
-class ResponsesRequestIn(Lenient):
-    model: str
-    input: Any = None
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    include: list[str] | None = None
-    stream: bool | None = None
-    reasoning: ReasoningIn | None = None
-    text: dict[str, Any] | None = None
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
-    parallel_tool_calls: bool | None = None
-    metadata: dict[str, Any] | None = None
-    mock_response: str | None = None
-    prompt: Any = None  # a stored prompt template: cannot be resolved here, refused
-    truncation: Literal["auto", "disabled"] | None = None
-    # Echoed, otherwise no effect: they apply to built-in tools, storage, caching or billing.
-    max_tool_calls: int | None = Field(None, ge=1)
-    store: bool | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-
-
-class MessageItem(Lenient):
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Any
-
-
-class FunctionCallItem(Lenient):
-    call_id: str
-    name: str
-    arguments: Any = ""
-    namespace: str | None = None
-
-
-class CallOutputItem(Lenient):
-    call_id: str
-    output: Any = ""
-
-
-class CustomCallItem(Lenient):
-    call_id: str
-    name: str
-    input: str = ""
-
-
-class ReasoningItem(Lenient):
-    summary: list[Any] | None = None
-    content: list[Any] | None = None
-    encrypted_content: str | None = None
 
 
 @dataclass(slots=True)
@@ -192,7 +119,7 @@ class _History:
             )
             if texts:
                 self.reasoning.append("\n".join(texts))
-        elif kind == "item_reference":  # resolved before folding (openai_responses_state)
+        elif kind == "item_reference":  # resolved before folding (state.py)
             raise invalid(f"'{path}': item_reference cannot be resolved here.", path)
         # other item types (web_search_call, tool_search_*, compaction...) are skipped
 
@@ -399,99 +326,4 @@ def _echo(req: ResponsesRequestIn, stored: bool) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- protocol
-
-
-def _echo_of(ctx: RequestContext) -> dict[str, Any]:
-    request = ctx.request
-    return request.echo if isinstance(request, ResponsesGenerationRequest) else {}
-
-
-@register_protocol
-class OpenAIResponses(WireProtocol):
-    name = "openai-responses"
-    stores_responses: ClassVar[bool] = True
-
-    def __init__(self) -> None:
-        self.state = ResponsesState()  # stateless until the app gives it a store
-
-    def use_store(self, store: ResponseStore) -> None:
-        self.state = ResponsesState(store)
-
-    def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
-        return decode_responses(body, self.state)
-
-    def keep(self, ctx: RequestContext, response: dict[str, Any]) -> None:
-        """Store the finished response (before the client can see it end)."""
-        request = ctx.request
-        if isinstance(request, ResponsesGenerationRequest):
-            self.state.keep(request.stored_input, response)
-
-    def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
-        """The response of the last stream event (response.completed / .incomplete)."""
-        try:
-            frames = list(json_frames(ResponseEvents(ctx, self.keep), events, ctx))
-        finally:
-            close_events(events)
-        last = frames[-1].data
-        assert isinstance(last, dict)
-        response: dict[str, Any] = last["response"]
-        return response
-
-    def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        try:
-            yield from sse_frames(ResponseEvents(ctx, self.keep), events, ctx)
-        finally:
-            close_events(events)
-
-    def stream_fault(self, error: ApiError, events_sent: int) -> dict[str, Any]:
-        """Responses streams carry errors as a typed `error` event with the next
-        sequence number (the SDK's ResponseErrorEvent)."""
-        detail = self.error_body(error)["error"]
-        return {"type": "error", "code": detail["code"] or detail["type"], "message": detail["message"],
-                "param": detail["param"], "sequence_number": events_sent}  # fmt: skip
-
-    def error_body(self, error: ApiError) -> dict[str, Any]:
-        body = openai_error_body(error)
-        if body["error"]["param"] == "messages":  # stages name the prompt as Chat does
-            body["error"]["param"] = "input"
-        return body
-
-
-class ResponseEvents(EventEncoder):
-    """The Responses stream events of one request (ResponsesBuilder's), for the shared
-    base (api/framing.py). The finished response is stored before its last event."""
-
-    def __init__(
-        self, ctx: RequestContext, keep: Callable[[RequestContext, dict[str, Any]], None]
-    ) -> None:
-        self.ctx = ctx
-        self.builder = ResponsesBuilder(ctx, _echo_of(ctx))
-        self.keep = keep
-
-    def open(self) -> list[Frame]:
-        return _wire(self.builder.start())
-
-    def feed(self, event: Event) -> list[Frame]:
-        return _wire(self.builder.feed(event))
-
-    def close(self) -> list[Frame]:
-        try:
-            final = self.builder.final()
-        except ApiError as err:
-            return self.error(err)
-        last = final[-1]
-        if isinstance(last, dict):
-            self.keep(self.ctx, last["response"])
-        return _wire(final)
-
-    def error(self, err: ApiError) -> list[Frame]:
-        failed = self.builder.failed(err)
-        return [Frame(failed, failed["type"], error=err)]
-
-
-def _wire(events: list[dict[str, Any] | bytes]) -> list[Frame]:
-    return [Frame(event, event["type"]) for event in events if isinstance(event, dict)]
-
-
-__all__ = ["OpenAIResponses", "ResponsesGenerationRequest", "decode_responses"]
+__all__ = ["ResponsesGenerationRequest", "decode_responses"]

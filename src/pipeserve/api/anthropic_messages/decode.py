@@ -1,6 +1,6 @@
 """Anthropic Messages request body -> protocol-neutral GenerationRequest.
 
-Mapping rules (see also anthropic_schema for field validation):
+Mapping rules (see also schema.py for field validation):
 - `system` (string or text blocks) and `role: "system"` messages (Claude Code) become
   system messages; consecutive messages of one role are merged, as Anthropic does.
 - A user message's `tool_result` blocks become `tool` messages, followed by a user
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from pipeserve.api import anthropic_schema as s
+from pipeserve.api.anthropic_messages import schema as s
 from pipeserve.api.structured import anthropic_output_format
 from pipeserve.errors import invalid
 from pipeserve.request import (

@@ -3,7 +3,7 @@
 Every model ignores unknown fields: clients add fields (context_management,
 container, mcp_servers, ...) faster than servers learn them.
 Numbers are strict (no "5" -> 5). `content`, `system` and `tools` entries are kept as
-raw JSON here and checked block by block in anthropic_decode, so every error names the
+raw JSON here and checked block by block in decode.py, so every error names the
 exact path (`messages.2.content.1.tool_use_id`).
 """
 
@@ -50,7 +50,7 @@ class ToolResultBlock(Lenient):
 class ThinkingBlock(Lenient):
     type: Literal["thinking"]
     thinking: str
-    signature: str | None = None  # ours is never verified; see anthropic_encode
+    signature: str | None = None  # ours is never verified; see encode.py
 
 
 class DocumentBlock(Lenient):

@@ -1,9 +1,8 @@
 """Pipeline events -> Anthropic Messages stream events (as dicts).
 
 This one state machine (`MessageEvents`) drives both encoders: the SSE encoder frames
-its events, the JSON encoder folds them as an SDK accumulates a stream
-(anthropic_messages.fold_message), so streamed and non-streamed answers are the same
-message by construction.
+its events, the JSON encoder folds them as an SDK accumulates a stream (fold.py), so
+streamed and non-streamed answers are the same message by construction.
 
 - `message_start` waits for PromptReady so it carries the real input token counts;
   KeepAlive before (or after) it is a `ping`.
@@ -35,7 +34,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from pipeserve.api.anthropic_decode import AnthropicGenerationRequest
+from pipeserve.api.anthropic_messages.decode import AnthropicGenerationRequest
 from pipeserve.api.framing import KEEPALIVE, EventEncoder, Frame
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ErrorKind
@@ -206,7 +205,7 @@ class _MessageStream:
 
     def start_usage(self) -> dict[str, Any]:
         """message_start's usage also carries the fields only a Message's Usage has (the
-        delta usage merges into it: anthropic_messages.fold_message, the SDKs)."""
+        delta usage merges into it: fold.py, the SDKs)."""
         cache_creation = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
         return {
             **self.usage_dict(output_tokens=0),
