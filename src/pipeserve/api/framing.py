@@ -1,17 +1,20 @@
 """One encoder shape: a protocol produces its event sequence once; the shared base frames
-it as SSE (keep-alive, mid-stream errors, closing) or folds it into the JSON body.
+it for the stream (keep-alive, mid-stream errors, closing) or folds it into the JSON body.
 
 A protocol supplies a per-request `EventEncoder` (its events for each pipeline event,
 plus opening and closing events) and a `fold` of those events into the non-streaming
-body, so that the JSON answer and the stream are the same message by construction.
+body, so that the JSON answer and the stream are the same message by construction. The
+stream is SSE (`sse_frames`) unless the protocol brings its own `Framing` (Ollama's
+NDJSON: `ndjson_frames`).
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pipeserve.api.sse import sse_comment, sse_event
 from pipeserve.context import RequestContext
@@ -56,7 +59,8 @@ class EventEncoder(ABC):
     def feed(self, event: Event) -> Iterable[Frame]: ...
 
     def keepalive(self) -> Iterable[Frame | KeepAlive]:
-        """A KeepAlive's events; by default an SSE comment (which a fold ignores)."""
+        """A KeepAlive's events; by default left to the framing (an SSE comment), which a
+        fold never sees."""
         return (KEEPALIVE,)
 
     def close(self) -> Iterable[Frame]:
@@ -77,43 +81,10 @@ def close_events(events: Iterable[Event]) -> None:
         close()
 
 
-class ChunkState(Protocol):
-    """A protocol's per-request object state for encoders that stream plain objects
-    (Completions, Ollama): done after its last object, failed after an error object."""
-
-    done: bool
-    failed: bool
-
-    def handle(self, event: Event) -> Iterator[dict[str, Any]]: ...
-
-    def close(self) -> Iterator[dict[str, Any]]: ...
-
-
-def chunks_then_drain(
-    state: ChunkState, events: Iterable[Event], ctx: RequestContext
-) -> Iterator[dict[str, Any]]:
-    """The state's objects for the pipeline events. After the last one (done, error, or a
-    cancelled end) the rest of the pipeline stream is drained, so Usage still reaches
-    wrappers such as metrics; after an error, generation is cancelled first so the drain
-    is short."""
-    stream = iter(events)
-    for event in stream:
-        yield from state.handle(event)
-        if state.done:
-            break
-    else:
-        yield from state.close()
-        return
-    if state.failed:
-        ctx.cancel("error")
-    for _ in stream:
-        pass
-
-
 def frames(
     encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
 ) -> Iterator[Frame | KeepAlive]:
-    """The protocol's events for a pipeline stream (KeepAlive: a comment ping)."""
+    """The protocol's events for a pipeline stream (KeepAlive: left to the framing)."""
     yield from encoder.open()
     stream = iter(events)
     failed = False
@@ -137,15 +108,60 @@ def frames(
         pass
 
 
+def ndjson_line(data: Mapping[str, Any]) -> bytes:
+    """One NDJSON line: compact JSON (never a raw newline inside) and a newline."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _sse_event(frame: Frame) -> bytes:
+    return sse_event(frame.data, frame.name)
+
+
+def _ndjson_event(frame: Frame) -> bytes:
+    if not isinstance(frame.data, Mapping):
+        raise TypeError(f"an NDJSON frame is one JSON object, not {frame.data!r}")
+    return ndjson_line(frame.data)
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How a stream's protocol events become bytes: `event` writes one Frame; `keepalive`
+    is written for a KeepAlive the encoder leaves to the framing (its default
+    `keepalive()`). None: nothing is written, so an encoder whose framing has no comment
+    line (NDJSON) sends its own keep-alive object from `keepalive()` (Ollama's empty
+    chunk)."""
+
+    event: Callable[[Frame], bytes]
+    keepalive: bytes | None
+
+
+SSE = Framing(_sse_event, KEEPALIVE_COMMENT)
+NDJSON = Framing(_ndjson_event, None)
+
+
+def framed(
+    encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext, framing: Framing
+) -> Iterator[bytes]:
+    """The streamed body: each protocol event written by `framing`."""
+    for frame in frames(encoder, events, ctx):
+        if not isinstance(frame, KeepAlive):
+            yield framing.event(frame)
+        elif framing.keepalive is not None:
+            yield framing.keepalive
+
+
 def sse_frames(
     encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
 ) -> Iterator[bytes]:
     """The SSE body: each protocol event framed (a KeepAlive ping as a comment)."""
-    for frame in frames(encoder, events, ctx):
-        if isinstance(frame, KeepAlive):
-            yield KEEPALIVE_COMMENT
-        else:
-            yield sse_event(frame.data, frame.name)
+    return framed(encoder, events, ctx, SSE)
+
+
+def ndjson_frames(
+    encoder: EventEncoder, events: Iterable[Event], ctx: RequestContext
+) -> Iterator[bytes]:
+    """The NDJSON body: each protocol event one line (keep-alives are the encoder's)."""
+    return framed(encoder, events, ctx, NDJSON)
 
 
 def json_frames(
@@ -162,14 +178,18 @@ def json_frames(
 
 
 __all__ = [
-    "ChunkState",
-    "chunks_then_drain",
     "KEEPALIVE",
     "KEEPALIVE_COMMENT",
+    "NDJSON",
+    "SSE",
     "EventEncoder",
-    "close_events",
     "Frame",
+    "Framing",
+    "close_events",
+    "framed",
     "frames",
     "json_frames",
+    "ndjson_frames",
+    "ndjson_line",
     "sse_frames",
 ]

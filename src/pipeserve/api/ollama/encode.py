@@ -1,9 +1,9 @@
 """Pipeline events -> Ollama's streamed objects (as dicts), for /api/chat and /api/generate.
 
-One state machine (`ollama_chunks`) drives both encoders, as for Anthropic Messages:
-the stream encoder writes each object as one NDJSON line, the JSON encoder folds them
-into the single object of `stream: false` (fold.py), so streamed and
-non-streamed answers agree by construction.
+The objects are produced once per request (OllamaEvents, on the shared base
+api/framing.py): the stream writes each as one NDJSON line (`ndjson_frames`), the JSON
+body of `stream: false` is their fold (fold.py), so streamed and non-streamed answers
+agree by construction.
 
 - Chat chunks carry `message` (role, content, and `thinking` / `tool_calls` when
   present); generate chunks carry `response` (and `thinking`). Each has `model`,
@@ -17,18 +17,19 @@ non-streamed answers agree by construction.
 - `logprobs: true`: each content chunk carries `logprobs` (token, logprob,
   top_logprobs) of the tokens sampled since the previous chunk.
 - While nothing is generated (queue, long prefill) an empty chunk keeps the connection
-  visibly alive; a fault is an `{"error": "..."}` line, as Ollama's own streams end.
+  visibly alive (NDJSON has no comment line); a fault is an `{"error": "..."}` line, as
+  Ollama's own streams end (its ApiError keeps the kind, so a `stream: false` answer has
+  the fault's status: a timeout is a 504, not a 500).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeserve.api.framing import chunks_then_drain
+from pipeserve.api.framing import EventEncoder, Frame
 from pipeserve.api.openai_common import api_error_from_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
@@ -37,7 +38,6 @@ from pipeserve.events import (
     ErrorEvent,
     Event,
     Finish,
-    KeepAlive,
     PromptReady,
     ReasoningDelta,
     TokenText,
@@ -58,8 +58,8 @@ def nanoseconds(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
-class _OllamaStream:
-    """Per-request state: which endpoint's shape, pending tool calls, timings."""
+class OllamaEvents(EventEncoder):
+    """One request's objects: which endpoint's shape, pending tool calls, timings."""
 
     def __init__(self, ctx: RequestContext, chat: bool) -> None:
         self.ctx = ctx
@@ -70,7 +70,11 @@ class _OllamaStream:
         self.calls: dict[int, ToolCallStart] = {}
         self.records = 0  # ctx.logprob_records already sent
         self.finish: Finish | None = None
-        self.done = self.failed = False
+        self.ended = False
+
+    @property
+    def done(self) -> bool:
+        return self.ended
 
     def chunk(
         self, text: str = "", thinking: str = "", calls: list[Any] | None = None
@@ -90,33 +94,35 @@ class _OllamaStream:
         body["done"] = False
         return body
 
-    def handle(self, event: Event) -> Iterator[dict[str, Any]]:
+    def keepalive(self) -> list[Frame]:
+        return [Frame(self.chunk())]
+
+    def feed(self, event: Event) -> list[Frame]:
         if isinstance(event, (ContentDelta, TokenText)) and event.text:
             self.output()
             logprobs = self.logprobs()
             chunk = self.chunk(text=event.text)
             if logprobs is not None:
                 chunk["logprobs"] = logprobs
-            yield chunk
-        elif isinstance(event, ReasoningDelta) and event.text:
+            return [Frame(chunk)]
+        if isinstance(event, ReasoningDelta) and event.text:
             self.output()
             self.logprobs()  # reasoning tokens carry none
-            yield self.chunk(thinking=event.text)
-        elif isinstance(event, ToolCallStart):
+            return [Frame(self.chunk(thinking=event.text))]
+        if isinstance(event, ToolCallStart):
             self.output()
             self.calls[event.index] = event
         elif isinstance(event, ToolCallEnd):
-            yield from self.tool_call(event)
+            return self.tool_call(event)
         elif isinstance(event, PromptReady):
             self.admitted = time.monotonic()
-        elif isinstance(event, KeepAlive):
-            yield self.chunk()
         elif isinstance(event, Finish):
-            yield from self.on_finish(event)
+            self.on_finish(event)
         elif isinstance(event, Usage):
-            yield from self.end(event)
+            return self.end(event)
         elif isinstance(event, ErrorEvent):
-            yield from self.fail(api_error_from_event(event))
+            raise api_error_from_event(event)
+        return []
 
     def logprobs(self) -> list[dict[str, Any]] | None:
         """The logprobs of the tokens sampled since the previous chunk (when asked)."""
@@ -141,29 +147,27 @@ class _OllamaStream:
         if self.first_output is None:
             self.first_output = time.monotonic()
 
-    def tool_call(self, event: ToolCallEnd) -> Iterator[dict[str, Any]]:
+    def tool_call(self, event: ToolCallEnd) -> list[Frame]:
         start = self.calls.pop(event.index, None)
         if start is None:
-            return
+            return []
         if not arguments_valid(event.arguments):
-            yield self.chunk(text=event.arguments)  # not a JSON object: no call to run
-            return
+            return [Frame(self.chunk(text=event.arguments))]  # not a JSON object: no call
         arguments = json.loads(event.arguments) if event.arguments.strip() else {}
         call = {"function": {"name": start.name, "arguments": arguments}}
-        if self.chat:
-            yield self.chunk(calls=[call])
+        return [Frame(self.chunk(calls=[call]))] if self.chat else []
 
-    def on_finish(self, event: Finish) -> Iterator[dict[str, Any]]:
+    def on_finish(self, event: Finish) -> None:
         if event.reason == "cancelled":
-            self.done = True  # client gone or request aborted: end without done
+            self.ended = True  # client gone or request aborted: end without done
         elif event.reason == "error":
-            yield from self.fail(ApiError("internal", "generation failed"))
+            raise ApiError("internal", "generation failed")
         else:
             self.finish = event
 
-    def end(self, usage: Usage) -> Iterator[dict[str, Any]]:
+    def end(self, usage: Usage) -> list[Frame]:
         if self.finish is None:
-            return
+            return []
         now = time.monotonic()
         admitted = self.admitted or self.started
         first = self.first_output or now
@@ -178,34 +182,14 @@ class _OllamaStream:
             eval_count=usage.completion_tokens,
             eval_duration=nanoseconds(now - first),
         )
-        self.done = True
-        yield last
+        self.ended = True
+        return [Frame(last)]
 
-    def fail(self, error: ApiError) -> Iterator[dict[str, Any]]:
-        self.done = self.failed = True
-        yield ErrorChunk(error)
+    def close(self) -> list[Frame]:
+        return self.error(ApiError("internal", "generation ended without a finish reason"))
 
-    def close(self) -> Iterator[dict[str, Any]]:
-        if not self.done:
-            yield from self.fail(ApiError("internal", "generation ended without a finish reason"))
+    def error(self, err: ApiError) -> list[Frame]:
+        return [Frame({"error": err.message}, error=err)]
 
 
-class ErrorChunk(dict[str, Any]):
-    """Ollama's `{"error": message}` object; keeps the fault's kind so a `stream: false`
-    fold answers with its status (a timeout is a 504, not a 500)."""
-
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(error=error.message)
-        self.api_error = error
-
-
-def ollama_chunks(
-    events: Iterable[Event], ctx: RequestContext, chat: bool
-) -> Iterator[dict[str, Any]]:
-    """The objects Ollama streams for one request's pipeline events, then
-    the rest of the stream drained (api/framing.py `chunks_then_drain`)."""
-    state = _OllamaStream(ctx, chat)
-    yield from chunks_then_drain(state, events, ctx)
-
-
-__all__ = ["created_at", "ollama_chunks"]
+__all__ = ["OllamaEvents", "created_at"]

@@ -1,25 +1,27 @@
-"""The `stream: false` object: the fold of the objects ollama_chunks (encode.py) produces."""
+"""The `stream: false` object: the fold of the objects OllamaEvents (encode.py) produces.
+An error object never reaches it: the shared base raises its ApiError (api/framing.py
+`json_frames`), so the answer has the fault's status."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from pipeserve.api.ollama.encode import ErrorChunk
+from pipeserve.api.framing import Frame
 from pipeserve.api.openai_common import cancelled_error
 from pipeserve.context import RequestContext
 
 
-def fold_chunks(chunks: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[str, Any]:
+def fold_chunks(frames: Iterable[Frame], ctx: RequestContext) -> dict[str, Any]:
     """The `stream: false` object: the streamed texts joined, the calls gathered, and
     the last object's counts."""
     content: list[str] = []
     thinking: list[str] = []
     calls: list[Any] = []
     logprobs: list[Any] | None = None
-    for chunk in chunks:
-        if isinstance(chunk, ErrorChunk):
-            raise chunk.api_error
+    for frame in frames:
+        chunk = frame.data
+        assert isinstance(chunk, dict), "Ollama's objects are all JSON objects"
         part = chunk.get("message", chunk)
         content.append(part.get("content", part.get("response", "")))
         thinking.append(part.get("thinking", ""))

@@ -1,23 +1,23 @@
 """Ollama's API (`api: ollama` on a route prefix, conventionally /api).
 
 Generation at `<route>/chat` and `<route>/generate` (decoding in decode.py, the event ->
-object state machine in encode.py, its fold in fold.py; streams are NDJSON), and the
-catalog (catalog.py): `GET <route>/tags`, `POST <route>/show`, `GET <route>/ps` and
-`GET <route>/version`. Errors are `{"error": "message"}` with the HTTP status, as Ollama
+object encoder in encode.py and its fold in fold.py, on the shared base api/framing.py;
+streams are NDJSON), and the catalog (catalog.py): `GET <route>/tags`, `POST
+<route>/show`, `GET <route>/ps` and `GET <route>/version`. Errors are `{"error": "message"}` with the HTTP status, as Ollama
 answers; its Python client raises ResponseError on them.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from pipeserve import __version__
 from pipeserve.api.base import ModelFacts, RequestMeta, WireProtocol, register_protocol
+from pipeserve.api.framing import json_frames, ndjson_frames, ndjson_line
 from pipeserve.api.ollama.catalog import card, find, running, show
 from pipeserve.api.ollama.decode import OllamaGenerationRequest, decode_ollama
-from pipeserve.api.ollama.encode import ollama_chunks
+from pipeserve.api.ollama.encode import OllamaEvents
 from pipeserve.api.ollama.fold import fold_chunks
 from pipeserve.api.openai_common import close_events
 from pipeserve.context import RequestContext
@@ -26,13 +26,10 @@ from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
 
 
-def ndjson(data: Mapping[str, Any]) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-
-
-def is_chat(ctx: RequestContext) -> bool:
+def ollama_events(ctx: RequestContext) -> OllamaEvents:
     request = ctx.request
-    return not isinstance(request, OllamaGenerationRequest) or request.endpoint == "chat"
+    chat = not isinstance(request, OllamaGenerationRequest) or request.endpoint == "chat"
+    return OllamaEvents(ctx, chat)
 
 
 @register_protocol
@@ -53,14 +50,13 @@ class Ollama(WireProtocol):
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         try:
-            return fold_chunks(ollama_chunks(events, ctx, is_chat(ctx)), ctx)
+            return fold_chunks(json_frames(ollama_events(ctx), events, ctx), ctx)
         finally:
             close_events(events)
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
         try:
-            for chunk in ollama_chunks(events, ctx, is_chat(ctx)):
-                yield ndjson(chunk)
+            yield from ndjson_frames(ollama_events(ctx), events, ctx)
         finally:
             close_events(events)
 
@@ -68,7 +64,7 @@ class Ollama(WireProtocol):
         return {"error": error.message}
 
     def fault_frame(self, error: ApiError, events_sent: int) -> bytes:
-        return ndjson(self.error_body(error))
+        return ndjson_line(self.error_body(error))
 
     def catalog(self, path: str, body: Any, models: Sequence[ModelFacts]) -> dict[str, Any]:
         if path == "/show":

@@ -1,37 +1,27 @@
-"""The non-streaming `text_completion`: the fold of the chunks completion_chunks
-(encode.py) produces, as a client joins a stream."""
+"""The non-streaming `text_completion`: the fold of the chunks CompletionEvents
+(encode.py) produces, as a client joins a stream. An error chunk never reaches it: the
+shared base raises its ApiError (api/framing.py `json_frames`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
+from pipeserve.api.framing import Frame
 from pipeserve.api.openai_common import cancelled_error
-from pipeserve.api.openai_completions.encode import KEEP_ALIVE
 from pipeserve.context import RequestContext
-from pipeserve.errors import ApiError, ErrorKind
-
-# An error chunk's OpenAI type -> the kind the non-stream answer is rendered from.
-ERROR_KINDS: dict[str, ErrorKind] = {
-    "invalid_request_error": "invalid_request",
-    "timeout_error": "timeout",
-    "rate_limit_error": "overloaded",
-    "not_found_error": "not_found",
-}
 
 
-def fold_completion(chunks: Iterable[dict[str, Any]], ctx: RequestContext) -> dict[str, Any]:
+def fold_completion(frames: Iterable[Frame], ctx: RequestContext) -> dict[str, Any]:
     """Accumulate the chunks into one `text_completion`, as a client joins a stream."""
     body: dict[str, Any] | None = None
     texts: list[str] = []
     logprobs: dict[str, list[Any]] | None = None
     finish: str | None = None
-    for chunk in chunks:
-        if "error" in chunk:
-            error = chunk["error"]
-            raise ApiError(ERROR_KINDS.get(error["type"], "internal"), error["message"])
-        if chunk is KEEP_ALIVE:
-            continue
+    for frame in frames:
+        chunk = frame.data
+        if not isinstance(chunk, dict):
+            continue  # [DONE]
         body = body or {k: v for k, v in chunk.items() if k not in ("choices", "usage")}
         if "usage" in chunk:
             choice = {"text": "".join(texts), "index": 0, "logprobs": logprobs}

@@ -1,6 +1,7 @@
 """The registered legacy OpenAI Completions protocol (`api: openai-completions`,
 conventionally /v1/completions): decode (decode.py), encode as SSE or as one
-`text_completion` (encode.py, fold.py), and OpenAI error bodies naming `prompt`."""
+`text_completion` (encode.py, fold.py, on the shared base api/framing.py), and OpenAI
+error bodies naming `prompt`."""
 
 from __future__ import annotations
 
@@ -8,20 +9,24 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.openai_common import KEEPALIVE_FRAME, close_events, openai_error_body
+from pipeserve.api.framing import json_frames, sse_frames
+from pipeserve.api.openai_common import close_events, openai_error_body
 from pipeserve.api.openai_completions.decode import CompletionGenerationRequest, decode_completion
-from pipeserve.api.openai_completions.encode import KEEP_ALIVE, completion_chunks
+from pipeserve.api.openai_completions.encode import CompletionEvents
 from pipeserve.api.openai_completions.fold import fold_completion
-from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
 
 
-def echo_of(ctx: RequestContext) -> bool:
+def completion_events(ctx: RequestContext, fold: bool) -> CompletionEvents:
+    """The request's chunk encoder; a fold always asks for the usage chunk."""
     request = ctx.request
-    return isinstance(request, CompletionGenerationRequest) and request.echo
+    completion = request if isinstance(request, CompletionGenerationRequest) else None
+    echo = completion is not None and completion.echo
+    usage = fold or (completion is not None and completion.include_usage)
+    return CompletionEvents(ctx, echo=echo, include_usage=usage)
 
 
 @register_protocol
@@ -33,25 +38,14 @@ class OpenAICompletions(WireProtocol):
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         try:
-            return fold_completion(completion_chunks(events, ctx, echo_of(ctx)), ctx)
+            frames = json_frames(completion_events(ctx, fold=True), events, ctx)
+            return fold_completion(frames, ctx)
         finally:
             close_events(events)
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        request = ctx.request
-        usage = isinstance(request, CompletionGenerationRequest) and request.include_usage
         try:
-            for chunk in completion_chunks(events, ctx, echo_of(ctx)):
-                if chunk is KEEP_ALIVE:
-                    yield KEEPALIVE_FRAME
-                elif "error" in chunk:
-                    yield sse_event(chunk)
-                    return
-                elif "usage" not in chunk:
-                    yield sse_event(chunk)
-                elif usage:
-                    yield sse_event(chunk)
-            yield sse_event("[DONE]")
+            yield from sse_frames(completion_events(ctx, fold=False), events, ctx)
         finally:
             close_events(events)
 
