@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,11 +27,14 @@ from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.config.memory import budget_bytes
 from pipeserve.config.models import ModelEntry
 from pipeserve.config.pipeline_checks import LoadedPipeline
+from pipeserve.engine.base import Engine
 from pipeserve.server.fleet import Fleet
 from pipeserve.server.fleet_metrics import FleetCollector
 from pipeserve.server.managed_engine import ManagedEngine, run_off_hub
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel, StageDecl, build_chain
+from pipeserve.server.remote.client import HostClient, RemoteEngine
+from pipeserve.server.remote.wire import model_key
 from pipeserve.stages import load_builtin_stages
 from pipeserve.stages.base import BuildEnv
 from pipeserve.store import worker_response_store
@@ -58,12 +61,18 @@ def chain_key(entry: ModelEntry, pipeline: LoadedPipeline) -> str:
 
 class LiveApp:
     def __init__(
-        self, loaded: LoadedConfig, api_keys: Sequence[str] = (), workers: int = 1
+        self,
+        loaded: LoadedConfig,
+        api_keys: Sequence[str] = (),
+        workers: int = 1,
+        engine_host: Path | None = None,
     ) -> None:
         load_builtin_stages()
         self.api_keys = tuple(api_keys)
         self.workers = workers
         self.fleet = Fleet()
+        # With an engine host, the models run there; this worker holds tokenizers and chains.
+        self.host = HostClient(engine_host) if engine_host is not None else None
         self.slots: dict[str, Slot] = {}
         self.tokenizers: dict[Path, Any] = {}  # by model folder, shared by its models
         self.table = ModelTable([])
@@ -93,14 +102,16 @@ class LiveApp:
         server = loaded.config.server
         self.fleet.budget = budget_bytes(server.memory_budget, self.workers)
         self.fleet.room_timeout = server.request_timeout
-        created: list[ManagedEngine] = []
+        created: list[Engine] = []
         try:
             slots = {
                 e.name: self._slot(e, loaded.pipelines[e.pipeline], created)
                 for e in loaded.config.models
             }
             for slot in slots.values():
-                engine = managed(slot.model)
+                engine = slot.model.runtime.engine
+                if not isinstance(engine, ManagedEngine):  # in the engine host
+                    continue
                 if slot.model.entry.load == "startup" and engine.engine is None:
                     self.fleet.load_now(engine)
         except BaseException:
@@ -114,18 +125,17 @@ class LiveApp:
             store=worker_response_store(server, loaded.path.parent),
             metrics=self.metrics,
         )
-        kept = {id(managed(s.model)) for s in slots.values()}
-        gone = [managed(s.model) for s in self.slots.values() if id(managed(s.model)) not in kept]
-        self.fleet.set_current([managed(s.model) for s in slots.values()], gone)
+        now = managed(slots.values())
+        kept = {id(e) for e in now}
+        gone = [e for e in managed(self.slots.values()) if id(e) not in kept]
+        self.fleet.set_current(now, gone)
         self._log_changes(slots)
         self.slots, self.table = slots, ModelTable([s.model for s in slots.values()])
         in_use = {s.model.runtime.model_dir for s in slots.values()}
         self.tokenizers = {d: t for d, t in self.tokenizers.items() if d in in_use}
         return app
 
-    def _slot(
-        self, entry: ModelEntry, pipeline: LoadedPipeline, created: list[ManagedEngine]
-    ) -> Slot:
+    def _slot(self, entry: ModelEntry, pipeline: LoadedPipeline, created: list[Engine]) -> Slot:
         old = self.slots.get(entry.name)
         rkey, ckey = runtime_key(entry), chain_key(entry, pipeline)
         if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
@@ -133,7 +143,8 @@ class LiveApp:
         if old is not None and old.runtime_key == rkey:
             runtime = replace(old.model.runtime, family=entry.pipeline)
         else:
-            runtime = run_off_hub(lambda: build_runtime(entry, self.fleet, self.tokenizers))
+            manage = self._manager(entry)
+            runtime = run_off_hub(lambda: build_runtime(entry, manage, self.tokenizers))
             created.append(runtime.engine)
         env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
         decls = [StageDecl(kind=s.kind, params=s.params, role=s.role) for s in pipeline.stages]
@@ -156,17 +167,38 @@ class LiveApp:
         for name in self.slots.keys() - slots.keys():
             log.info("reload: model %s removed (unloads when its requests end)", name)
 
+    def _manager(self, entry: ModelEntry) -> Manage:
+        """How the model's engine is made: a ManagedEngine of this worker's fleet, or a
+        RemoteEngine for the engine host's one (its start, the local load, is never called)."""
+        host = self.host
+        if host is None:
+            return self.fleet.manager_for(entry)
+
+        def remote(start: Callable[[], Engine], model_dir: Path) -> Engine:
+            return RemoteEngine(
+                entry.name,
+                model_key(entry),
+                host,
+                accepts_mock_response=entry.engine == "replay",
+                max_tokens_limit=entry.options.max_tokens_limit,
+            )
+
+        return remote
+
     def close(self) -> None:
         self.fleet.close()
 
 
-def managed(model: ServedModel) -> ManagedEngine:
-    engine = model.runtime.engine
-    assert isinstance(engine, ManagedEngine)
-    return engine
+def managed(slots: Iterable[Slot]) -> list[ManagedEngine]:
+    """The engines of this worker's own fleet (none with an engine host)."""
+    engines = (slot.model.runtime.engine for slot in slots)
+    return [engine for engine in engines if isinstance(engine, ManagedEngine)]
 
 
-def build_runtime(entry: ModelEntry, fleet: Fleet, tokenizers: dict[Path, Any]) -> Any:
+Manage = Callable[[Callable[[], Engine], Path], Engine]
+
+
+def build_runtime(entry: ModelEntry, manage: Manage, tokenizers: dict[Path, Any]) -> Any:
     from pipeserve.engine.runtime import build_runtime as build
 
-    return build(entry, manage=fleet.manager_for(entry), tokenizers=tokenizers)
+    return build(entry, manage=manage, tokenizers=tokenizers)

@@ -22,8 +22,12 @@ def build_app_from_config(path: Path | str, api_keys: Sequence[str] = ()) -> Liv
 
 
 def build_app_from_loaded(
-    loaded: LoadedConfig, api_keys: Sequence[str] = (), workers: int = 1
+    loaded: LoadedConfig,
+    api_keys: Sequence[str] = (),
+    workers: int = 1,
+    engine_host: Path | None = None,
 ) -> LiveApp:
     """The app of a validated config whose `pipeline: auto` entries are resolved: a WSGI
-    callable whose models and routes a config reload replaces in place."""
-    return LiveApp(loaded, api_keys=api_keys, workers=workers)
+    callable whose models and routes a config reload replaces in place. With
+    `engine_host` (a Unix socket), the models run there, once for all workers."""
+    return LiveApp(loaded, api_keys=api_keys, workers=workers, engine_host=engine_host)

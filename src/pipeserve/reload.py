@@ -65,12 +65,24 @@ class ReloadingArbiter(Arbiter):  # type: ignore[misc]
             self.log.exception("reload failed; the running config keeps serving")
             return
         app.loaded = loaded
+        if app.host is not None:  # first the engines, so workers find the new models there
+            app.host.reload()
         for pid in list(self.WORKERS):
             try:
                 os.kill(pid, signal.SIGHUP)
             except ProcessLookupError:  # exited meanwhile; its replacement forks the new config
                 pass
         self.log.info("config %s is valid; workers reload it in place", app.config_path)
+
+    def manage_workers(self) -> None:
+        super().manage_workers()
+        if self.app.host is not None:  # runs on every turn of the master's loop
+            self.app.host.check()
+
+    def stop(self, graceful: bool = True) -> None:
+        super().stop(graceful)
+        if self.app.host is not None:  # after the workers: their last requests need it
+            self.app.host.stop()
 
 
 def reread(app: Any, log: Any) -> Any:

@@ -37,16 +37,37 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         # workers build from it instead of re-reading a file that may have changed since.
         self.loaded = loaded
         self.folders: dict[str, Path] = {}  # source -> fetched folder, for reloads
+        # server.workers > 1: the engine host that runs each model once for all workers
+        self.host: Any = None
+        self.host_logs = ("human", "info")  # (format, level) for the host's log lines
         super().__init__()
 
     def run(self) -> None:
         from pipeserve.reload import ReloadingArbiter, Snapshot
 
         self.snapshot = Snapshot()  # the last valid config, for workers told to reload
+        if int(self.cfg.workers or 1) > 1:
+            self.start_engine_host()
         try:
             ReloadingArbiter(self).run()
         except RuntimeError as e:  # as gunicorn's BaseApplication.run
             print(f"\nError: {e}\n", file=sys.stderr)
+            sys.exit(1)
+
+    def start_engine_host(self) -> None:
+        """Start the engine host and wait until its startup models are loaded; a host
+        that cannot load them stops the start, as a worker failing to boot would."""
+        from pipeserve.server.remote.supervisor import EngineHostProcess
+
+        self.snapshot.write(self.loaded)
+        self.host = EngineHostProcess(
+            self.snapshot.path, self.snapshot.folder / "engines.sock", *self.host_logs
+        )
+        self.host.start()
+        if not self.host.wait_ready():
+            self.host.stop()
+            print("\nError: the engine host failed to load the models (see above)\n",
+                  file=sys.stderr)  # fmt: skip
             sys.exit(1)
 
     def reload_worker(self, wsgi: Any, worker_log: Any) -> None:
@@ -69,7 +90,10 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
                 log.warning("OpenBLAS was preloaded but is not mapped in this worker; slow matmuls")
         if self.loaded is not None:
             workers = int(self.cfg.workers or 1)
-            return build_app_from_loaded(self.loaded, api_keys=self.api_keys, workers=workers)
+            host = self.host.socket_path if self.host is not None else None
+            return build_app_from_loaded(
+                self.loaded, api_keys=self.api_keys, workers=workers, engine_host=host
+            )
         return build_app_from_config(self.config_path, api_keys=self.api_keys)
 
 
@@ -164,6 +188,7 @@ def serve(
     )
     application = PipeserveApplication(path, options, settings.env_api_keys(), loaded)
     application.folders = {e.source: folders[e.name] for e in config.models}
+    application.host_logs = (config.server.log_format, log_level)
     application.run()
     return 0
 

@@ -39,6 +39,10 @@ class Constraint:
     # True when the request is still right without enforcement (a forced tool call,
     # whose prompt prefill already opens the call): engines that cannot enforce may drop it.
     optional: bool = False
+    # The grammar text and forced prefix the matcher was made from: a matcher cannot be
+    # pickled, so a job sent to another process rebuilds its constraint from these.
+    grammar: str = ""
+    forced: str = ""
 
 
 def build_lltokenizer(tokenizer: Any, vocab_size: int | None, eos_ids: Iterable[int]) -> Any:
@@ -128,7 +132,9 @@ class GrammarCompiler:
         if forced and not matcher.consume_tokens(self.encode(forced)):
             raise GrammarError(f"the forced prefix {forced!r} does not fit the grammar")
         llt = self.tokenizer
-        return Constraint(matcher, int(llt.vocab_size), tuple(llt.eos_tokens), optional)
+        return Constraint(
+            matcher, int(llt.vocab_size), tuple(llt.eos_tokens), optional, grammar, forced
+        )
 
     def compile(self, grammar: str) -> Any:
         """A fresh matcher for `grammar` (llguidance grammar JSON); GrammarError if invalid."""

@@ -1,0 +1,269 @@
+"""A worker's side of the engine host: RemoteEngine, the Engine its stages see.
+
+One HostClient per worker holds one Unix-socket connection to the host and one reader
+greenlet that hands each frame's events to the waiting requests' channels (the same
+Channel / EngineStream a local engine uses, so keep-alive pings, cancellation on an
+abandoned stream and the event contract are the same). A submit waits for the host's
+answer (accepted, or the engine's own rejection: 429 / 503 before any byte is sent).
+When the connection breaks (the host died), every request in flight ends with an
+in-protocol error event, Finish("error") and Usage; the next request reconnects to
+the restarted host, waiting up to CONNECT_WAIT seconds for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gevent
+import gevent.event
+import gevent.lock
+
+from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.channel import Channel
+from pipeserve.engine.stream import EngineStream
+from pipeserve.errors import ApiError
+from pipeserve.events import ErrorEvent, Event, Finish, PromptReady, TokenText, Usage
+from pipeserve.server.remote.wire import api_error, frames, outbound_job, send_frame
+
+log = logging.getLogger("pipeserve.enginehost")
+CONNECT_WAIT = 10.0  # seconds a request waits for a (restarting) host to accept it
+CONNECT_RETRY = 0.2
+STATUS_TTL = 0.5  # seconds a status answer is reused (/health, /metrics, /v1/models)
+STATUS_WAIT = 5.0
+SUBMIT_WAIT = 600.0  # a submit may wait for a reload or a grammar compilation
+
+
+@dataclass
+class RemoteJob:
+    """A request in flight on the host, as much as ending it well needs."""
+
+    channel: Channel
+    prompt_tokens: int
+    started: bool = False
+    completion_tokens: int = 0
+
+    def deliver(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, PromptReady):
+                self.started = True
+            elif isinstance(event, TokenText):
+                self.completion_tokens += 1
+        self.channel._queue.put(events)
+
+    def fail(self, message: str) -> None:
+        events: list[Event] = [] if self.started else [PromptReady(self.prompt_tokens)]
+        events += [
+            ErrorEvent("unavailable", message),
+            Finish("error"),
+            Usage(self.prompt_tokens, self.completion_tokens),
+        ]
+        self.channel._queue.put(events)
+
+
+class HostClient:
+    """This worker's connection to the engine host (made on first use, remade after a loss)."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.down_reason = "the engine host is starting"
+        self._sock: socket.socket | None = None
+        self._jobs: dict[int, RemoteJob] = {}
+        self._replies: dict[int, gevent.event.AsyncResult] = {}
+        self._keys = itertools.count(1)
+        self._send_lock = gevent.lock.Semaphore()
+        self._connect_lock = gevent.lock.Semaphore()
+        self._status: tuple[float, dict[str, Any]] | None = None
+
+    # -- requests -------------------------------------------------------------------
+
+    def submit(self, model: str, job: GenerationJob) -> EngineStream:
+        sock = self._connect(CONNECT_WAIT)
+        key = next(self._keys)
+        channel = Channel()
+        self._jobs[key] = RemoteJob(channel, len(job.prompt_token_ids))
+        outbound, spec = outbound_job(job)
+        try:
+            answer = self._ask(sock, key, ("submit", key, model, outbound, spec), SUBMIT_WAIT)
+        except BaseException:
+            self._jobs.pop(key, None)
+            self._send_quietly(("cancel", key))  # it may have started on the host
+            raise
+        if answer is not None:
+            self._jobs.pop(key, None)
+            raise api_error(answer)
+        return EngineStream(
+            channel, lambda: self._send_quietly(("cancel", key)), job.keepalive_interval
+        )
+
+    def status(self) -> dict[str, Any] | None:
+        """Every hosted model's health, residency and stats by model key; None when the
+        host cannot be reached (self.down_reason says why)."""
+        cached = self._status
+        if cached is not None and time.monotonic() - cached[0] < STATUS_TTL:
+            return cached[1]
+        try:
+            sock = self._connect(0.0)
+            key = next(self._keys)
+            answer: dict[str, Any] = self._ask(sock, key, ("status", key), STATUS_WAIT)
+        except ApiError:
+            return None
+        self._status = (time.monotonic(), answer)
+        return answer
+
+    def _ask(self, sock: socket.socket, key: int, message: Any, timeout: float) -> Any:
+        result = gevent.event.AsyncResult()
+        self._replies[key] = result
+        try:
+            self._send(sock, message)
+            return result.get(timeout=timeout)
+        except gevent.Timeout:
+            raise ApiError("unavailable", "the engine host did not answer", retry_after=1) from None
+        finally:
+            self._replies.pop(key, None)
+
+    # -- the connection ---------------------------------------------------------------
+
+    def _connect(self, wait: float) -> socket.socket:
+        deadline = time.monotonic() + wait
+        with self._connect_lock:
+            while self._sock is None:
+                try:
+                    self._open()
+                except OSError as exc:
+                    self.down_reason = f"the engine host is not running ({exc.strerror})"
+                    if time.monotonic() >= deadline:
+                        raise ApiError(
+                            "unavailable",
+                            f"{self.down_reason}; it restarts automatically, retry shortly",
+                            retry_after=2,
+                        ) from None
+                    gevent.sleep(CONNECT_RETRY)
+            return self._sock
+
+    def _open(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.socket_path))
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self.down_reason = ""
+        gevent.spawn(self._read_loop, sock)
+
+    def _send(self, sock: socket.socket, message: Any) -> None:
+        try:
+            with self._send_lock:
+                send_frame(sock, message)
+        except OSError:
+            self._lost(sock, "the engine host connection broke")
+            raise ApiError(
+                "unavailable", "the engine host is not reachable", retry_after=2
+            ) from None
+
+    def _send_quietly(self, message: Any) -> None:
+        sock = self._sock
+        if sock is not None:
+            try:
+                self._send(sock, message)
+            except ApiError:  # the host is gone: the job ended with it
+                pass
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        try:
+            for message in frames(sock.makefile("rb")):
+                self._dispatch(message)
+        except OSError:
+            pass
+        except Exception:  # a bug here must not leave requests hanging
+            log.exception("engine host connection: unreadable message")
+        self._lost(sock, "the model engine process stopped; it is being restarted")
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        _, replies, events = message
+        for key, value in replies:
+            waiter = self._replies.get(key)
+            if waiter is not None:
+                waiter.set(value)
+        for key, batch in events:
+            job = self._jobs.get(key)
+            if job is None:
+                continue
+            job.deliver(batch)
+            if isinstance(batch[-1], Usage):
+                del self._jobs[key]
+
+    def _lost(self, sock: socket.socket, reason: str) -> None:
+        if self._sock is not sock:
+            return  # already handled
+        self._sock = None
+        self._status = None
+        self.down_reason = reason
+        log.error("engine host: %s; failing %d requests in flight", reason, len(self._jobs))
+        try:
+            sock.close()
+        except OSError:
+            pass
+        jobs, self._jobs = self._jobs, {}
+        for job in jobs.values():
+            job.fail(reason)
+        error = ApiError("unavailable", reason, retry_after=2)
+        for waiter in list(self._replies.values()):
+            waiter.set_exception(error)
+
+
+class RemoteEngine:
+    """One model's engine in the engine host, as seen from a worker."""
+
+    def __init__(
+        self,
+        name: str,
+        key: str,
+        client: HostClient,
+        *,
+        accepts_mock_response: bool,
+        max_tokens_limit: int | None,
+    ) -> None:
+        self.name = name
+        self.key = key
+        self.client = client
+        self.accepts_mock_response = accepts_mock_response
+        self.max_tokens_limit = max_tokens_limit
+
+    def submit(self, job: GenerationJob) -> EngineStream:
+        return self.client.submit(self.key, job)
+
+    def _status(self) -> dict[str, Any] | None:
+        status = self.client.status()
+        return None if status is None else status.get(self.key)
+
+    def stats(self) -> dict[str, float]:
+        status = self._status()
+        return dict(status["stats"]) if status is not None else {}
+
+    @property
+    def healthy(self) -> bool:
+        status = self._status()
+        return status is not None and bool(status["healthy"])
+
+    @property
+    def health_reason(self) -> str:
+        status = self._status()
+        if status is None:
+            return self.client.down_reason or f"model {self.name} is not in the engine host"
+        return str(status["reason"])
+
+    def describe(self) -> dict[str, Any]:
+        status = self._status()
+        if status is None:
+            return {"state": "not-loaded", "memory_bytes": 0}
+        return dict(status["describe"])
+
+    def close(self) -> None:
+        """The host owns the engine; a worker stopping leaves it running."""

@@ -1,0 +1,324 @@
+"""The engine host: one process that runs every model's engine for all gunicorn workers.
+
+Started by the master (supervisor.py) as `python -m pipeserve.server.remote.host`. It
+runs under gevent like a worker: the engines' OS threads hand each step's events to
+its hub (engine/channel.py), a greenlet per job forwards them to the job's connection,
+and one writer greenlet per connection sends what a step produced for that worker in
+one frame. The models are a Fleet of ManagedEngines, as in a single worker: load on
+demand, the memory budget (the whole budget: there is one copy), keep_alive, and
+reloads (SIGHUP: apply the master's config snapshot) work as with one worker.
+
+Signals: SIGTERM and SIGINT are ignored (a terminal's Ctrl-C or a service manager
+signals the whole process group, and the workers still draining need the engines);
+the master sends SIGUSR1 to stop the host once its workers have stopped, and the host
+also stops when the master is gone.
+"""
+
+from __future__ import annotations
+
+from gevent import monkey
+
+if __name__ == "__main__":  # before anything imports socket, threading or queue
+    monkey.patch_all()
+
+import argparse
+import logging
+import logging.config
+import os
+import pickle
+import signal
+import socket
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import gevent
+import gevent.event
+from gevent.server import StreamServer
+
+from pipeserve.config.config_checks import LoadedConfig
+from pipeserve.config.memory import budget_bytes
+from pipeserve.engine.base import ModelRuntime, TokenStream
+from pipeserve.engine.grammar import GrammarError, run_off_hub
+from pipeserve.errors import ApiError
+from pipeserve.events import Event, KeepAlive
+from pipeserve.server.fleet import Fleet
+from pipeserve.server.remote.wire import (
+    ConstraintSpec,
+    frames,
+    model_key,
+    rejection,
+    send_frame,
+)
+
+log = logging.getLogger("pipeserve.enginehost")
+PARENT_POLL = 1.0
+
+
+class HostedModels:
+    """The host's engines by model key; retired ones serve their requests until idle."""
+
+    def __init__(self) -> None:
+        self.fleet = Fleet()
+        self.runtimes: dict[str, ModelRuntime] = {}
+        self.tokenizers: dict[Path, Any] = {}
+        self.applied = gevent.event.Event()  # clear while a reload is being applied
+
+    def apply(self, loaded: LoadedConfig) -> None:
+        from pipeserve.engine.runtime import build_runtime
+
+        self.applied.clear()
+        try:
+            server = loaded.config.server
+            self.fleet.budget = budget_bytes(server.memory_budget, 1)
+            self.fleet.room_timeout = server.request_timeout
+            current: dict[str, ModelRuntime] = {}
+            for entry in loaded.config.models:
+                key = model_key(entry)
+                runtime = self.runtimes.get(key)
+                if runtime is None or managed(runtime).retired:
+                    manage, tokenizers = self.fleet.manager_for(entry), self.tokenizers
+                    runtime = run_off_hub(
+                        partial(build_runtime, entry, manage=manage, tokenizers=tokenizers)
+                    )
+                current[key] = runtime
+            for runtime in current.values():
+                engine = managed(runtime)
+                if engine.pinned and engine.engine is None:
+                    self.fleet.load_now(engine)
+            gone = [managed(r) for k, r in self.runtimes.items() if k not in current]
+            self.fleet.set_current([managed(r) for r in current.values()], gone)
+            retiring = {id(e) for e in self.fleet.retiring}
+            kept = {k: r for k, r in self.runtimes.items() if id(managed(r)) in retiring}
+            self.runtimes = kept | current
+            log.info("engine host: serving %s", ", ".join(r.name for r in current.values()))
+        finally:
+            self.applied.set()
+
+    def submit(self, key: str, job: Any, spec: ConstraintSpec | None) -> TokenStream:
+        runtime = self.runtimes.get(key)
+        if runtime is None and not self.applied.is_set():  # a reload is being applied
+            self.applied.wait()
+            runtime = self.runtimes.get(key)
+        if runtime is None:
+            raise ApiError(
+                "unavailable", "this model was replaced by a config reload; retry", retry_after=1
+            )
+        if spec is not None:
+            job.constraint = constraint(runtime, spec)
+        stream: TokenStream = managed(runtime).submit(job)
+        return stream
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for key, runtime in self.runtimes.items():
+            engine = managed(runtime)
+            out[key] = {
+                "healthy": engine.healthy,
+                "reason": engine.health_reason,
+                "describe": engine.describe(),
+                "stats": engine.stats(),
+            }
+        return out
+
+    def reap_gone(self) -> None:
+        """Forget retired runtimes once the fleet has unloaded and dropped them."""
+        alive = {id(e) for e in self.fleet.all_engines()}
+        self.runtimes = {k: r for k, r in self.runtimes.items() if id(managed(r)) in alive}
+
+
+def managed(runtime: ModelRuntime) -> Any:
+    from pipeserve.server.managed_engine import ManagedEngine
+
+    engine = runtime.engine
+    assert isinstance(engine, ManagedEngine)
+    return engine
+
+
+def constraint(runtime: ModelRuntime, spec: ConstraintSpec) -> Any:
+    """Rebuild a job's grammar constraint here (matchers cannot cross processes)."""
+    compiler = runtime.grammar
+    grammar, forced, optional = spec
+    if compiler is None:
+        raise ApiError("invalid_request", "structured output is not available for this model.")
+    try:
+        return run_off_hub(lambda: compiler.constraint(grammar, forced, optional))
+    except GrammarError as exc:
+        raise ApiError("invalid_request", f"invalid grammar: {exc}") from None
+
+
+class WorkerConnection:
+    """One gunicorn worker's connection: its jobs, and one frame per flush back to it."""
+
+    def __init__(self, sock: socket.socket, models: HostedModels) -> None:
+        self.sock = sock
+        self.models = models
+        self.streams: dict[int, TokenStream] = {}
+        self.cancelled: set[int] = set()
+        self._replies: list[tuple[int, Any]] = []
+        self._events: dict[int, list[Event]] = {}
+        self._wake = gevent.event.Event()
+        self._open = True
+
+    def serve(self) -> None:
+        writer = gevent.spawn(self._write_loop)
+        try:
+            for message in frames(self.sock.makefile("rb")):
+                self._handle(message)
+        except OSError:
+            pass
+        finally:
+            self._open = False
+            for stream in list(self.streams.values()):  # the worker is gone: free the slots
+                stream.cancel()
+            self._wake.set()
+            writer.join(timeout=5)
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind, key = message[0], message[1]
+        if kind == "submit":
+            gevent.spawn(self._run_job, key, message[2], message[3], message[4])
+        elif kind == "cancel":
+            stream = self.streams.get(key)
+            if stream is None:
+                self.cancelled.add(key)
+            else:
+                stream.cancel()
+        elif kind == "status":
+            self._reply(key, self.models.status())
+
+    def _run_job(self, key: int, model: str, job: Any, spec: ConstraintSpec | None) -> None:
+        try:
+            stream = self.models.submit(model, job, spec)
+        except ApiError as error:
+            self._reply(key, rejection(error))
+            return
+        except Exception as exc:  # a bug: the worker answers 500 instead of waiting
+            log.exception("engine host: submit failed")
+            self._reply(key, rejection(ApiError("internal", f"engine host: {exc}")))
+            return
+        self.streams[key] = stream
+        self._reply(key, None)
+        if key in self.cancelled or not self._open:
+            self.cancelled.discard(key)
+            stream.cancel()
+        try:
+            for event in stream:
+                if not isinstance(event, KeepAlive):  # the worker pings on its own
+                    self._events.setdefault(key, []).append(event)
+                    self._wake.set()
+        finally:
+            self.streams.pop(key, None)
+
+    def _reply(self, key: int, value: Any) -> None:
+        self._replies.append((key, value))
+        self._wake.set()
+
+    def _write_loop(self) -> None:
+        """Send everything posted since the last frame. The engine's step events reach
+        the job greenlets in one hub callback, and this greenlet runs after all of
+        them, so one step makes one frame for this worker."""
+        while self._open or self._replies or self._events:
+            self._wake.wait()
+            self._wake.clear()
+            replies, self._replies = self._replies, []
+            events, self._events = self._events, {}
+            if not (replies or events):
+                continue
+            try:
+                send_frame(self.sock, ("batch", replies, list(events.items())))
+            except OSError:  # the worker went away; serve() cancels its jobs
+                return
+
+
+def serve(socket_path: Path, models: HostedModels, stop: gevent.event.Event) -> None:
+    if socket_path.exists():
+        socket_path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(socket_path))
+    os.chmod(socket_path, 0o600)
+    listener.listen(64)
+
+    def handle(sock: socket.socket, address: Any) -> None:
+        if not same_user(sock):
+            sock.close()
+            return
+        WorkerConnection(sock, models).serve()
+
+    server = StreamServer(listener, handle)
+    server.start()
+    log.info("engine host %d: serving on %s", os.getpid(), socket_path)
+    stop.wait()
+    server.stop(timeout=1)
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Where the OS tells a Unix socket's peer (Linux), only this user's processes."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:  # the 0700 folder already keeps other users out
+        return True
+    import struct
+
+    creds = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    return bool(struct.unpack("3i", creds)[1] == os.getuid())
+
+
+def watch(parent: int, stop: gevent.event.Event, models: HostedModels) -> None:
+    """Stop when the master is gone; forget retired engines the fleet dropped."""
+    while not stop.is_set():
+        gevent.sleep(PARENT_POLL)
+        if os.getppid() != parent:
+            log.error("engine host: the gunicorn master is gone; stopping")
+            stop.set()
+        models.reap_gone()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--snapshot", type=Path, required=True)
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--log-format", default="human")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    from pipeserve.logs import logging_config
+
+    logging.config.dictConfig(logging_config(args.log_format, args.log_level))
+    stop = gevent.event.Event()
+    models = HostedModels()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gevent.signal_handler(signal.SIGUSR1, stop.set)
+    gevent.signal_handler(signal.SIGHUP, lambda: gevent.spawn(reload, models, args.snapshot))
+    log.info("engine host %d: loading models", os.getpid())
+    try:
+        models.apply(read_snapshot(args.snapshot))
+    except Exception:
+        log.exception("engine host: loading the models failed")
+        return 1
+    gevent.spawn(watch, args.parent, stop, models)
+    serve(args.socket, models, stop)
+    log.info("engine host %d: stopping", os.getpid())
+    models.fleet.close()
+    return 0
+
+
+def read_snapshot(path: Path) -> LoadedConfig:
+    loaded: LoadedConfig = pickle.loads(path.read_bytes())
+    return loaded
+
+
+def reload(models: HostedModels, snapshot: Path) -> None:
+    try:
+        models.apply(read_snapshot(snapshot))
+        log.info("engine host: reloaded the config")
+    except Exception:
+        log.exception("engine host: reload failed; the previous models keep serving")
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(code)  # engine threads are parked daemons (engine/mlx_engine.py _park)
