@@ -44,7 +44,7 @@ def server_process(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Like running_server, also yielding the process (to signal it)."""
     port = free_port()
-    log_path = Path(os.environ.get("PYTEST_SERVER_LOG_DIR", "/tmp")) / f"pipeserve-test-{port}.log"
+    log_path = server_log(port)
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -61,6 +61,12 @@ def server_process(
             yield base, proc
         finally:
             stop(proc)
+
+
+def server_log(port: int | str) -> Path:
+    """Where the server on `port` (or its base URL) writes its log."""
+    port = str(port).rsplit(":", 1)[-1]
+    return Path(os.environ.get("PYTEST_SERVER_LOG_DIR", "/tmp")) / f"pipeserve-test-{port}.log"
 
 
 def wait_healthy(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
