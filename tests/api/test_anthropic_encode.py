@@ -11,8 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from anthropic._streaming import SSEDecoder
-from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SdkMessage
 
 from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
@@ -32,31 +30,18 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest, Message
 from pipeserve.stages.base import RequestContext
+from tests.api.helpers import anthropic_events, anthropic_message, ctx_for
 
 PROTOCOL = AnthropicMessages()
 
 
-def make_ctx(request_id: str = "req_abc123") -> RequestContext:
+def make_ctx() -> RequestContext:
     request = GenerationRequest(model="demo", messages=[Message("user", "hi")])
-    return RequestContext(
-        request=request, request_id=request_id, model_name="demo-model", prompt_token_ids=[1] * 12
-    )
+    return ctx_for(request, "demo-model", "req_abc123", prompt_token_ids=[1] * 12)
 
 
 def sse(events: Sequence[Event]) -> list[tuple[str | None, dict[str, Any]]]:
-    raw = b"".join(PROTOCOL.encode_stream(iter(events), make_ctx()))
-    return [(item.event, item.json()) for item in SSEDecoder().iter_bytes(iter([raw]))]
-
-
-def accumulate(frames: list[tuple[str | None, dict[str, Any]]]) -> SdkMessage:
-    snapshot = None
-    bufs: dict[int, bytes] = {}
-    for name, data in frames:
-        if name == "ping":
-            continue
-        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
-    assert snapshot is not None
-    return SdkMessage.model_validate(snapshot.model_dump())
+    return anthropic_events(b"".join(PROTOCOL.encode_stream(iter(events), make_ctx())))
 
 
 def check_framing(frames: list[tuple[str | None, dict[str, Any]]]) -> None:
@@ -83,7 +68,7 @@ def encode_both(events: Sequence[Event]) -> dict[str, Any]:
     message = SdkMessage.model_validate(body)
     frames = sse(events)
     check_framing(frames)
-    assert accumulate(frames).model_dump() == message.model_dump()
+    assert anthropic_message(frames).model_dump() == message.model_dump()
     json.dumps(body)  # JSON-serializable
     return body
 

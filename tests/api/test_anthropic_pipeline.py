@@ -1,36 +1,25 @@
 """Anthropic encoding behind the real qwen3 transform stages (thinking, tool_calls,
-stop_sequences), fed token by token the way the generate stage emits text.
+stop_sequences, built from pipelines/qwen3.yaml), fed token by token the way the generate
+stage emits text.
 
-The source is a scripted token stream (the generate stage and MLX are covered in
-tests/server); everything after it is the real pipeline and the real SDK accumulation.
+The source is a scripted token stream (tests/api/helpers.py `scripted_pipeline`; the
+generate stage and MLX are covered in tests/server and, with the replay engine, in the
+conformance suite); everything after it is the real pipeline and the real SDK accumulation.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from anthropic._streaming import SSEDecoder
-from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SdkMessage
 
 from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
 from pipeserve.api.base import RequestMeta
-from pipeserve.events import Event, Finish, PromptReady, TokenText, Usage
-from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, RequestContext, Stage
-from pipeserve.stages.stop_sequences import build_stop_sequences  # noqa: F401  (registers)
-from pipeserve.stages.thinking import build_thinking  # noqa: F401
-from pipeserve.stages.tool_calls import build_tool_calls  # noqa: F401
+from tests.api.helpers import anthropic_events, anthropic_message, scripted_pipeline, split
 
 PROTOCOL = AnthropicMessages()
-ENV = BuildEnv(model_name="demo", family="qwen3")
-QWEN3 = [
-    ("thinking", {"start": "<think>", "end": "</think>"}),
-    ("tool_calls", {"format": "json", "start": "<tool_call>", "end": "</tool_call>"}),
-    ("stop_sequences", {}),
-]
 WEATHER = {
     "name": "get_weather",
     "description": "Weather for a city",
@@ -42,47 +31,12 @@ WEATHER = {
 }
 
 
-def build() -> list[Stage]:
-    stages = []
-    for kind, raw in QWEN3:
-        spec = STAGE_REGISTRY[kind]
-        stages.append(spec.factory(spec.params_model.model_validate(raw), ENV))
-    return stages
-
-
-def tokens(text: str, ctx: RequestContext, size: int) -> Iterator[Event]:
-    """What generate emits: PromptReady, one TokenText per piece, Finish, Usage."""
-    yield PromptReady(50, 16)
-    count = 0
-    for start in range(0, len(text), size):
-        if ctx.cancelled:
-            yield Finish("cancelled")
-            break
-        count += 1
-        yield TokenText(text[start : start + size], token_id=1000 + count)
-    else:
-        yield Finish("stop")
-    yield Usage(50, count + 1, 16)
-
-
 def run(body: dict[str, Any], text: str, size: int, stream: bool) -> dict[str, Any]:
-    request = PROTOCOL.decode(body, RequestMeta(route="/v1/messages"))
-    ctx = RequestContext(request=request, request_id="req_pipe", model_name="demo")
-    stages = build()
-    for stage in stages:
-        stage.prepare(ctx)
-    events: Iterator[Event] = tokens(text, ctx, size)
-    for stage in stages:
-        events = stage(events, ctx)
+    events, ctx = scripted_pipeline("qwen3", PROTOCOL, body, split(text, size))
     if not stream:
         return SdkMessage.model_validate(PROTOCOL.encode_json(events, ctx)).model_dump()
     raw = b"".join(PROTOCOL.encode_stream(events, ctx))
-    snapshot = None
-    bufs: dict[int, bytes] = {}
-    for sse in SSEDecoder().iter_bytes(iter([raw])):
-        snapshot = accumulate_event(event=sse.json(), current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
-    assert snapshot is not None
-    return SdkMessage.model_validate(snapshot.model_dump()).model_dump()
+    return anthropic_message(anthropic_events(raw)).model_dump()
 
 
 def without_ids(message: dict[str, Any]) -> dict[str, Any]:

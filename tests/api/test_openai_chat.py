@@ -32,7 +32,7 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
-from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
+from tests.api.helpers import Harness, ctx_for, openai_stream, parse_sse, scripted_pipeline
 
 PROTOCOL = OpenAIChat()
 META = RequestMeta(route="/v1/chat/completions")
@@ -358,7 +358,7 @@ REASONING_TOOL_RUN: list[Event] = [
 
 def encode_json(events: list[Event], **body: Any) -> dict[str, Any]:
     req = decode(**body)
-    return PROTOCOL.encode_json(iter(events), make_ctx(req))
+    return PROTOCOL.encode_json(iter(events), ctx_for(req))
 
 
 def test_json_text_completion() -> None:
@@ -446,7 +446,7 @@ def logprob_script(ctx: RequestContext) -> Iterator[Event]:
 
 def test_json_logprobs_from_the_context_records_skip_reasoning() -> None:
     req = decode(logprobs=True, top_logprobs=1)
-    ctx = make_ctx(req)
+    ctx = ctx_for(req)
     body = PROTOCOL.encode_json(iter(logprob_script(ctx)), ctx)
     content = body["choices"][0]["logprobs"]["content"]
     assert [(e["token"], e["logprob"]) for e in content] == [("Yes", -0.3), (".", -0.4)]
@@ -480,7 +480,7 @@ def test_json_failures_raise_api_error(events: list[Event], kind: str) -> None:
 
 def stream_frames(events: list[Event], **body: Any) -> list[dict[str, Any]]:
     req = decode(stream=True, **body)
-    raw = b"".join(PROTOCOL.encode_stream(iter(events), make_ctx(req)))
+    raw = b"".join(PROTOCOL.encode_stream(iter(events), ctx_for(req)))
     return parse_sse(raw)
 
 
@@ -547,7 +547,7 @@ def test_stream_tool_call_fragments() -> None:
 
 def test_stream_logprobs_per_chunk() -> None:
     req = decode(stream=True, logprobs=True, top_logprobs=1)
-    ctx = make_ctx(req)
+    ctx = ctx_for(req)
     chunks = chunks_of(parse_sse(b"".join(PROTOCOL.encode_stream(iter(logprob_script(ctx)), ctx))))
     with_logprobs = [
         c["choices"][0]["logprobs"]["content"] for c in chunks if c["choices"][0]["logprobs"]
@@ -565,11 +565,11 @@ def test_stream_error_mid_stream_raises_in_sdk() -> None:
         Usage(3, 1),
     ]
     req = decode(stream=True)
-    raw = b"".join(PROTOCOL.encode_stream(iter(events), make_ctx(req)))
+    raw = b"".join(PROTOCOL.encode_stream(iter(events), ctx_for(req)))
     assert b"[DONE]" not in raw
     seen = []
     with pytest.raises(openai.APIError, match="engine fault"):
-        for chunk in sdk_stream(raw, ChatCompletionChunk):
+        for chunk in openai_stream(raw, ChatCompletionChunk):
             seen.append(chunk)
     assert seen[-1].choices[0].delta.content == "partial"
 
@@ -593,7 +593,7 @@ def test_stream_closes_upstream_generator() -> None:
             closed.append(True)
 
     req = decode(stream=True)
-    list(PROTOCOL.encode_stream(upstream(), make_ctx(req)))
+    list(PROTOCOL.encode_stream(upstream(), ctx_for(req)))
     assert closed == [True]
 
 
@@ -707,3 +707,50 @@ def test_valid_call_still_upgrades_stop_to_tool_calls() -> None:
         Usage(3, 4),
     ]
     assert encode_json(events)["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ---------------------------------------------------------------- behind the real qwen3 stages
+
+QWEN3_WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+}
+# qwen3-style output, split into the pieces a tokenizer would produce (markers are single tokens)
+QWEN3_PIECES = [
+    "<think>",
+    "\n",
+    "Need",
+    " weather",
+    ".\n",
+    "</think>",
+    "\n\n",
+    "<tool_call>",
+    "\n",
+    '{"name": "get',
+    '_weather", "arguments": {"city": "Os',
+    'lo", "days": "3"}}',
+    "\n",
+    "</tool_call>",
+]
+
+
+def test_chat_over_real_stages() -> None:
+    body: dict[str, Any] = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "parameters": QWEN3_WEATHER_PARAMS},
+            }
+        ],
+    }
+    events, ctx = scripted_pipeline("qwen3", PROTOCOL, body, QWEN3_PIECES, PromptReady(20))
+    choice = ChatCompletion.model_validate(PROTOCOL.encode_json(events, ctx)).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == (
+        "get_weather",
+        '{"city": "Oslo", "days": 3}',
+    )  # type: ignore[union-attr]
+    assert call.id.startswith("call_")

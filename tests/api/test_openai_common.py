@@ -1,22 +1,12 @@
-"""Shared OpenAI helpers, plus the in-process SDK harness the protocol tests import.
-
-The harness routes the official `openai` client through httpx2's transport hook to the
-real protocol code: the SDK builds the request body, our decoder reads it, a scripted
-event list stands in for the model, our encoder answers and the SDK parses the answer.
-"""
+"""Shared OpenAI helpers (api/openai_common.py): error shapes, param paths, reasoning
+effort, the logprob cursor, content-part checks. The in-process SDK harness the protocol
+tests use lives in tests/api/helpers.py."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
 from typing import Any
 
-try:  # the openai SDK's HTTP client: httpx2 in current releases, httpx before
-    import httpx2
-except ImportError:  # pragma: no cover
-    import httpx as httpx2  # type: ignore[no-redef]
 import pytest
-from openai import OpenAI, Stream
 
 from pipeserve.api.base import RequestMeta, WireProtocol
 from pipeserve.api.openai_chat.protocol import OpenAIChat
@@ -28,78 +18,9 @@ from pipeserve.api.openai_common import (
 )
 from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.errors import ApiError
-from pipeserve.events import Event, TokenText, TopLogprob
+from pipeserve.events import TokenText, TopLogprob
 from pipeserve.request import GenerationRequest, Message
-from pipeserve.stages.base import RequestContext
-
-Script = Callable[[RequestContext], list[Event]]
-
-
-def make_ctx(request: GenerationRequest, model: str = "demo") -> RequestContext:
-    return RequestContext(request=request, request_id="req-1", model_name=model)
-
-
-def parse_sse(raw: bytes) -> list[dict[str, Any]]:
-    """Frames as dicts: {"event": name|None, "data": text|None, "comment": text|None}."""
-    text = raw.decode()
-    assert text.endswith("\n\n"), "every SSE frame ends with a blank line"
-    frames = []
-    for block in text[:-2].split("\n\n"):
-        frame: dict[str, Any] = {"event": None, "data": None, "comment": None}
-        for line in block.split("\n"):
-            key, _, value = line.partition(":")
-            frame["comment" if key == "" else key] = value.strip()
-        frames.append(frame)
-    return frames
-
-
-def sdk_stream(raw: bytes, cast_to: type[Any]) -> Stream[Any]:
-    """The SDK's own SSE decoder and chunk parsing over our bytes."""
-    client = OpenAI(api_key="test", base_url="http://test/v1")
-    request = httpx2.Request("POST", "http://test/v1/x")
-    headers = {"content-type": "text/event-stream"}
-    response = httpx2.Response(200, content=raw, request=request, headers=headers)
-    return Stream(cast_to=cast_to, response=response, client=client)
-
-
-class Harness:
-    """An OpenAI client whose HTTP calls run decode -> script -> encode in process."""
-
-    def __init__(self, protocol: WireProtocol, script: Script) -> None:
-        self.protocol = protocol
-        self.script = script
-        self.requests: list[GenerationRequest] = []
-        transport = httpx2.MockTransport(self.handle)
-        self.client = OpenAI(
-            api_key="test",
-            base_url="http://test/v1",
-            http_client=httpx2.Client(transport=transport),
-            max_retries=0,
-        )
-
-    def handle(self, request: httpx2.Request) -> httpx2.Response:
-        try:
-            body = json.loads(request.content)
-            req = self.protocol.decode(body, RequestMeta(route=request.url.path))
-        except ApiError as err:
-            return httpx2.Response(
-                self.protocol.error_status(err), json=self.protocol.error_body(err)
-            )
-        self.requests.append(req)
-        ctx = make_ctx(req)
-        events: Iterator[Event] = iter(self.script(ctx))
-        if req.stream:
-            raw = b"".join(self.protocol.encode_stream(events, ctx))
-            return httpx2.Response(200, content=raw, headers={"content-type": "text/event-stream"})
-        try:
-            return httpx2.Response(200, json=self.protocol.encode_json(events, ctx))
-        except ApiError as err:
-            return httpx2.Response(
-                self.protocol.error_status(err), json=self.protocol.error_body(err)
-            )
-
-
-# ---------------------------------------------------------------- tests of the helpers
+from tests.api.helpers import ctx_for
 
 
 @pytest.mark.parametrize(
@@ -156,7 +77,7 @@ def test_logprob_cursor_hands_out_records_once() -> None:
     req = GenerationRequest(
         model="m", messages=[Message("user", "x")], logprobs=True, top_logprobs=1
     )
-    ctx = make_ctx(req)
+    ctx = ctx_for(req)
     tops = (TopLogprob("a", -0.1, 1), TopLogprob("b", -2.0, 2))
     records = ctx.logprob_records
     cursor = LogprobCursor(ctx)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from openai import omit
-from openai.lib.streaming.responses import ResponseStream
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseErrorEvent, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from pipeserve.api import load_builtin_protocols
@@ -31,8 +30,9 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.request import GenerationRequest
+from pipeserve.server.generation import closing_stream
 from pipeserve.stages.base import RequestContext
-from tests.api.test_openai_common import Harness, make_ctx, parse_sse, sdk_stream
+from tests.api.helpers import Harness, ctx_for, data_frames, final_via_sdk, scripted_pipeline
 
 PROTOCOL = OpenAIResponses()
 META = RequestMeta(route="/v1/responses")
@@ -463,7 +463,7 @@ FULL_RUN: list[Event] = [
 
 def encode_json(events: list[Event], **body: Any) -> dict[str, Any]:
     req = decode(**body)
-    return PROTOCOL.encode_json(iter(events), make_ctx(req))
+    return PROTOCOL.encode_json(iter(events), ctx_for(req))
 
 
 def test_json_text_response() -> None:
@@ -532,7 +532,7 @@ def test_json_length_is_incomplete() -> None:
 
 def test_json_logprobs_from_the_context_records() -> None:
     req = decode(include=["message.output_text.logprobs"], top_logprobs=0)
-    ctx = make_ctx(req)
+    ctx = ctx_for(req)
 
     def run() -> Any:
         records = ctx.logprob_records
@@ -562,26 +562,7 @@ def test_json_failures_raise(events: list[Event], kind: str) -> None:
 
 def stream_raw(events: list[Event], **body: Any) -> bytes:
     req = decode(stream=True, **body)
-    return b"".join(PROTOCOL.encode_stream(iter(events), make_ctx(req)))
-
-
-def data_frames(raw: bytes) -> list[dict[str, Any]]:
-    frames = [f for f in parse_sse(raw) if f["data"] is not None]
-    for frame in frames:
-        assert (
-            frame["event"] == json.loads(frame["data"])["type"]
-        )  # `event:` line matches the payload
-    return [json.loads(f["data"]) for f in frames]
-
-
-def final_via_sdk(raw: bytes, tools: Any = omit) -> Any:
-    stream = ResponseStream(
-        raw_stream=sdk_stream(raw, ResponseStreamEvent),  # type: ignore[arg-type]
-        text_format=omit,
-        input_tools=tools,
-        starting_after=None,
-    )
-    return stream.get_final_response()
+    return b"".join(PROTOCOL.encode_stream(iter(events), ctx_for(req)))
 
 
 def test_stream_event_grammar() -> None:
@@ -834,3 +815,59 @@ def test_broken_call_item_is_incomplete(reason: Any) -> None:
         if f["type"] == "response.output_item.done"
     ]
     assert [item["status"] for item in done] == ["incomplete"]
+
+
+def test_an_encoder_fault_is_a_typed_error_event_with_the_next_sequence_number() -> None:
+    """The conformance suite checks every protocol's fault frame; Responses' is the SDK's
+    ResponseErrorEvent, numbered after the events already sent (keep-alives are not)."""
+    ctx = ctx_for(GenerationRequest(model="m", messages=[]), "m", "req_1")
+    chunks = [b": keep-alive\n\n", b"event: response.created\ndata: {}\n\n"]
+
+    def encoder() -> Iterator[bytes]:
+        yield from chunks
+        raise KeyError("bug")
+
+    body = b"".join(closing_stream(encoder(), ctx, lambda: None, OpenAIResponses()))
+    data = json.loads(body.decode().strip().split("\n\n")[-1].split("data: ", 1)[1])
+    event = ResponseErrorEvent.model_validate(data)
+    assert (event.type, event.sequence_number, event.code) == ("error", 1, "server_error")
+    assert "KeyError" in event.message
+
+
+# ---------------------------------------------------------------- behind the real qwen3 stages
+
+QWEN3_WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+}
+# qwen3-style output, split into the pieces a tokenizer would produce (markers are single tokens)
+QWEN3_PIECES = [
+    "<think>",
+    "\n",
+    "Need",
+    " weather",
+    ".\n",
+    "</think>",
+    "\n\n",
+    "<tool_call>",
+    "\n",
+    '{"name": "get',
+    '_weather", "arguments": {"city": "Os',
+    'lo", "days": "3"}}',
+    "\n",
+    "</tool_call>",
+]
+
+
+def test_responses_over_real_stages() -> None:
+    body: dict[str, Any] = {
+        "model": "demo",
+        "input": "weather?",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": QWEN3_WEATHER_PARAMS}],
+    }
+    events, ctx = scripted_pipeline("qwen3", PROTOCOL, body, QWEN3_PIECES, PromptReady(20))
+    response = Response.model_validate(PROTOCOL.encode_json(events, ctx))
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    reasoning, call = response.output
+    assert reasoning.content and reasoning.content[0].text == "Need weather."  # type: ignore[union-attr]
+    assert call.arguments == '{"city": "Oslo", "days": 3}'  # type: ignore[union-attr]

@@ -13,7 +13,7 @@ from pydantic import TypeAdapter
 from pipeserve.api.openai_responses.protocol import OpenAIResponses
 from pipeserve.api.openai_responses.replay import replay_events
 from pipeserve.events import ContentDelta, Event, Finish, PromptReady, ReasoningDelta, Usage
-from tests.api.test_openai_common import Harness
+from tests.api.helpers import Harness
 
 EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 RUN: list[Event] = [

@@ -11,8 +11,6 @@ from typing import Any
 
 import anthropic
 import pytest
-from anthropic._streaming import SSEDecoder
-from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message as SdkMessage
 
 from pipeserve.api.anthropic_messages.protocol import AnthropicMessages
@@ -30,9 +28,15 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.request import GenerationRequest
-from pipeserve.stages.base import RequestContext
-from tests.api.test_anthropic_client import Scripted, client
-from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
+from tests.api.helpers import (
+    QWEN3_CALL,
+    InProcess,
+    anthropic_client,
+    anthropic_events,
+    anthropic_message,
+    ctx_for,
+    replay_events,
+)
 
 PROTOCOL = AnthropicMessages()
 META = RequestMeta(route="/v1/messages")
@@ -55,13 +59,13 @@ def decode(**body: Any) -> GenerationRequest:
 
 
 def frames(events: list[Event], **body: Any) -> list[tuple[str | None, dict[str, Any]]]:
-    ctx = RequestContext(request=decode(stream=True, **body), request_id="req_a", model_name="demo")
+    ctx = ctx_for(decode(stream=True, **body), request_id="req_a")
     raw = b"".join(PROTOCOL.encode_stream(iter(events), ctx))
-    return [(item.event, item.json()) for item in SSEDecoder().iter_bytes(iter([raw]))]
+    return anthropic_events(raw)
 
 
 def message_json(events: list[Event], **body: Any) -> dict[str, Any]:
-    ctx = RequestContext(request=decode(**body), request_id="req_a", model_name="demo")
+    ctx = ctx_for(decode(**body), request_id="req_a")
     return PROTOCOL.encode_json(iter(events), ctx)
 
 
@@ -97,7 +101,7 @@ def test_usage_carries_cache_creation_and_service_tier() -> None:
 
 
 def test_sdk_stream_and_create_agree_on_usage() -> None:
-    sdk = client(Scripted(THINK))
+    sdk = anthropic_client(InProcess(PROTOCOL, THINK))
     created = sdk.messages.create(model="demo", max_tokens=64, messages=HELLO)  # type: ignore[arg-type]
     with sdk.messages.stream(model="demo", max_tokens=64, messages=HELLO) as stream:  # type: ignore[arg-type]
         final = stream.get_final_message()
@@ -167,9 +171,9 @@ def test_engine_error_is_an_error_event_and_no_message_stop() -> None:
 def test_unhonoured_or_malformed_fields_are_a_400_naming_them(
     fields: dict[str, Any], param: str
 ) -> None:
-    handler = Scripted(THINK)
+    handler = InProcess(PROTOCOL, THINK)
     with pytest.raises(anthropic.BadRequestError) as info:
-        client(handler).messages.create(
+        anthropic_client(handler).messages.create(
             model="demo", max_tokens=64, messages=HELLO, extra_body=fields
         )  # type: ignore[arg-type]
     error = info.value.body["error"]  # type: ignore[index]
@@ -178,7 +182,7 @@ def test_unhonoured_or_malformed_fields_are_a_400_naming_them(
 
 
 def test_claude_code_and_reference_fields_are_accepted() -> None:
-    handler = Scripted(THINK)
+    handler = InProcess(PROTOCOL, THINK)
     extra = {
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
         "container": "cntr_1",
@@ -189,7 +193,7 @@ def test_claude_code_and_reference_fields_are_accepted() -> None:
         "top_k": 20,
         "cache_control": {"type": "ephemeral"},
     }
-    result = client(handler).messages.create(
+    result = anthropic_client(handler).messages.create(
         model="demo",
         max_tokens=64,
         messages=HELLO,  # type: ignore[arg-type]
@@ -249,14 +253,7 @@ def replay_message(runtime: Any, body: dict[str, Any]) -> tuple[dict[str, Any], 
             *replay_events(runtime, PROTOCOL, {**body, "stream": True}, META.route)
         )
     )
-    snapshot, bufs = None, {}
-    for item in SSEDecoder().iter_bytes(iter([raw])):
-        if item.event != "ping":
-            snapshot = accumulate_event(
-                event=item.json(), current_snapshot=snapshot, json_bufs=bufs
-            )  # type: ignore[arg-type]
-    assert snapshot is not None
-    return plain, SdkMessage.model_validate(snapshot.model_dump())
+    return plain, anthropic_message(anthropic_events(raw))
 
 
 def test_replay_tool_use_and_stop_sequence(qwen3_runtime: Any) -> None:

@@ -8,8 +8,6 @@ its pydantic models and stream accumulator check the shapes.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -17,9 +15,8 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pipeserve.api.base import RequestMeta, WireProtocol
+from pipeserve.api.base import RequestMeta
 from pipeserve.api.openai_chat.protocol import OpenAIChat
-from pipeserve.config import load_pipeline
 from pipeserve.errors import ApiError
 from pipeserve.events import (
     ContentDelta,
@@ -34,8 +31,7 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.request import GenerationRequest
-from pipeserve.stages.base import BuildEnv, Chain, RequestContext
-from tests.api.test_openai_common import Harness, make_ctx, parse_sse
+from tests.api.helpers import QWEN3_CALL, Harness, ctx_for, parse_sse, replay_events
 
 PROTOCOL = OpenAIChat()
 META = RequestMeta(route="/v1/chat/completions")
@@ -72,12 +68,12 @@ def decode(**body: Any) -> GenerationRequest:
 
 def encode_json(events: list[Event], **body: Any) -> dict[str, Any]:
     req = decode(**body)
-    return PROTOCOL.encode_json(iter(events), make_ctx(req))
+    return PROTOCOL.encode_json(iter(events), ctx_for(req))
 
 
 def stream_chunks(events: list[Event], **body: Any) -> list[dict[str, Any]]:
     req = decode(stream=True, **body)
-    raw = b"".join(PROTOCOL.encode_stream(iter(events), make_ctx(req)))
+    raw = b"".join(PROTOCOL.encode_stream(iter(events), ctx_for(req)))
     frames = [f["data"] for f in parse_sse(raw) if f["data"] is not None]
     assert frames[-1] == "[DONE]"
     return [json.loads(f) for f in frames[:-1]]
@@ -163,7 +159,7 @@ def test_error_and_cancel_are_in_protocol_errors(events: list[Event]) -> None:
     with pytest.raises(ApiError):
         encode_json(run)
     req = decode(stream=True)
-    raw = b"".join(PROTOCOL.encode_stream(iter(run), make_ctx(req)))
+    raw = b"".join(PROTOCOL.encode_stream(iter(run), ctx_for(req)))
     frames = [f["data"] for f in parse_sse(raw) if f["data"] is not None]
     assert "[DONE]" not in frames  # no normal-looking end
     assert set(json.loads(frames[-1])["error"]) == {"message", "type", "param", "code"}
@@ -277,44 +273,6 @@ def test_allowed_tools_required_with_nothing_allowed_is_a_400() -> None:
 
 
 # ---------------------------------------------------------------- real pipeline (replay engine)
-
-REPO = Path(__file__).resolve().parents[2]
-QWEN3_CALL = (
-    "<think>\nPlan: call the tool.\n</think>\n\nSure.<tool_call>\n"
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-)
-
-
-@pytest.fixture(scope="module")
-def qwen3_runtime(demo_model_dir: Callable[[str], Path]) -> Iterator[Any]:
-    """The replay engine on the qwen3 demo model's real tokenizer: exact model output."""
-    from pipeserve.config.models import ModelEntry
-    from pipeserve.engine.runtime import build_runtime
-
-    demo_model_dir("qwen3")
-    runtime = build_runtime(
-        ModelEntry(name="replay-qwen3", source="demo:qwen3", pipeline="qwen3", engine="replay")
-    )
-    yield runtime
-    runtime.engine.close()
-
-
-def replay_events(
-    runtime: Any, protocol: WireProtocol, body: dict[str, Any], route: str
-) -> tuple[Iterator[Event], RequestContext]:
-    """Decode `body` with `protocol`, then run the real qwen3 pipeline on the replay engine."""
-    pipeline = load_pipeline(REPO / "pipelines" / "qwen3.yaml")
-    env = BuildEnv(model_name="replay-qwen3", family="qwen3", runtime=runtime)
-    chain = Chain(
-        [s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages]
-    )
-    ctx = RequestContext(
-        request=protocol.decode(body, RequestMeta(route=route)),
-        request_id="req_e2e",
-        model_name="replay-qwen3",
-    )
-    chain.prepare(ctx)
-    return chain.run(ctx), ctx
 
 
 def test_replay_pipeline_stream_and_json_agree_and_validate(qwen3_runtime: Any) -> None:

@@ -29,9 +29,14 @@ from pipeserve.events import (
     Usage,
 )
 from pipeserve.request import GenerationRequest
-from tests.api.test_openai_common import Harness, make_ctx
-from tests.api.test_openai_responses import data_frames, final_via_sdk
-from tests.api.test_spec_audit_chat import QWEN3_CALL, qwen3_runtime, replay_events  # noqa: F401 (fixture)
+from tests.api.helpers import (
+    QWEN3_CALL,
+    Harness,
+    ctx_for,
+    data_frames,
+    final_via_sdk,
+    replay_events,
+)
 
 PROTOCOL = OpenAIResponses()
 META = RequestMeta(route="/v1/responses")
@@ -54,11 +59,11 @@ def decode(**body: Any) -> GenerationRequest:
 
 
 def encode_json(events: list[Event], **body: Any) -> dict[str, Any]:
-    return PROTOCOL.encode_json(iter(events), make_ctx(decode(**body)))
+    return PROTOCOL.encode_json(iter(events), ctx_for(decode(**body)))
 
 
 def stream(events: list[Event], **body: Any) -> bytes:
-    return b"".join(PROTOCOL.encode_stream(iter(events), make_ctx(decode(stream=True, **body))))
+    return b"".join(PROTOCOL.encode_stream(iter(events), ctx_for(decode(stream=True, **body))))
 
 
 # ---------------------------------------------------------------- response fields

@@ -13,6 +13,7 @@ import pytest
 from pipeserve.config import load_pipeline
 from pipeserve.request import GenerationRequest, Message, ToolChoice
 from pipeserve.stages.base import BuildEnv, Chain, RequestContext
+from tests.families import COMPLETIONS, DEMO, HAS_REASONING, HAS_TEXT
 
 from .helpers import TOOLS, summarize, without_usage
 
@@ -22,34 +23,19 @@ REASON, CALL = (
     ("call", "get_weather", '{"city": "Paris", "days": 2}'),
 )
 
+# Each family's answer (tests/families.py) and the events its pipeline must make of it.
 CASES = {
-    "qwen3": (
-        "<think>\nPlan: call the tool.\n</think>\n\nSure.<tool_call>\n"
-        '{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>',
-        [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")],
-    ),
-    "glm": (
-        "Plan: call the tool.</think>Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
-        "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
-        [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")],
-    ),
-    "kimi": (
-        "<think>Plan: call the tool.</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>"
-        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": "2"}'
-        "<|tool_call_end|><|tool_calls_section_end|>",
-        [REASON, ("content", "Sure."), CALL, ("finish", "tool_calls")],
-    ),
-    "gpt-oss": (
-        "<|channel|>analysis<|message|>Plan: call the tool.<|end|><|start|>assistant<|channel|>commentary "
-        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": "2"}<|call|>',
-        [REASON, CALL, ("finish", "tool_calls")],
-    ),
-    "chatml": (
-        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
-        [("content", "Sure."), CALL, ("finish", "tool_calls")],
-    ),
+    family: (
+        COMPLETIONS[family],
+        [
+            *([REASON] if HAS_REASONING[family] else []),
+            *([("content", "Sure.")] if HAS_TEXT[family] else []),
+            CALL,
+            ("finish", "tool_calls"),
+        ],
+    )
+    for family in COMPLETIONS
 }
-DEMO = {"chatml": "qwen3"}  # families without their own demo model
 
 
 def run_pipeline(

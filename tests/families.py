@@ -1,0 +1,42 @@
+"""One model answer per demo family (pipelines/*.yaml), in each family's own markup: the
+reasoning "Plan: call the tool.", the text "Sure." and one get_weather call with
+{"city": "Paris", "days": "2"} (coerced to the tool's integer). Replayed exactly through
+the family's real tokenizer by the stage tests (tests/stages/test_pipelines_e2e.py) and
+by the protocol conformance suite (tests/api/test_protocol_conformance.py)."""
+
+from __future__ import annotations
+
+REASONING = "Plan: call the tool."
+TEXT = "Sure."
+CALL = ("get_weather", {"city": "Paris", "days": 2})
+
+COMPLETIONS: dict[str, str] = {
+    "qwen3": (
+        "<think>\nPlan: call the tool.\n</think>\n\nSure.<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>'
+    ),
+    "glm": (
+        "Plan: call the tool.</think>Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+    ),
+    "kimi": (
+        "<think>Plan: call the tool.</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": "2"}'
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    ),
+    "gpt-oss": (
+        "<|channel|>analysis<|message|>Plan: call the tool.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": "2"}<|call|>'
+    ),
+    "chatml": (
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    ),
+}
+# What each family's answer carries besides the call (chatml has no reasoning; GPT-OSS
+# calls straight from its analysis channel, without text).
+HAS_REASONING = {"qwen3": True, "glm": True, "kimi": True, "gpt-oss": True, "chatml": False}
+HAS_TEXT = {"qwen3": True, "glm": True, "kimi": True, "gpt-oss": False, "chatml": True}
+DEMO = {"chatml": "qwen3"}  # families without their own demo model: the one they run on
+# The answer's last token that ends generation (one of the model's EOS ids), so a client
+# reading the raw text (legacy Completions) does not see it.
+STOPS_ON = {"gpt-oss": "<|call|>"}
