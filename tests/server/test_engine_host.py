@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
@@ -52,10 +52,17 @@ def one_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield base
 
 
+class Server(NamedTuple):
+    base: str
+    master: int
+    config: Path
+
+
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    with server_process(config(tmp_path_factory.mktemp("w2"), 2)) as (base, proc):
-        yield base, proc.pid
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    path = config(tmp_path_factory.mktemp("w2"), 2)
+    with server_process(path) as (base, proc):
+        yield Server(base, proc.pid, path)
 
 
 def client(base: str) -> OpenAI:
@@ -128,8 +135,8 @@ def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def test_two_workers_answer_as_one(one_worker: str, two_workers: tuple[str, int]) -> None:
-    base, master = two_workers
+def test_two_workers_answer_as_one(one_worker: str, two_workers: Server) -> None:
+    base, master, _ = two_workers
     assert len(host_pids(master)) == 1
     for prompt in PROMPTS:
         alone = chat(one_worker, prompt, logprobs=True, top_logprobs=2)
@@ -142,8 +149,8 @@ def test_two_workers_answer_as_one(one_worker: str, two_workers: tuple[str, int]
     )
 
 
-def test_concurrent_requests_over_both_workers(two_workers: tuple[str, int]) -> None:
-    base, _ = two_workers
+def test_concurrent_requests_over_both_workers(two_workers: Server) -> None:
+    base, _, _ = two_workers
     prompts = [f"Tell me about the number {n}" for n in range(16)]
     with ThreadPoolExecutor(max_workers=16) as pool:
         answers = list(pool.map(lambda p: streamed(base, p), prompts))
@@ -157,8 +164,8 @@ def test_concurrent_requests_over_both_workers(two_workers: tuple[str, int]) -> 
     assert len(served_by) == 2, f"requests were served by workers {served_by}"
 
 
-def test_client_that_leaves_frees_its_slot(two_workers: tuple[str, int]) -> None:
-    base, _ = two_workers
+def test_client_that_leaves_frees_its_slot(two_workers: Server) -> None:
+    base, _, _ = two_workers
     stream = client(base).chat.completions.create(
         model="demo",
         messages=[{"role": "user", "content": PROMPTS[1]}],
@@ -175,8 +182,8 @@ def test_client_that_leaves_frees_its_slot(two_workers: tuple[str, int]) -> None
     wait_for(lambda: active_sequences(base) == 0, "the host to free the slot", timeout=30)
 
 
-def test_killed_engine_host_fails_in_protocol_and_restarts(two_workers: tuple[str, int]) -> None:
-    base, master = two_workers
+def test_killed_engine_host_fails_in_protocol_and_restarts(two_workers: Server) -> None:
+    base, master, _ = two_workers
     (host,) = host_pids(master)
     stream = client(base).chat.completions.create(
         model="demo",
@@ -202,3 +209,23 @@ def test_killed_engine_host_fails_in_protocol_and_restarts(two_workers: tuple[st
     assert host_pids(master) != [host]
     text, finish = streamed(base, PROMPTS[0])
     assert text and finish == "length"
+
+
+def test_reload_adds_a_model_to_the_engine_host(two_workers: Server) -> None:
+    base, master, path = two_workers
+    echo = (
+        "  - {name: echo, source: 'demo:qwen3', pipeline: qwen3, engine: replay,"
+        " replay: {completion: 'Hello from the engine host'}}\n"
+    )
+    path.write_text(path.read_text().replace("endpoints:", echo + "endpoints:"))
+    os.kill(master, signal.SIGHUP)
+
+    def reloaded() -> int:
+        return server_log(base).read_text().count("reloaded " + str(path))
+
+    wait_for(lambda: reloaded() == 2, "both workers to reload")
+    answer = client(base).chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert answer.choices[0].message.content == "Hello from the engine host"
+    assert chat(base, PROMPTS[0])["finish_reason"] == "length"  # demo kept serving
