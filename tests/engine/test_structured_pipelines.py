@@ -133,3 +133,55 @@ def test_answer_follows_schema_after_reasoning(
     assert summary[-1] == ("finish", "stop"), summary
     content = "".join(item[1] for item in summary if item[0] == "content")
     jsonschema.validate(json.loads(content), ANSWER)
+
+
+# The token that starts a call, per family (biased so a random model calls often).
+CALL_START = {
+    "qwen3": "<tool_call>",
+    "glm": "<tool_call>",
+    "kimi": "<|tool_calls_section_begin|>",
+    "gpt-oss": "commentary",  # Harmony: the call is a commentary message
+}
+STRICT_TOOLS = [
+    ToolSpec("weather", "Weather for a city", ARGS, strict=True),
+    ToolSpec("clock", "Time in a zone", {"type": "object"}),  # not strict: any object
+]
+
+
+def complete_calls(summary: list[tuple[Any, ...]]) -> list[tuple[str, Any]]:
+    """(name, parsed arguments) of every call; a call cut by max_tokens is left out."""
+    calls = [(item[1], item[2]) for item in summary if item[0] == "call"]
+    if summary[-1] == ("finish", "length") and calls:
+        calls.pop()  # the last call may be the one max_tokens cut
+    return [(name, json.loads(arguments)) for name, arguments in calls]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_strict_tools_under_auto_get_valid_arguments(
+    family: str, mlx_runtime: Callable[[str], Any]
+) -> None:
+    """tool_choice auto, reasoning on, temperature 1.0: the model writes what it likes
+    (reasoning, text, calls), and every call to the strict tool validates against its
+    schema, every other call is a JSON object. Without the grammar a random model's
+    call would be garbage the parser cannot read, so no call would come out."""
+    runtime = mlx_runtime(family)
+    start = runtime.grammar.encode(CALL_START[family])[0]
+    close = token_id(runtime, REASONING_CLOSE[family])
+    strict_name = runtime.grammar.encode("weather")[0]  # and prefer the strict tool
+    bias = {int(start): 30.0, close: 12.0, int(strict_name): 12.0}
+
+    def ask(i: int) -> list[tuple[Any, ...]]:
+        mixed = i % 2 == 1  # odd: both tools, parallel calls; even: the strict one, one call
+        return run(
+            runtime, family, tools=STRICT_TOOLS if mixed else STRICT_TOOLS[:1], max_tokens=96,
+            parallel_tool_calls=mixed, sampling=SamplingParams(temperature=1.0, logit_bias=bias),
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(6) as pool:
+        summaries = list(pool.map(ask, range(6)))
+    calls = [call for summary in summaries for call in complete_calls(summary)]
+    strict_calls = [arguments for name, arguments in calls if name == "weather"]
+    assert strict_calls, summaries  # the grammar makes started calls complete and readable
+    for arguments in strict_calls:
+        jsonschema.validate(arguments, ARGS)
+    assert all(isinstance(arguments, dict) for _, arguments in calls), calls

@@ -79,28 +79,41 @@ def free_text_until(tokens: Tokens, close: str, rule: str) -> list[str]:
     return [f"{rule}_text[lazy]: {lazy}", f"{rule}: {rule}_text {rest}".rstrip()]
 
 
-def envelope_lark(tokens: Tokens, envelope: Envelope | None, opened: bool) -> str:
-    """The top-level Lark grammar: optional reasoning, then `@answer` in its frame.
+def envelope_lark(
+    tokens: Tokens,
+    envelope: Envelope | None,
+    opened: bool,
+    answer: str | None = None,
+    rules: tuple[str, ...] = (),
+) -> str:
+    """The top-level Lark grammar: optional reasoning, then the answer.
 
     `opened`: the prompt already opened the reasoning block (generation starts in it).
+    `answer`: the answer's Lark (default: `@answer` in the envelope's answer frame);
+    `rules`: the rules it refers to.
     """
-    rules: list[str] = []
     body: list[str] = []
+    reasoning: list[str] = []
     if envelope is not None and envelope.reasoning_close:
-        rules += free_text_until(tokens, envelope.reasoning_close, "reason_body")
+        reasoning += free_text_until(tokens, envelope.reasoning_close, "reason_body")
         open_ = marker_lark(tokens, envelope.reasoning_open)
-        rules.append(f"reason: {open_} reason_body".replace(":  ", ": "))
+        reasoning.append(f"reason: {open_} reason_body".replace(":  ", ": "))
         if opened:
             first = "reason_body"
             body.append(f"{first} reason*" if envelope.repeat else first)
         else:
             body.append("reason*" if envelope.repeat else "reason?")
-    answer = ["@answer"]
-    if envelope is not None:
-        answer = [marker_lark(tokens, envelope.answer_open), "@answer"]
-        answer.append(marker_lark(tokens, envelope.answer_close))
-    body += [piece for piece in answer if piece]
-    return "\n".join([f"start: {' '.join(body)}", *rules]) + "\n"
+    body.append(answer if answer is not None else framed_answer(tokens, envelope, "@answer"))
+    return "\n".join([f"start: {' '.join(body)}", *reasoning, *rules]) + "\n"
+
+
+def framed_answer(tokens: Tokens, envelope: Envelope | None, inner: str) -> str:
+    """`inner` between the envelope's answer markers (Harmony's final channel)."""
+    if envelope is None:
+        return inner
+    pieces = [marker_lark(tokens, envelope.answer_open), inner]
+    pieces.append(marker_lark(tokens, envelope.answer_close))
+    return " ".join(piece for piece in pieces if piece)
 
 
 def answer_grammar(fmt: OutputFormat) -> dict[str, Any]:

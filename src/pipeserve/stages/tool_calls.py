@@ -4,7 +4,9 @@ Each format (stages/toolfmt/<name>_format.py) brings its own params model: its m
 and the tool_choice prefills default per format and can be overridden in YAML.
 For tool_choice `required` / `function`, prepare() appends the format's opening text to
 the prompt (ctx.assistant_prefill) and the parser starts as if the model had written it;
-for `none` no calls are parsed. A response with at least one call that ended with valid
+for `none` no calls are parsed. Under `auto` with strict tools, a grammar lets the model
+write text and calls while enforcing strict tools' arguments (toolfmt/call_grammar.py).
+A response with at least one call that ended with valid
 JSON-object arguments finishes with reason "tool_calls" (a cut-off call keeps "length", a
 malformed one leaves "stop"); whitespace around calls is not content (toolfmt/turn.py).
 With parallel_tool_calls false the turn ends after the first valid call: generation is
@@ -34,7 +36,7 @@ from pydantic_core import CoreSchema
 from pipeserve.events import ContentDelta, Event, Finish, FinishReason, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, register_stage
 from pipeserve.stages.toolfmt.base import CallSink
-from pipeserve.stages.toolfmt.call_grammar import forced_call_plan
+from pipeserve.stages.toolfmt.call_grammar import auto_call_plan, forced_call_plan
 from pipeserve.stages.toolfmt.registry import (
     TOOL_FORMATS,
     ToolFormatParams,
@@ -111,6 +113,8 @@ class ToolCallsStage:
         if envelope is not None:  # the format frames reasoning and answer (Harmony)
             ctx.envelope = envelope
         choice = ctx.request.tool_choice
+        if choice.mode == "auto":
+            self._strict_auto(ctx)
         if choice.mode not in ("required", "function") or not ctx.request.tools:
             return
         prefill = self.params.forced_prefill(choice.name if choice.mode == "function" else None)
@@ -123,6 +127,21 @@ class ToolCallsStage:
         ctx.forced_call = prefill
         tools = [t for t in ctx.request.tools if choice.mode != "function" or t.name == choice.name]
         ctx.grammar_plan = forced_call_plan(self.params, tools, prefill)
+
+    def _strict_auto(self, ctx: RequestContext) -> None:
+        """Strict tools under tool_choice auto: text and calls, strict arguments enforced.
+
+        A client's output format wins (its answer grammar leaves no room for calls)."""
+        request = ctx.request
+        if not any(t.strict for t in request.tools) or request.output_format is not None:
+            return
+        ctx.grammar_plan = auto_call_plan(
+            self.params,
+            request.tools,
+            ctx.envelope,
+            ctx.prompt_opened_thinking,
+            single=not request.parallel_tool_calls,
+        )
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         calls_enabled = ctx.request.tool_choice.mode != "none"

@@ -1,11 +1,21 @@
-"""The grammar of a forced tool call, derived from a format's declared call layout.
+"""Tool-call grammars, derived from a format's declared call layout.
 
-tool_choice `required` (any of the tools) or a named function: the model must write
-exactly one call in its family's format, with arguments valid against the tool's JSON
-schema. A format declares the text around a call (CallFrame: prefix + JSON arguments +
-suffix, or PairFrame: key/value pairs as GLM writes them); the markers in that text
-become Lark pieces (stages/grammar_plan.py), so nothing here knows a family. The
-assistant prefill that opens the call is fed to the matcher before decoding.
+Forced calls (tool_choice `required`: any of the tools, or a named function): the model
+must write exactly one call in its family's format, with arguments valid against the
+tool's JSON schema; the assistant prefill that opens the call is fed to the matcher
+before decoding.
+
+Strict tools under tool_choice `auto`: the model may answer in text, call any tool, or
+both (text, then calls); a call to a strict tool has arguments valid against its
+schema, any other call has a JSON object (the format's own key/value pairs for GLM).
+The format declares where calls sit (CallsLayout): free text never contains the call
+trigger, so writing the trigger commits to a call. A trigger that is a special token
+cannot occur in free text anyway; a plain-text trigger ends a lazy lexeme (the
+shortest text ending in it) and the text-only answer excludes it by regex negation.
+
+A format declares the text around a call (CallFrame: prefix + JSON arguments + suffix,
+or PairFrame: key/value pairs as GLM writes them); the markers in that text become
+Lark pieces (stages/grammar_plan.py), so nothing here knows a family.
 """
 
 from __future__ import annotations
@@ -13,11 +23,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeserve.constraint import GrammarPlan, Tokens
+from pipeserve.constraint import Envelope, GrammarPlan, Tokens
 from pipeserve.request import ToolSpec
-from pipeserve.stages.grammar_plan import free_text_until, lark_string, marker_lark, styled_schema
+from pipeserve.stages.grammar_plan import (
+    ANY_TEXT,
+    envelope_lark,
+    framed_answer,
+    free_text_until,
+    lark_string,
+    marker_lark,
+    marker_pieces,
+    regex_escape,
+    styled_schema,
+)
 from pipeserve.stages.toolfmt.coerce import schema_types
-from pipeserve.stages.toolfmt.registry import PairFrame, ToolFormatParams
+from pipeserve.stages.toolfmt.registry import CallsLayout, PairFrame, ToolFormatParams
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def forced_call_plan(params: ToolFormatParams, tools: list[ToolSpec], forced: str) -> GrammarPlan:
@@ -26,37 +48,129 @@ def forced_call_plan(params: ToolFormatParams, tools: list[ToolSpec], forced: st
     def build(tokens: Tokens) -> str:
         rules: list[str] = []
         for i, tool in enumerate(tools):
-            rules += call_rules(params, tool, f"call{i}", tokens)
+            rules += call_rules(params, tool.name, tool.parameters, f"call{i}", tokens)
         start = "start: " + " | ".join(f"call{i}" for i in range(len(tools)))
         return json.dumps({"grammars": [{"lark_grammar": "\n".join([start, *rules]) + "\n"}]})
 
     return GrammarPlan(build, forced=forced, param="tool_choice", optional=True)
 
 
-def call_rules(params: ToolFormatParams, tool: ToolSpec, rule: str, tokens: Tokens) -> list[str]:
-    frame = params.call_frame(tool.name)
+def auto_call_plan(
+    params: ToolFormatParams,
+    tools: list[ToolSpec],
+    envelope: Envelope | None,
+    opened: bool,
+    single: bool,
+) -> GrammarPlan | None:
+    """Free text and calls (tool_choice auto) with strict tools' arguments enforced;
+    None when the format declares no calls layout. `single`: at most one call."""
+    layout = params.calls_layout()
+    if layout is None:
+        return None
+
+    def build(tokens: Tokens) -> str:
+        check_strict_schemas(tools)
+        rules: list[str] = []
+        for i, tool in enumerate(tools):
+            schema = tool.parameters if tool.strict else ANY_OBJECT
+            rules += call_rules(params, tool.name, schema, f"call{i}", tokens, layout.trigger)
+        rules.append("tail: " + " | ".join(f"call{i}" for i in range(len(tools))))
+        answer, extra = auto_answer(tokens, layout, envelope, single)
+        rules += extra
+        lark = envelope_lark(tokens, envelope, opened, answer, tuple(rules))
+        return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
+
+    return GrammarPlan(build, param="tools", optional=True)
+
+
+def auto_answer(
+    tokens: Tokens, layout: CallsLayout, envelope: Envelope | None, single: bool
+) -> tuple[str, list[str]]:
+    """(the answer's Lark, the rules it adds): free text then calls, or (Harmony) a
+    call instead of the text. Each call is `trigger tail`; `tail` is any tool's call
+    after the trigger."""
+    trigger = marker_lark(tokens, layout.trigger)
+    again = " ".join(p for p in (marker_lark(tokens, layout.separator), trigger, "tail") if p)
+    more = "" if single or layout.single else f" ({again})*"
+    if not layout.after_text:
+        text = framed_answer(tokens, envelope, "TEXT")
+        call = " ".join(p for p in (trigger, f"tail{more}") if p)
+        return f"({text} | {call})", [f"TEXT: {ANY_TEXT}"]
+    pieces = marker_pieces(tokens, layout.trigger)
+    if not pieces or pieces[0][0]:  # a special-token trigger never occurs in free text
+        calls = f"{trigger} tail{more}"
+        return framed_answer(tokens, envelope, f"TEXT ({calls})?"), [f"TEXT: {ANY_TEXT}"]
+    first = regex_escape(pieces[0][1])
+    rest = " ".join(p if special else lark_string(p) for special, p in pieces[1:])
+    rules = [
+        f"TEXT: {ANY_TEXT} & ~/(?s:.*){first}(?s:.*)/",  # text alone never holds the trigger
+        f"head[lazy]: /(?s:.*){first}/",  # text up to the first trigger
+    ]
+    calls = " ".join(p for p in ("head", rest, f"tail{more}") if p)
+    return framed_answer(tokens, envelope, f"(TEXT | {calls})"), rules
+
+
+def check_strict_schemas(tools: list[ToolSpec]) -> None:
+    """A strict tool's schema must compile on its own: the error names the tool."""
+    import llguidance
+
+    from pipeserve.engine.grammar import GrammarError
+
+    for tool in tools:
+        if not tool.strict:
+            continue
+        grammar = json.dumps({"grammars": [{"json_schema": styled_schema(tool.parameters)}]})
+        failed, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            reason = " ".join(problems[0].split())[:300]
+            raise GrammarError(f"the parameters schema of strict tool {tool.name!r}: {reason}")
+
+
+def call_rules(
+    params: ToolFormatParams,
+    name: str,
+    schema: Any,
+    rule: str,
+    tokens: Tokens,
+    drop: str = "",
+) -> list[str]:
+    """Lark rules: `rule` is one call to `name` with arguments valid against `schema`,
+    without the leading `drop` text (a trigger written before)."""
+    frame = params.call_frame(name)
     if frame is not None:
-        args = json_rule(tool.parameters)
-        prefix, suffix = marker_lark(tokens, frame.prefix), marker_lark(tokens, frame.suffix)
-        return [f"{rule}: {prefix} {args} {suffix}".rstrip()]
-    pairs = params.pair_frame(tool.name)
+        prefix = marker_lark(tokens, _after(frame.prefix, drop))
+        suffix = marker_lark(tokens, frame.suffix)
+        return [f"{rule}: {prefix} {json_rule(schema)} {suffix}".replace(":  ", ": ").rstrip()]
+    pairs = params.pair_frame(name)
     if pairs is None:
         raise ValueError(f"tool format {params.format!r} declares no call layout to force")
-    return pair_rules(pairs, tool.parameters, rule, tokens)
+    return pair_rules(pairs, schema, rule, tokens, drop)
+
+
+def _after(text: str, drop: str) -> str:
+    if not text.startswith(drop):
+        raise ValueError(f"a call starts {text!r}, not with its trigger {drop!r}")
+    return text[len(drop) :]
 
 
 def json_rule(schema: Any) -> str:
     return "%json " + json.dumps(styled_schema(schema), ensure_ascii=False)
 
 
-def pair_rules(frame: PairFrame, schema: Any, rule: str, tokens: Tokens) -> list[str]:
+def pair_rules(
+    frame: PairFrame, schema: Any, rule: str, tokens: Tokens, drop: str = ""
+) -> list[str]:
     """prefix, then each declared property as a key/value pair (required ones always,
-    optional ones maybe, in declaration order), then suffix."""
-    props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    optional ones maybe, in declaration order), then suffix. A schema that declares no
+    properties takes any pairs."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
     required = set(schema.get("required", ())) if isinstance(schema, dict) else set()
     sep = marker_lark(tokens, frame.separator)
+    body = [marker_lark(tokens, _after(frame.prefix, drop))]
+    if not isinstance(props, dict) or not props:
+        body += [f"{rule}_any*", marker_lark(tokens, frame.suffix)]
+        return [f"{rule}: {' '.join(p for p in body if p)}", *any_pair_rules(frame, rule, tokens)]
     rules: list[str] = []
-    body = [marker_lark(tokens, frame.prefix)]
     for j, (key, prop) in enumerate(props.items()):
         name = f"{rule}_p{j}"
         key_text = marker_lark(tokens, frame.key_open + key + frame.key_close)
@@ -68,6 +182,19 @@ def pair_rules(frame: PairFrame, schema: Any, rule: str, tokens: Tokens) -> list
         body.append(name if key in required else f"{name}?")
     body.append(marker_lark(tokens, frame.suffix))
     return [f"{rule}: {' '.join(p for p in body if p)}", *rules]
+
+
+def any_pair_rules(frame: PairFrame, rule: str, tokens: Tokens) -> list[str]:
+    """`{rule}_any`: one key/value pair with any key and any plain-text value."""
+    sep = marker_lark(tokens, frame.separator)
+    opening = marker_lark(tokens, frame.value_open)
+    key, value = f"{rule}_key", f"{rule}_value"
+    rules = [
+        *free_text_until(tokens, frame.key_close, key),
+        *free_text_until(tokens, frame.value_close, value),
+    ]
+    start = marker_lark(tokens, frame.key_open)
+    return [f"{rule}_any: {start} {key} {sep} {opening} {value} {sep}", *rules]
 
 
 def pair_value(frame: PairFrame, prop: Any, rule: str, tokens: Tokens) -> tuple[str, list[str]]:
@@ -104,4 +231,4 @@ def _anchored(pattern: str) -> str:
     return llguidance.regex_to_lark(inner, "dw")
 
 
-__all__ = ["forced_call_plan"]
+__all__ = ["auto_call_plan", "forced_call_plan"]

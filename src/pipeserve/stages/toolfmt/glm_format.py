@@ -18,7 +18,12 @@ from pipeserve.events import Event
 from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, ToolFormat, content
 from pipeserve.stages.toolfmt.coerce import coerce_text_value, property_schema
 from pipeserve.stages.toolfmt.markers import MarkerSet
-from pipeserve.stages.toolfmt.registry import PairFrame, ToolFormatParams, register_tool_format
+from pipeserve.stages.toolfmt.registry import (
+    CallsLayout,
+    PairFrame,
+    ToolFormatParams,
+    register_tool_format,
+)
 
 _KEY, _KEY_END, _VALUE, _VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 _ARG = re.compile(
@@ -96,6 +101,9 @@ class GlmParams(ToolFormatParams):
 
     def pair_frame(self, name: str) -> PairFrame:
         return PairFrame(f"{self.start}{name}\n", self.end, _KEY, _KEY_END, _VALUE, _VALUE_END)
+
+    def calls_layout(self) -> CallsLayout:
+        return CallsLayout(self.start, separator="\n")
 
 
 @register_tool_format("glm", GlmParams)

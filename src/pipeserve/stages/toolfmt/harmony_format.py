@@ -18,7 +18,12 @@ from pydantic import Field
 from pipeserve.constraint import Envelope
 from pipeserve.events import ContentDelta, Event, ReasoningDelta, TokenText
 from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, ToolFormat, content
-from pipeserve.stages.toolfmt.registry import CallFrame, ToolFormatParams, register_tool_format
+from pipeserve.stages.toolfmt.registry import (
+    CallFrame,
+    CallsLayout,
+    ToolFormatParams,
+    register_tool_format,
+)
 
 _MAX_HEADER_TOKENS = 64  # a header that long is not a header: deliver it as text
 _ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -156,6 +161,11 @@ class HarmonyParams(ToolFormatParams):
 
     def call_frame(self, name: str) -> CallFrame:
         return CallFrame(self.forced_prefill(name), "<|call|>")
+
+    def calls_layout(self) -> CallsLayout:
+        """A call is a commentary message instead of the final answer; `<|call|>` ends
+        the turn."""
+        return CallsLayout("", after_text=False, single=True)
 
     def envelope(self) -> Envelope:
         """Reasoning messages on the first reasoning channel, the answer in `final`."""

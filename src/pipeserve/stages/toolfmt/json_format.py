@@ -26,6 +26,7 @@ from pipeserve.stages.toolfmt.base import (
 from pipeserve.stages.toolfmt.markers import MarkerSet
 from pipeserve.stages.toolfmt.registry import (
     CallFrame,
+    CallsLayout,
     ToolFormatParams,
     json_call_frame,
     register_tool_format,
@@ -136,6 +137,9 @@ class JsonParams(ToolFormatParams):
 
     def call_frame(self, name: str) -> CallFrame:
         return json_call_frame(self.start, self.end, name)
+
+    def calls_layout(self) -> CallsLayout:
+        return CallsLayout(self.start, separator="\n")
 
 
 @register_tool_format("json", JsonParams)

@@ -22,7 +22,12 @@ from pipeserve.stages.toolfmt.base import (
     content,
 )
 from pipeserve.stages.toolfmt.markers import MarkerSet
-from pipeserve.stages.toolfmt.registry import CallFrame, ToolFormatParams, register_tool_format
+from pipeserve.stages.toolfmt.registry import (
+    CallFrame,
+    CallsLayout,
+    ToolFormatParams,
+    register_tool_format,
+)
 
 _CALL_ID = re.compile(r"\s*(?:functions\.)?([^\s:<>]+(?::[^\s:<>\d][^\s:<>]*)*)(?::\d+)?\s*")
 CONTENT, SECTION, CALL_ID, ARGS = range(4)
@@ -153,6 +158,10 @@ class KimiParams(ToolFormatParams):
     def call_frame(self, name: str) -> CallFrame:
         prefix = f"{self.section_start}{self.start}functions.{name}:0{self.args_marker}"
         return CallFrame(prefix, self.end + self.section_end)
+
+    def calls_layout(self) -> CallsLayout:
+        """Each call in a section of its own (the parser reads consecutive sections)."""
+        return CallsLayout(self.section_start)
 
 
 @register_tool_format("kimi", KimiParams)

@@ -55,6 +55,23 @@ class PairFrame:
     separator: str = "\n"
 
 
+@dataclass(frozen=True)
+class CallsLayout:
+    """Where calls may sit in an answer the model writes freely (tool_choice auto).
+
+    `trigger` starts every call (each call frame's prefix begins with it): free text
+    never contains it, so once it is written a call follows. `separator` sits between
+    consecutive calls. `after_text`: calls follow the answer's free text inside the
+    answer; False: a call is a message of its own instead of the answer (Harmony).
+    `single`: a call ends the turn (Harmony's `<|call|>` stops generation).
+    """
+
+    trigger: str
+    separator: str = ""
+    after_text: bool = True
+    single: bool = False
+
+
 class ToolFormatParams(BaseModel):
     """Base of every format's parameters. Unknown keys (another format's too) are errors.
 
@@ -81,6 +98,11 @@ class ToolFormatParams(BaseModel):
 
     def pair_frame(self, name: str) -> PairFrame | None:
         """The pair layout of a call to `name` when arguments are key/value pairs."""
+        return None
+
+    def calls_layout(self) -> CallsLayout | None:
+        """How calls follow free text (for strict tools under tool_choice auto); None
+        when the format declares no layout (strict arguments are then not enforced)."""
         return None
 
     def envelope(self) -> Envelope | None:
