@@ -24,7 +24,7 @@ from pipeserve.events import Event, KeepAlive
 KEEPALIVE_COMMENT = sse_comment("keep-alive")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Frame:
     """One protocol event: its data, its SSE `event:` name (None: data only), and for the
     error event the ApiError it renders (a fold raises it: the JSON answer is an error)."""
