@@ -1,18 +1,21 @@
 """Bursts: N new requests at once, pipeserve served vs mlx-lm's in-process prefill.
 
-    python benchmarks/burst_bench.py [--bursts 8,32,64] [--short 8] [--long 40] [--rounds 3]
+    python benchmarks/burst_bench.py [--bursts 8,32,64] [--lengths 1,8,16,24,32] [--rounds 3]
 
 The model is the qwen3 demo model (real Qwen vocabulary and tokenizer, hidden size 64,
 2 layers): a decode step costs a few ms on the CPU, so what a burst costs besides
-decoding (admission, prefill in rounds, retirement) is visible. Both sides run with
-OpenBLAS preloaded; rounds alternate between the server and the in-process reference
-(the idle server is paused with SIGSTOP) and each cell is the median of the rounds.
+decoding (admission, prefill, retirement) is visible. Both sides run with OpenBLAS
+preloaded; rounds alternate between the server and the in-process reference (the idle
+server is paused with SIGSTOP) and each cell is the median of the rounds.
 
-For each burst size N, every request carries a unique tag (no prefix-cache hits):
-- TTFT: N requests with max_tokens=1 sent at once; each one's latency is its time to
-  first token (p50 / p90 / max) and the burst's wall time is when the last one ended.
-- fixed cost: the wall time of a burst with `short` and with `long` output tokens;
-  wall = fixed + steps x step time, solved from the two.
+For each burst size N, every request carries a unique tag (no prefix-cache hits), and
+one burst is sent per output length (max_tokens = each of --lengths):
+- TTFT: the burst of the first length (1 by default): each request's latency is its
+  time to first token (p50 / p90 / max).
+- fixed cost: a least-squares line through the bursts' (decode steps, wall time) points,
+  wall = fixed + steps x step, fitted per round; its intercept is what the burst costs
+  besides its steps (requests in, admission, prefill, retirement, responses out) and its
+  slope the steady step time. Medians over rounds, with the rounds' range.
 The reference is mlx-lm's BatchGenerator in one process (prefill batch and completion
 batch = N) on the same prompt tokens, timed the same way.
 """
@@ -23,7 +26,6 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,11 +34,12 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeserve import blas
+from servers import bench_environment, start_pipeserve
+
 from pipeserve.engine.demo import ensure_demo_model, pipeserve_home
-from tests.server.serverproc import free_port, stop
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = ("a lighthouse keeper", "a clockmaker", "the tides", "a mountain road", "old maps")
@@ -139,9 +142,9 @@ def burst(n, max_tokens, tag):
 
 burst(8, 2, "warm")
 for n in {bursts!r}:
-    for kind, max_tokens in (("ttft", 1), ("short", {short}), ("long", {long})):
-        latencies, wall, steps = burst(n, max_tokens, f"{{kind}}-{{n}}-{tag}")
-        out[f"{{n}}-{{kind}}"] = {{"latencies": latencies, "wall": wall, "steps": steps}}
+    for max_tokens in {lengths!r}:
+        latencies, wall, steps = burst(n, max_tokens, f"{{max_tokens}}-{{n}}-{tag}")
+        out[f"{{n}}-{{max_tokens}}"] = {{"latencies": latencies, "wall": wall, "steps": steps}}
 print(json.dumps(out))
 """
 
@@ -151,8 +154,7 @@ def in_process(model_dir: Path, args: argparse.Namespace, env: dict[str, str], t
         bench_dir=str(Path(__file__).resolve().parent),
         model_dir=str(model_dir),
         bursts=args.bursts,
-        short=args.short,
-        long=args.long,
+        lengths=args.lengths,
         tag=tag,
     )
     result = subprocess.run(
@@ -164,60 +166,53 @@ def in_process(model_dir: Path, args: argparse.Namespace, env: dict[str, str], t
     return {k: summarize(v["latencies"], v["wall"], v["steps"]) for k, v in raw.items()}
 
 
-def start_server(model_dir: Path, max_batch: int, env: dict[str, str], work: Path) -> tuple:
-    port = free_port()
-    config = work / "burst.yaml"
-    config.write_text(
-        f"pipelines_dir: {REPO / 'pipelines'}\n"
-        f"models:\n  - name: bench\n    source: {model_dir}\n    pipeline: qwen3\n"
-        f"    options: {{max_batch: {max_batch}, queue_size: 256}}\n"
-        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
-    )
-    log = work / "pipeserve.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeserve.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],
-        env=env,
-        cwd=REPO,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            time.sleep(0.3)
-    stop(proc)
-    raise RuntimeError("pipeserve did not start")
-
-
 def served_round(port: int, args: argparse.Namespace, tag: str) -> dict[str, dict[str, float]]:
     out = {}
     for n in args.bursts:
-        for kind, max_tokens in (("ttft", 1), ("short", args.short), ("long", args.long)):
-            out[f"{n}-{kind}"] = served_burst(port, n, max_tokens, f"{kind}-{n}-{tag}")
+        for max_tokens in args.lengths:
+            out[f"{n}-{max_tokens}"] = served_burst(port, n, max_tokens, f"{max_tokens}-{n}-{tag}")
     return out
 
 
-def fixed_cost(short: dict[str, float], long: dict[str, float]) -> tuple[float, float]:
-    """(fixed seconds, seconds per step) from wall = fixed + steps x step."""
-    step = (long["wall"] - short["wall"]) / max(1, long["steps"] - short["steps"])
-    return max(0.0, short["wall"] - short["steps"] * step), step
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (steps, wall) points."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    return mean_y - slope * mean_x, slope
+
+
+def fixed_costs(rounds: list[dict], n: int, lengths: list[int]) -> list[tuple[float, float]]:
+    """Per round: (fixed s, s per step) of the N-burst, fitted over its output lengths."""
+    return [
+        fit_line([(r[f"{n}-{k}"]["steps"], r[f"{n}-{k}"]["wall"]) for k in lengths]) for r in rounds
+    ]
+
+
+def report(served: list[dict], reference: list[dict], args: argparse.Namespace) -> None:
+    first = args.lengths[0]
+    print(
+        f"\n{'N':>4} {'side':<10} {'TTFT p50':>9} {'p90':>7} {'max':>7} {'fixed s':>8} "
+        f"{'(rounds)':>15} {'step ms':>8} {'wall ' + str(args.lengths[-1]):>8}"
+    )
+    for n in args.bursts:
+        cells = {}
+        for side, rounds in (("pipeserve", served), ("mlx-lm", reference)):
+            ttft = median_rows(rounds)[f"{n}-{first}"]
+            fits = fixed_costs(rounds, n, args.lengths)
+            fixed = statistics.median(f for f, _ in fits)
+            step = statistics.median(s for _, s in fits)
+            last = statistics.median(r[f"{n}-{args.lengths[-1]}"]["wall"] for r in rounds)
+            spread = f"{min(f for f, _ in fits):.2f}..{max(f for f, _ in fits):.2f}"
+            cells[side] = (ttft["p50"], fixed)
+            print(
+                f"{n:>4} {side:<10} {ttft['p50']:>9.3f} {ttft['p90']:>7.3f} {ttft['max']:>7.3f} "
+                f"{fixed:>8.3f} {spread:>15} {step * 1000:>8.1f} {last:>8.2f}"
+            )
+        (pt, pf), (mt, mf) = cells["pipeserve"], cells["mlx-lm"]
+        fixed_ratio = f"{pf / mf:>8.2f}" if mf > 0 else f"{'n/a':>8}"
+        print(f"{n:>4} {'ratio p/m':<10} {pt / mt:>9.2f} {'':>7} {'':>7} {fixed_ratio}")
 
 
 def median_rows(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -227,34 +222,16 @@ def median_rows(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str
     }
 
 
-def report(served: dict, reference: dict, args: argparse.Namespace) -> None:
-    print(
-        f"\n{'N':>4} {'side':<12} {'TTFT p50':>9} {'p90':>7} {'max':>7} "
-        f"{'fixed s':>8} {'step ms':>8} {'wall short':>10} {'wall long':>9}"
-    )
-    for n in args.bursts:
-        rows = {}
-        for side, data in (("pipeserve", served), ("mlx-lm", reference)):
-            ttft, short, long = (data[f"{n}-{k}"] for k in ("ttft", "short", "long"))
-            fixed, step = fixed_cost(short, long)
-            rows[side] = (ttft["p50"], fixed)
-            print(
-                f"{n:>4} {side:<12} {ttft['p50']:>9.3f} {ttft['p90']:>7.3f} {ttft['max']:>7.3f} "
-                f"{fixed:>8.3f} {step * 1000:>8.1f} {short['wall']:>10.3f} {long['wall']:>9.3f}"
-            )
-        (pt, pf), (mt, mf) = rows["pipeserve"], rows["mlx-lm"]
-        print(
-            f"{n:>4} {'ratio p/m':<12} {pt / mt:>9.2f} {'':>7} {'':>7} {pf / mf if mf else float('nan'):>8.2f}"
-        )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bursts", default="8,32,64")
-    parser.add_argument("--short", type=int, default=8)
-    parser.add_argument("--long", type=int, default=40)
+    parser.add_argument(
+        "--lengths",
+        default="1,8,16,24,32",
+        help="output lengths (max_tokens), one burst each; the first gives the TTFT figures",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--blas-threads",
@@ -264,32 +241,29 @@ def main() -> int:
     )
     args = parser.parse_args()
     args.bursts = [int(x) for x in args.bursts.split(",")]
-    home = pipeserve_home()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
     model_dir = ensure_demo_model("qwen3")
     work = Path(tempfile.mkdtemp(prefix="pipeserve-burst-"))
-    base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARKER)}
-    env = {**base_env, **(blas.openblas_environment(home) or {})}
-    if args.blas_threads:
-        env["OPENBLAS_NUM_THREADS"] = args.blas_threads
-    proc, port = start_server(model_dir, max(args.bursts), env, work)
+    env = bench_environment(pipeserve_home(), args.blas_threads)
+    options = {"max_batch": max(args.bursts), "queue_size": 256}
+    server = start_pipeserve(model_dir, work, env, options)
     served, reference = [], []
     try:
-        served_burst(port, 8, 2, "warm")
+        served_burst(server.port, 8, 2, "warm")
+        server.pause()
         for r in range(args.rounds):
-            served.append(served_round(port, args, f"r{r}"))
-            os.killpg(proc.pid, signal.SIGSTOP)
-            try:
-                reference.append(in_process(model_dir, args, env, f"r{r}"))
-            finally:
-                os.killpg(proc.pid, signal.SIGCONT)
+            with server.active():
+                served.append(served_round(server.port, args, f"r{r}"))
+            reference.append(in_process(model_dir, args, env, f"r{r}"))
+            print(f"  round {r + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
-        stop(proc)
+        server.stop()
     print(
         f"model: demo qwen3 ({model_dir}); OpenBLAS for both; median of {args.rounds} "
-        f"alternating rounds; short={args.short} long={args.long} tokens; load "
-        f"{os.getloadavg()[0]:.1f}; OPENBLAS_NUM_THREADS={args.blas_threads or 'default'}"
+        f"alternating rounds; lengths {args.lengths}; load {os.getloadavg()[0]:.1f}; "
+        f"OPENBLAS_NUM_THREADS={args.blas_threads or 'default'}"
     )
-    report(median_rows(served), median_rows(reference), args)
+    report(served, reference, args)
     return 0
 
 

@@ -1,15 +1,17 @@
 """pipeserve vs mlx_lm.server, side by side in one run (ratios, not absolute times).
 
-    python benchmarks/serve_bench.py [--shape small|qwen3-0.6b|smollm2] [--tokens 48] [--rounds 2]
+    python benchmarks/serve_bench.py [--shape small|qwen3-0.6b|smollm2] [--tokens 48] [--rounds 5]
+        [--blas-threads 1] [--out-of-box] [--in-process]
 
 Builds a random-weight Qwen3-architecture fp32 model offline (or, with --shape smollm2,
-takes the shipped default model's converted GGUF folder, Q4_1 weights), then for each BLAS
-setting ("same": both servers with OpenBLAS preloaded; "as installed": each server as
-it starts out of the box) serves it with pipeserve and with mlx_lm.server on
-127.0.0.1, alternating, each with a warm-up request, and prints: time to first token,
-single-stream decode tok/s, aggregate tok/s at 1, 4 and 8 concurrent streams, and the
-pipeserve/mlx_lm ratios; plus pipeserve's streaming decode rate over in-process
-`mlx_lm.stream_generate` and the prefix cache's effect on a repeated long prompt.
+takes the shipped default model's converted GGUF folder, Q4_1 weights) and serves it with
+pipeserve and with mlx_lm.server on 127.0.0.1, both up for the whole run with OpenBLAS
+preloaded and the same OPENBLAS_NUM_THREADS. Rounds alternate between the servers (the
+idle one is paused with SIGSTOP, the order flips each round); a round is one stream
+(time to first token, decode tok/s) then 1, 4 and 8 concurrent streams (aggregate
+tok/s). Prints the medians, pipeserve/mlx_lm ratios and the range of per-round ratios,
+and pipeserve's prefix cache effect on a repeated long prompt. --out-of-box repeats it
+with each server as installed; --in-process adds `mlx_lm.stream_generate`'s decode rate.
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_models import build_bench_model
+from servers import (
+    BenchServer,
+    bench_environment,
+    plain_environment,
+    start_mlx_lm,
+    start_pipeserve,
+)
 
-from pipeserve import blas
 from pipeserve.engine.demo import pipeserve_home
-from tests.server.serverproc import free_port, stop
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -97,93 +104,56 @@ def aggregate(base: str, model: str, streams: int, max_tokens: int) -> float:
     return sum(r["tokens"] for r in results) / (time.perf_counter() - started)
 
 
-def start(cmd: list[str], env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=REPO,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {log.read_text()[-3000:]}")
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    stop(proc)
-    raise RuntimeError(f"{cmd} did not start")
+COLUMNS = ("ttft", "decode", "agg1", "agg4", "agg8")
 
 
-def pipeserve_cmd(
-    model_dir: Path, port: int, work: Path, max_batch: int = 8, pipeline: str = "qwen3",
-    dtype: str = "auto",
-) -> list[str]:  # fmt: skip
-    config = work / "bench.yaml"
-    config.write_text(
-        f"pipelines_dir: {REPO / 'pipelines'}\n"
-        f"models:\n  - name: bench\n    source: {model_dir}\n    pipeline: {pipeline}\n"
-        f"    options: {{max_batch: {max_batch}, queue_size: 64, dtype: {dtype}}}\n"
-        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
-    )
-    return [
-        sys.executable,
-        "-m",
-        "pipeserve.cli",
-        "serve",
-        "--config",
-        str(config),
-        "--port",
-        str(port),
-    ]
+def measure_round(server: BenchServer, tokens: int) -> dict[str, float]:
+    """One round on one server: a single stream (TTFT, decode rate), then 1, 4 and 8
+    concurrent streams (aggregate tok/s)."""
+    single = stream_once(server.base, server.model, tokens)
+    row = {"ttft": single["ttft"], "decode": single["decode"]}
+    for n in (1, 4, 8):
+        row[f"agg{n}"] = aggregate(server.base, server.model, n, tokens)
+    return row
 
 
-def mlx_lm_cmd(model_dir: Path, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "mlx_lm.server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+def prefix_ratio(server: BenchServer) -> float:
+    """TTFT of a repeated long prompt over its first (pipeserve's prefix cache)."""
+    long_prompt = "The history of lighthouses. " * 150
+    cold = stream_once(server.base, server.model, 4, long_prompt)["ttft"]
+    warm = stream_once(server.base, server.model, 4, long_prompt)["ttft"]
+    return warm / cold
 
 
-def measure_server(
-    name: str,
-    cmd: list[str],
-    env: dict[str, str],
-    port: int,
-    model: str,
-    args: argparse.Namespace,
-    work: Path,
-) -> dict[str, float]:
-    proc = start(cmd, env, port, work / f"{name}.log")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        stream_once(base, model, 8)  # warm-up
-        singles = [stream_once(base, model, args.tokens) for _ in range(args.rounds)]
-        row = {
-            "ttft": statistics.median(s["ttft"] for s in singles),
-            "decode": statistics.median(s["decode"] for s in singles),
-        }
-        for n in (1, 4, 8):
-            row[f"agg{n}"] = aggregate(base, model, n, args.tokens)
-        if name.startswith("pipeserve"):
-            long_prompt = "The history of lighthouses. " * 150
-            cold = stream_once(base, model, 4, long_prompt)["ttft"]
-            warm = stream_once(base, model, 4, long_prompt)["ttft"]
-            row["prefix_ratio"] = warm / cold
-        return row
-    finally:
-        stop(proc)
+def alternate(
+    servers: list[BenchServer], args: argparse.Namespace
+) -> dict[str, list[dict[str, float]]]:
+    """Rounds over every server, one measured at a time while the others are paused;
+    the order flips each round so neither side always goes first."""
+    rounds: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
+    for server in servers:  # warm-up, then paused until its turn
+        stream_once(server.base, server.model, 8)
+        server.pause()
+    for r in range(args.rounds):
+        for server in servers if r % 2 == 0 else servers[::-1]:
+            with server.active():
+                rounds[server.name].append(measure_round(server, args.tokens))
+        print(f"  round {r + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
+    return rounds
+
+
+def start_servers(
+    args: argparse.Namespace, model_dir: Path, pipeline: str, env: dict[str, str], work: Path
+) -> list[BenchServer]:
+    options = {"max_batch": 8, "queue_size": 64}
+    servers = [start_pipeserve(model_dir, work, env, {**options, "dtype": "auto"}, pipeline)]
+    if args.shape == "smollm2":  # also with the weights as stored (mlx_lm.server's layout)
+        quantized = {**options, "dtype": "quantized"}
+        servers.append(
+            start_pipeserve(model_dir, work, env, quantized, pipeline, name="pipeserve (q)")
+        )
+    servers.append(start_mlx_lm(model_dir, work, env))
+    return servers
 
 
 def in_process_decode(
@@ -216,40 +186,45 @@ def main() -> int:
     )
     parser.add_argument("--shape", default="small", choices=["small", "qwen3-0.6b", "smollm2"])
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--skip-out-of-box", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--blas-threads",
+        default="1",
+        help="OPENBLAS_NUM_THREADS for every server ('' = OpenBLAS's default)",
+    )
+    parser.add_argument("--out-of-box", action="store_true", help="also each server as installed")
+    parser.add_argument("--in-process", action="store_true", help="also mlx_lm.stream_generate")
     args = parser.parse_args()
     home = pipeserve_home()
     model_dir, pipeline = bench_model(args.shape, home)
     work = Path(tempfile.mkdtemp(prefix="pipeserve-bench-"))
-    base_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARKER)}
-    openblas_env = {**base_env, **(blas.openblas_environment(home) or {})}
-    settings = [("same BLAS (OpenBLAS)", openblas_env, openblas_env)]
-    if not args.skip_out_of_box:
-        settings.append(("as installed", base_env, base_env))
+    openblas_env = bench_environment(home, args.blas_threads)
+    settings = [(f"same BLAS (OpenBLAS, {args.blas_threads or 'default'} thread(s))", openblas_env)]
+    if args.out_of_box:
+        settings.append(("as installed", plain_environment()))
     print(
-        f"model: {model_dir.name} ({args.shape}); {args.tokens} tokens per stream; median of {args.rounds}"
+        f"model: {model_dir.name} ({args.shape}); {args.tokens} tokens per stream; "
+        f"median of {args.rounds} alternating rounds; load {os.getloadavg()[0]:.1f}",
+        flush=True,
     )
-    for label, pipe_env, peer_env in settings:
-        rows = {}
-        port = free_port()
-        cmd = pipeserve_cmd(model_dir, port, work, pipeline=pipeline)
-        rows["pipeserve"] = measure_server("pipeserve", cmd, pipe_env, port, "bench", args, work)
-        if args.shape == "smollm2":  # also with the weights as stored (mlx_lm.server's layout)
-            port = free_port()
-            cmd = pipeserve_cmd(model_dir, port, work, pipeline=pipeline, dtype="quantized")
-            rows["pipeserve (q)"] = measure_server(
-                "pipeserve-q", cmd, pipe_env, port, "bench", args, work
-            )
-        port = free_port()
-        rows["mlx_lm.server"] = measure_server(
-            "mlx_lm", mlx_lm_cmd(model_dir, port), peer_env, port, str(model_dir), args, work
+    for label, env in settings:
+        servers = start_servers(args, model_dir, pipeline, env, work)
+        try:
+            rounds = alternate(servers, args)
+            with servers[0].active():
+                prefix = prefix_ratio(servers[0])
+        finally:
+            for server in servers:
+                server.stop()
+        print_table(f"{label}; load {os.getloadavg()[0]:.1f} at the end", rounds)
+        print(f"pipeserve repeated long prompt TTFT / first TTFT: {prefix:.2f}")
+    if args.in_process:
+        rate = in_process_decode(model_dir, args.tokens * 2, openblas_env)
+        print(f"\nin-process mlx_lm.stream_generate decode (OpenBLAS): {rate:.1f} tok/s")
+        rate = in_process_decode(model_dir, args.tokens * 2, openblas_env, pretranspose=True)
+        print(
+            f"the same on pipeserve's CPU weight layout (options.cpu_pretranspose): {rate:.1f} tok/s"
         )
-        print_table(label, rows)
-    rate = in_process_decode(model_dir, args.tokens * 2, openblas_env)
-    print(f"\nin-process mlx_lm.stream_generate decode (OpenBLAS): {rate:.1f} tok/s")
-    rate = in_process_decode(model_dir, args.tokens * 2, openblas_env, pretranspose=True)
-    print(f"the same on pipeserve's CPU weight layout (options.cpu_pretranspose): {rate:.1f} tok/s")
     return 0
 
 
@@ -264,22 +239,29 @@ def bench_model(shape: str, home: Path) -> tuple[Path, str]:
     return resolve_source(entry.source, entry.sha256), entry.pipeline
 
 
-def print_table(label: str, rows: dict[str, dict[str, float]]) -> None:
-    cols = ["ttft", "decode", "agg1", "agg4", "agg8"]
+def print_table(label: str, rounds: dict[str, list[dict[str, float]]]) -> None:
+    """Medians per server, then each pipeserve server's ratio to mlx_lm.server: of the
+    medians, and the range of the per-round ratios (round r of one against round r of
+    the other, measured back to back)."""
+    medians = {
+        name: {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
+        for name, rows in rounds.items()
+    }
     print(f"\n## {label}")
-    print(f"{'server':<16}" + "".join(f"{c:>10}" for c in cols))
-    for name, row in rows.items():
-        print(f"{name:<16}" + "".join(f"{row[c]:>10.3f}" for c in cols))
-    m = rows["mlx_lm.server"]
-    for name in [n for n in rows if n.startswith("pipeserve")]:
-        p = rows[name]
+    print(f"{'server':<22}" + "".join(f"{c:>12}" for c in COLUMNS))
+    for name, row in medians.items():
+        print(f"{name:<22}" + "".join(f"{row[c]:>12.3f}" for c in COLUMNS))
+    peer = "mlx_lm.server"
+    for name in [n for n in rounds if n != peer]:
+        ratios = {c: medians[name][c] / medians[peer][c] for c in COLUMNS}
         print(
-            f"{'ratio' + name.removeprefix('pipeserve') + ' p/m':<16}"
-            + "".join(f"{(p[c] / m[c] if m[c] else float('nan')):>10.2f}" for c in cols)
+            f"{'ratio ' + name + ' / peer':<22}" + "".join(f"{ratios[c]:>12.2f}" for c in COLUMNS)
         )
-    p = rows["pipeserve"]
-    if "prefix_ratio" in p:
-        print(f"pipeserve repeated long prompt TTFT / first TTFT: {p['prefix_ratio']:.2f}")
+        spans = []
+        for c in COLUMNS:
+            per_round = [p[c] / m[c] for p, m in zip(rounds[name], rounds[peer]) if m[c]]
+            spans.append(f"{min(per_round):.2f}-{max(per_round):.2f}")
+        print(f"{'  per-round range':<22}" + "".join(f"{s:>12}" for s in spans))
 
 
 if __name__ == "__main__":
