@@ -9,13 +9,18 @@ preloaded; rounds alternate between the server and the in-process reference (the
 server is paused with SIGSTOP) and each cell is the median of the rounds.
 
 For each burst size N, every request carries a unique tag (no prefix-cache hits), and
-one burst is sent per output length (max_tokens = each of --lengths):
-- TTFT: the burst of the first length (1 by default): each request's latency is its
-  time to first token (p50 / p90 / max).
-- fixed cost: a least-squares line through the bursts' (decode steps, wall time) points,
-  wall = fixed + steps x step, fitted per round; its intercept is what the burst costs
-  besides its steps (requests in, admission, prefill, retirement, responses out) and its
-  slope the steady step time. Medians over rounds, with the rounds' range.
+one burst is sent per output length (max_tokens = each of --lengths), streamed:
+- TTFT: the burst of the first length (1 by default): each request's time to its first
+  output chunk (p50 / p90 / max).
+- fixed cost, measured in each burst itself: wall time less steps x step, where the step
+  is the median interval between consecutive tokens of a stream (served: as the client
+  receives them; in-process: between `next()` calls after the last first token) and
+  steps the longest stream's tokens. What is left is what the burst costs besides its
+  steady decode steps: requests in, admission, prefill, retirement, responses out.
+  Median over rounds and the lengths above 1, with the range.
+- the same fitted: a least-squares line through each round's (steps, wall time) points
+  over the lengths, wall = fixed + steps x step (a cross-check; noisier when the step
+  is long, as the reference's is).
 The reference is mlx-lm's BatchGenerator in one process (prefill batch and completion
 batch = N) on the same prompt tokens, timed the same way.
 """
@@ -51,8 +56,9 @@ def prompt(i: int, tag: str) -> str:
     return f"[{tag}-{i}] Write a short story about {topic} and the sea, in plain words, for a child who likes boats."
 
 
-def post(port: int, body: dict) -> tuple[float, int]:
-    """One non-streaming chat request: (latency in s, completion tokens)."""
+def post(port: int, body: dict) -> list[float]:
+    """One streamed chat request: when each chunk carrying output arrived (s after
+    the request was sent); the last entry is when the stream ended."""
     started = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     for attempt in range(50):
@@ -68,16 +74,23 @@ def post(port: int, body: dict) -> tuple[float, int]:
             conn.close()
             time.sleep(0.05 * (attempt + 1))
     response = conn.getresponse()
-    data = json.loads(response.read())
-    conn.close()
     if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {data}")
-    return time.perf_counter() - started, int(data["usage"]["completion_tokens"])
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+    arrivals = []
+    for line in response:
+        if line.startswith(b"data: {") and has_output(json.loads(line[6:])):
+            arrivals.append(time.perf_counter() - started)
+    conn.close()
+    return [*arrivals, time.perf_counter() - started]
+
+
+def has_output(chunk: dict) -> bool:
+    delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
 
 
 def served_burst(port: int, n: int, max_tokens: int, tag: str) -> dict[str, float]:
-    latencies: list[float] = [0.0] * n
-    tokens: list[int] = [0] * n
+    arrivals: list[list[float]] = [[] for _ in range(n)]
     barrier = threading.Barrier(n + 1)
 
     def one(i: int) -> None:
@@ -86,9 +99,10 @@ def served_burst(port: int, n: int, max_tokens: int, tag: str) -> dict[str, floa
             "messages": [{"role": "user", "content": prompt(i, tag)}],
             "max_tokens": max_tokens,
             "temperature": 0,
+            "stream": True,
         }
         barrier.wait()
-        latencies[i], tokens[i] = post(port, body)
+        arrivals[i] = post(port, body)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -97,17 +111,27 @@ def served_burst(port: int, n: int, max_tokens: int, tag: str) -> dict[str, floa
     started = time.perf_counter()
     for t in threads:
         t.join()
-    return summarize(latencies, time.perf_counter() - started, max(tokens))
+    wall = time.perf_counter() - started
+    gaps = [b - a for times in arrivals for a, b in zip(times[:-2], times[1:-1])]
+    steps = max(len(times) - 1 for times in arrivals)  # output chunks: one per step
+    return summarize([times[0] for times in arrivals], wall, steps, gaps)
 
 
-def summarize(latencies: list[float], wall: float, steps: int) -> dict[str, float]:
+def summarize(
+    latencies: list[float], wall: float, steps: int, gaps: list[float]
+) -> dict[str, float]:
+    """TTFT percentiles, and the fixed cost measured in the burst itself: wall time less
+    steps x the median interval between a stream's tokens (its steady step time)."""
     ordered = sorted(latencies)
+    step = statistics.median(gaps) if gaps else float("nan")
     return {
         "p50": statistics.median(ordered),
         "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
         "max": ordered[-1],
         "wall": wall,
         "steps": steps,
+        "step": step,
+        "fixed": wall - steps * step,
     }
 
 
@@ -128,23 +152,27 @@ def burst(n, max_tokens, tag):
     gen = BatchGenerator(model, completion_batch_size=n, prefill_batch_size=n, stream=mx.default_stream(mx.default_device()))
     started = time.perf_counter()
     uids = gen.insert(prompts, max_tokens=[max_tokens] * n)
-    first, done, steps = {{}}, {{}}, {{}}
+    first, done, steps, ticks = {{}}, {{}}, {{}}, []
     while len(done) < n:
         _, responses = gen.next()
         now = time.perf_counter() - started
+        if responses:
+            ticks.append(now)
         for r in responses:
             first.setdefault(r.uid, now)
             steps[r.uid] = steps.get(r.uid, 0) + 1
             if r.finish_reason is not None:
                 done[r.uid] = now
     gen.close()
-    return [first[u] for u in uids], max(done.values()), max(steps.values())
+    started_all = max(first.values())
+    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if a >= started_all]
+    return [first[u] for u in uids], max(done.values()), max(steps.values()), gaps
 
 burst(8, 2, "warm")
 for n in {bursts!r}:
     for max_tokens in {lengths!r}:
-        latencies, wall, steps = burst(n, max_tokens, f"{{max_tokens}}-{{n}}-{tag}")
-        out[f"{{n}}-{{max_tokens}}"] = {{"latencies": latencies, "wall": wall, "steps": steps}}
+        latencies, wall, steps, gaps = burst(n, max_tokens, f"{{max_tokens}}-{{n}}-{tag}")
+        out[f"{{n}}-{{max_tokens}}"] = {{"latencies": latencies, "wall": wall, "steps": steps, "gaps": gaps}}
 print(json.dumps(out))
 """
 
@@ -163,7 +191,7 @@ def in_process(model_dir: Path, args: argparse.Namespace, env: dict[str, str], t
     if result.returncode != 0:
         raise RuntimeError(result.stderr[-3000:])
     raw = json.loads(result.stdout.strip().splitlines()[-1])
-    return {k: summarize(v["latencies"], v["wall"], v["steps"]) for k, v in raw.items()}
+    return {k: summarize(v["latencies"], v["wall"], v["steps"], v["gaps"]) for k, v in raw.items()}
 
 
 def served_round(port: int, args: argparse.Namespace, tag: str) -> dict[str, dict[str, float]]:
@@ -191,28 +219,37 @@ def fixed_costs(rounds: list[dict], n: int, lengths: list[int]) -> list[tuple[fl
 
 
 def report(served: list[dict], reference: list[dict], args: argparse.Namespace) -> None:
-    first = args.lengths[0]
+    first, longer = args.lengths[0], [k for k in args.lengths if k > 1]
     print(
         f"\n{'N':>4} {'side':<10} {'TTFT p50':>9} {'p90':>7} {'max':>7} {'fixed s':>8} "
-        f"{'(rounds)':>15} {'step ms':>8} {'wall ' + str(args.lengths[-1]):>8}"
+        f"{'(range)':>13} {'step ms':>8} {'fit fixed':>9} {'fit step':>8}"
     )
     for n in args.bursts:
         cells = {}
         for side, rounds in (("pipeserve", served), ("mlx-lm", reference)):
             ttft = median_rows(rounds)[f"{n}-{first}"]
+            bursts = [r[f"{n}-{k}"] for r in rounds for k in longer]
+            fixed = statistics.median(b["fixed"] for b in bursts)
+            step = statistics.median(b["step"] for b in bursts)
+            spread = f"{min(b['fixed'] for b in bursts):.2f}..{max(b['fixed'] for b in bursts):.2f}"
             fits = fixed_costs(rounds, n, args.lengths)
-            fixed = statistics.median(f for f, _ in fits)
-            step = statistics.median(s for _, s in fits)
-            last = statistics.median(r[f"{n}-{args.lengths[-1]}"]["wall"] for r in rounds)
-            spread = f"{min(f for f, _ in fits):.2f}..{max(f for f, _ in fits):.2f}"
-            cells[side] = (ttft["p50"], fixed)
+            fit_fixed = statistics.median(f for f, _ in fits)
+            fit_step = statistics.median(s for _, s in fits)
+            cells[side] = (ttft["p50"], fixed, fit_fixed)
             print(
                 f"{n:>4} {side:<10} {ttft['p50']:>9.3f} {ttft['p90']:>7.3f} {ttft['max']:>7.3f} "
-                f"{fixed:>8.3f} {spread:>15} {step * 1000:>8.1f} {last:>8.2f}"
+                f"{fixed:>8.3f} {spread:>13} {step * 1000:>8.1f} {fit_fixed:>9.3f} "
+                f"{fit_step * 1000:>8.1f}"
             )
-        (pt, pf), (mt, mf) = cells["pipeserve"], cells["mlx-lm"]
-        fixed_ratio = f"{pf / mf:>8.2f}" if mf > 0 else f"{'n/a':>8}"
-        print(f"{n:>4} {'ratio p/m':<10} {pt / mt:>9.2f} {'':>7} {'':>7} {fixed_ratio}")
+        (pt, pf, pfit), (mt, mf, mfit) = cells["pipeserve"], cells["mlx-lm"]
+        print(
+            f"{n:>4} {'ratio p/m':<10} {pt / mt:>9.2f} {'':>7} {'':>7} {ratio(pf, mf):>8} "
+            f"{'':>13} {'':>8} {ratio(pfit, mfit):>9}"
+        )
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "n/a"
 
 
 def median_rows(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -17,6 +17,7 @@ with each server as installed; --in-process adds `mlx_lm.stream_generate`'s deco
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +46,13 @@ from pipeserve.engine.demo import pipeserve_home
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
+_tags = itertools.count()
+
+
+def fresh_prompt() -> str:
+    """PROMPT behind a tag no earlier request had: no prompt-cache hit on either server
+    beyond the chat template's first tokens."""
+    return f"[{next(_tags)}] {PROMPT}"
 
 
 def stream_once(base: str, model: str, max_tokens: int, prompt: str = PROMPT) -> dict[str, float]:
@@ -90,9 +98,7 @@ def aggregate(base: str, model: str, streams: int, max_tokens: int) -> float:
     results: list[dict[str, float]] = []
     threads = [
         threading.Thread(
-            target=lambda i=i: results.append(
-                stream_once(base, model, max_tokens, f"{PROMPT} #{i}")
-            )
+            target=lambda i=i: results.append(stream_once(base, model, max_tokens, fresh_prompt()))
         )
         for i in range(streams)
     ]
@@ -107,14 +113,13 @@ def aggregate(base: str, model: str, streams: int, max_tokens: int) -> float:
 COLUMNS = ("ttft", "decode", "agg1", "agg4", "agg8")
 
 
-def measure_round(server: BenchServer, tokens: int) -> dict[str, float]:
-    """One round on one server: a single stream (TTFT, decode rate), then 1, 4 and 8
-    concurrent streams (aggregate tok/s)."""
-    single = stream_once(server.base, server.model, tokens)
-    row = {"ttft": single["ttft"], "decode": single["decode"]}
-    for n in (1, 4, 8):
-        row[f"agg{n}"] = aggregate(server.base, server.model, n, tokens)
-    return row
+def measure(server: BenchServer, kind: str, tokens: int) -> dict[str, float]:
+    """One measurement: "single" is one stream (time to first token, decode tok/s),
+    "aggN" N concurrent streams (aggregate tok/s)."""
+    if kind == "single":
+        single = stream_once(server.base, server.model, tokens, fresh_prompt())
+        return {"ttft": single["ttft"], "decode": single["decode"]}
+    return {kind: aggregate(server.base, server.model, int(kind.removeprefix("agg")), tokens)}
 
 
 def prefix_ratio(server: BenchServer) -> float:
@@ -128,16 +133,21 @@ def prefix_ratio(server: BenchServer) -> float:
 def alternate(
     servers: list[BenchServer], args: argparse.Namespace
 ) -> dict[str, list[dict[str, float]]]:
-    """Rounds over every server, one measured at a time while the others are paused;
-    the order flips each round so neither side always goes first."""
+    """Rounds over every server, one measured at a time while the others are paused.
+    Each measurement runs on every server back to back before the next one starts (so
+    the two halves of a ratio are seconds apart), and the order flips each round."""
     rounds: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
     for server in servers:  # warm-up, then paused until its turn
         stream_once(server.base, server.model, 8)
         server.pause()
     for r in range(args.rounds):
-        for server in servers if r % 2 == 0 else servers[::-1]:
-            with server.active():
-                rounds[server.name].append(measure_round(server, args.tokens))
+        row: dict[str, dict[str, float]] = {s.name: {} for s in servers}
+        for kind in ("single", "agg1", "agg4", "agg8"):
+            for server in servers if r % 2 == 0 else servers[::-1]:
+                with server.active():
+                    row[server.name].update(measure(server, kind, args.tokens))
+        for name, values in row.items():
+            rounds[name].append(values)
         print(f"  round {r + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
     return rounds
 
@@ -241,8 +251,8 @@ def bench_model(shape: str, home: Path) -> tuple[Path, str]:
 
 def print_table(label: str, rounds: dict[str, list[dict[str, float]]]) -> None:
     """Medians per server, then each pipeserve server's ratio to mlx_lm.server: of the
-    medians, and the range of the per-round ratios (round r of one against round r of
-    the other, measured back to back)."""
+    medians, and the median and range of the per-round ratios (the two halves of each
+    measured back to back)."""
     medians = {
         name: {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
         for name, rows in rounds.items()
@@ -257,11 +267,15 @@ def print_table(label: str, rounds: dict[str, list[dict[str, float]]]) -> None:
         print(
             f"{'ratio ' + name + ' / peer':<22}" + "".join(f"{ratios[c]:>12.2f}" for c in COLUMNS)
         )
-        spans = []
-        for c in COLUMNS:
-            per_round = [p[c] / m[c] for p, m in zip(rounds[name], rounds[peer]) if m[c]]
-            spans.append(f"{min(per_round):.2f}-{max(per_round):.2f}")
-        print(f"{'  per-round range':<22}" + "".join(f"{s:>12}" for s in spans))
+        paired = {
+            c: [p[c] / m[c] for p, m in zip(rounds[name], rounds[peer]) if m[c]] for c in COLUMNS
+        }
+        print(
+            f"{'  median of rounds':<22}"
+            + "".join(f"{statistics.median(paired[c]):>12.2f}" for c in COLUMNS)
+        )
+        spans = [f"{min(paired[c]):.2f}-{max(paired[c]):.2f}" for c in COLUMNS]
+        print(f"{'  rounds range':<22}" + "".join(f"{s:>12}" for s in spans))
 
 
 if __name__ == "__main__":
