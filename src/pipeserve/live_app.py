@@ -28,7 +28,7 @@ from pipeserve.config.memory import budget_bytes
 from pipeserve.config.models import ModelEntry
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.engine.base import Engine
-from pipeserve.server.fleet import Fleet
+from pipeserve.server.fleet import Fleet, FleetView
 from pipeserve.server.fleet_metrics import FleetCollector
 from pipeserve.server.managed_engine import ManagedEngine, run_off_hub
 from pipeserve.server.metrics import Metrics
@@ -78,7 +78,7 @@ class LiveApp:
         self.table = ModelTable([])
         self.reloads: Counter[str] = Counter()
         self.metrics = Metrics(lambda: self.table.stats())
-        self.metrics.registry.register(FleetCollector(self.fleet, lambda: dict(self.reloads)))
+        self.metrics.registry.register(FleetCollector(self._fleet_view, lambda: dict(self.reloads)))
         self._reload_lock = threading.Lock()
         self.app = self._apply(loaded)
         self.fleet.start_reaper()
@@ -181,9 +181,13 @@ class LiveApp:
                 host,
                 accepts_mock_response=entry.engine == "replay",
                 max_tokens_limit=entry.options.max_tokens_limit,
+                load=entry.load,
             )
 
         return remote
+
+    def _fleet_view(self) -> FleetView:
+        return self.host.fleet_view() if self.host is not None else self.fleet.view()
 
     def close(self) -> None:
         self.fleet.close()

@@ -143,6 +143,10 @@ def test_two_workers_answer_as_one(one_worker: str, two_workers: Server) -> None
         assert alone["finish_reason"] == "length"  # long enough for the tests below
         assert chat(base, prompt, logprobs=True, top_logprobs=2) == alone
         assert streamed(base, prompt) == streamed(one_worker, prompt)
+    # Residency comes from the engine host's fleet, in every worker.
+    (card,) = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+    assert (card["state"], card["load"]) == ("loaded", "startup")
+    assert 'pipeserve_model_resident{model="demo"} 1.0' in httpx.get(f"{base}/metrics").text
     schema = {"type": "json_object"}  # the grammar is rebuilt in the host from its text
     assert chat(base, PROMPTS[0], response_format=schema) == chat(
         one_worker, PROMPTS[0], response_format=schema

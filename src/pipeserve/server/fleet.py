@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeserve.config.models import ModelEntry
@@ -25,6 +26,19 @@ from pipeserve.server.managed_engine import ManagedEngine, weights_bytes
 log = logging.getLogger("pipeserve.fleet")
 REAP_INTERVAL = 1.0
 ROOM_WAIT_POLL = 1.0
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What /metrics shows of a fleet (also sent from the engine host to the workers)."""
+
+    models: list[tuple[str, bool, int]] = field(default_factory=list)  # name, loaded, bytes
+    resident: int = 0
+    peak_resident: int = 0
+    resident_bytes: int = 0
+    budget: int | None = None
+    loads: dict[str, int] = field(default_factory=dict)
+    unloads: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class Ticket:
@@ -196,6 +210,17 @@ class Fleet:
 
     def resident_bytes(self) -> int:
         return sum(e.memory_bytes() for e in self.resident())
+
+    def view(self) -> FleetView:
+        return FleetView(
+            models=[(e.name, e.state == "loaded", e.memory_bytes()) for e in self.current.values()],
+            resident=len(self.resident()),
+            peak_resident=self.peak_resident,
+            resident_bytes=self.resident_bytes(),
+            budget=self.budget,
+            loads=dict(self.loads),
+            unloads=dict(self.unloads),
+        )
 
     # -- reaper ---------------------------------------------------------------------------
 

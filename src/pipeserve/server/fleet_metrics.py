@@ -7,16 +7,20 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pipeserve.server.fleet import Fleet
+from pipeserve.server.fleet import FleetView
 
 
 class FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, reloads: Callable[[], dict[str, int]]) -> None:
-        self.fleet = fleet
+    """`view` is this worker's fleet, or the engine host's (server.workers > 1)."""
+
+    def __init__(
+        self, view: Callable[[], FleetView], reloads: Callable[[], dict[str, int]]
+    ) -> None:
+        self.view = view
         self.reloads = reloads
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        fleet = self.fleet
+        fleet = self.view()
         resident = GaugeMetricFamily(
             "pipeserve_model_resident", "1 while the model's weights are loaded", labels=["model"]
         )
@@ -25,13 +29,13 @@ class FleetCollector(Collector):
             "Resident model memory: weights as stored plus the prefix cache",
             labels=["model"],
         )
-        for engine in fleet.current.values():
-            resident.add_metric([engine.name], float(engine.state == "loaded"))
-            memory.add_metric([engine.name], float(engine.memory_bytes()))
+        for name, loaded, nbytes in fleet.models:
+            resident.add_metric([name], float(loaded))
+            memory.add_metric([name], float(nbytes))
         yield resident
         yield memory
         yield GaugeMetricFamily(
-            "pipeserve_resident_models", "Models loaded or loading", value=len(fleet.resident())
+            "pipeserve_resident_models", "Models loaded or loading", value=fleet.resident
         )
         yield GaugeMetricFamily(
             "pipeserve_resident_models_peak",
@@ -41,7 +45,7 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily(
             "pipeserve_resident_memory_bytes",
             "Memory of the loaded models (as counted against the budget)",
-            value=fleet.resident_bytes(),
+            value=fleet.resident_bytes,
         )
         if fleet.budget is not None:
             yield GaugeMetricFamily(

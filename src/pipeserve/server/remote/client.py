@@ -29,6 +29,7 @@ from pipeserve.engine.channel import Channel
 from pipeserve.engine.stream import EngineStream
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, PromptReady, TokenText, Usage
+from pipeserve.server.fleet import FleetView
 from pipeserve.server.remote.wire import api_error, frames, outbound_job, send_frame
 
 log = logging.getLogger("pipeserve.enginehost")
@@ -101,9 +102,14 @@ class HostClient:
             channel, lambda: self._send_quietly(("cancel", key)), job.keepalive_interval
         )
 
+    def fleet_view(self) -> FleetView:
+        """The engine host's fleet for /metrics (empty while it cannot be reached)."""
+        status = self.status()
+        return status["fleet"] if status is not None else FleetView()
+
     def status(self) -> dict[str, Any] | None:
-        """Every hosted model's health, residency and stats by model key; None when the
-        host cannot be reached (self.down_reason says why)."""
+        """{"models": health, residency and stats by model key, "fleet": FleetView}; None
+        when the host cannot be reached (self.down_reason says why)."""
         cached = self._status
         if cached is not None and time.monotonic() - cached[0] < STATUS_TTL:
             return cached[1]
@@ -229,8 +235,10 @@ class RemoteEngine:
         *,
         accepts_mock_response: bool,
         max_tokens_limit: int | None,
+        load: str = "startup",
     ) -> None:
         self.name = name
+        self.load = load  # the entry's load policy, for /v1/models while the host is down
         self.key = key
         self.client = client
         self.accepts_mock_response = accepts_mock_response
@@ -241,7 +249,7 @@ class RemoteEngine:
 
     def _status(self) -> dict[str, Any] | None:
         status = self.client.status()
-        return None if status is None else status.get(self.key)
+        return None if status is None else status["models"].get(self.key)
 
     def stats(self) -> dict[str, float]:
         status = self._status()
@@ -262,7 +270,7 @@ class RemoteEngine:
     def describe(self) -> dict[str, Any]:
         status = self._status()
         if status is None:
-            return {"state": "not-loaded", "memory_bytes": 0}
+            return {"state": "not-loaded", "load": self.load, "memory_bytes": 0}
         return dict(status["describe"])
 
     def close(self) -> None:

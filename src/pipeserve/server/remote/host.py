@@ -110,17 +110,18 @@ class HostedModels:
         stream: TokenStream = managed(runtime).submit(job)
         return stream
 
-    def status(self) -> dict[str, dict[str, Any]]:
-        out = {}
+    def status(self) -> dict[str, Any]:
+        """Each model's health, residency and stats by key, and the fleet's view."""
+        models = {}
         for key, runtime in self.runtimes.items():
             engine = managed(runtime)
-            out[key] = {
+            models[key] = {
                 "healthy": engine.healthy,
                 "reason": engine.health_reason,
                 "describe": engine.describe(),
                 "stats": engine.stats(),
             }
-        return out
+        return {"models": models, "fleet": self.fleet.view()}
 
     def reap_gone(self) -> None:
         """Forget retired runtimes once the fleet has unloaded and dropped them."""
