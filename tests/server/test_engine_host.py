@@ -128,6 +128,11 @@ def active_sequences(base: str) -> float:
     raise AssertionError(f"no active_sequences metric in:\n{text}")
 
 
+def state(base: str, model: str) -> str:
+    card = httpx.get(f"{base}/v1/models/{model}", timeout=10).json()
+    return str(card["state"])
+
+
 def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -219,7 +224,7 @@ def test_reload_adds_a_model_to_the_engine_host(two_workers: Server) -> None:
     base, master, path = two_workers
     echo = (
         "  - {name: echo, source: 'demo:qwen3', pipeline: qwen3, engine: replay,"
-        " replay: {completion: 'Hello from the engine host'}}\n"
+        " load: on_demand, replay: {completion: 'Hello from the engine host'}}\n"
     )
     path.write_text(path.read_text().replace("endpoints:", echo + "endpoints:"))
     os.kill(master, signal.SIGHUP)
@@ -228,8 +233,10 @@ def test_reload_adds_a_model_to_the_engine_host(two_workers: Server) -> None:
         return server_log(base).read_text().count("reloaded " + str(path))
 
     wait_for(lambda: reloaded() == 2, "both workers to reload")
+    assert state(base, "echo") == "not-loaded"  # on_demand: the host loads it when asked
     answer = client(base).chat.completions.create(
         model="echo", messages=[{"role": "user", "content": "hi"}]
     )
     assert answer.choices[0].message.content == "Hello from the engine host"
+    wait_for(lambda: state(base, "echo") == "loaded", "both workers to see it loaded")
     assert chat(base, PROMPTS[0])["finish_reason"] == "length"  # demo kept serving

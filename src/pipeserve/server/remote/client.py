@@ -35,7 +35,7 @@ from pipeserve.server.remote.wire import api_error, frames, outbound_job, send_f
 log = logging.getLogger("pipeserve.enginehost")
 CONNECT_WAIT = 10.0  # seconds a request waits for a (restarting) host to accept it
 CONNECT_RETRY = 0.2
-STATUS_TTL = 0.5  # seconds a status answer is reused (/health, /metrics, /v1/models)
+STATUS_TTL = 0.1  # seconds a status answer is reused (one /metrics or /health answer)
 STATUS_WAIT = 5.0
 SUBMIT_WAIT = 600.0  # a submit may wait for a reload or a grammar compilation
 
