@@ -92,7 +92,13 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[ToolSpec]:
             f"{path}.function.parameters",
             "expected an object",
         )
-        spec = ToolSpec(name, str(fn.get("description") or ""), strict=fn.get("strict") is True)
+        strict = fn.get("strict")
+        check(
+            strict is None or isinstance(strict, bool),
+            f"{path}.function.strict",
+            "expected a boolean",
+        )
+        spec = ToolSpec(name, str(fn.get("description") or ""), strict=strict is True)
         if params:
             spec.parameters = params
         specs.append(spec)

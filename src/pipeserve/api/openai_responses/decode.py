@@ -184,7 +184,15 @@ def _function_spec(tool: dict[str, Any], path: str, namespace: str | None = None
     name, params = fn.get("name"), fn.get("parameters")
     check(isinstance(name, str) and name != "", f"{path}.name")
     check(params is None or isinstance(params, dict), f"{path}.parameters", "expected an object")
-    spec = ToolSpec(f"{namespace}.{name}" if namespace else name, str(fn.get("description") or ""))
+    strict = fn.get("strict")
+    check(strict is None or isinstance(strict, bool), f"{path}.strict", "expected a boolean")
+    # Responses function tools are strict unless they say otherwise (the API's default;
+    # the openai SDK always sends the field): arguments are enforced by a grammar.
+    spec = ToolSpec(
+        f"{namespace}.{name}" if namespace else name,
+        str(fn.get("description") or ""),
+        strict=strict is not False,
+    )
     if params:
         spec.parameters = params
     return spec

@@ -24,6 +24,7 @@ import json
 from typing import Any
 
 from pipeserve.constraint import Envelope, GrammarPlan, Tokens
+from pipeserve.engine.grammar import GrammarError
 from pipeserve.request import ToolSpec
 from pipeserve.stages.grammar_plan import (
     ANY_TEXT,
@@ -113,8 +114,6 @@ def auto_answer(
 def check_strict_schemas(tools: list[ToolSpec]) -> None:
     """A strict tool's schema must compile on its own: the error names the tool."""
     import llguidance
-
-    from pipeserve.engine.grammar import GrammarError
 
     for tool in tools:
         if not tool.strict:
