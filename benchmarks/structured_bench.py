@@ -4,11 +4,15 @@ Runs pipeserve's MLX engine in process on a model (default: the qwen3 demo model
 decodes batches of 1 and 8 sequences of --tokens tokens each, at temperature 1.0,
 free or constrained by a JSON schema that cannot end before --tokens (an array of at
 least 100 nested objects with patterns, enums and ranges: steady-state JSON, like a
-long structured answer). Rounds alternate free / constrained, so load changes on a
-shared machine hit both; prints the median aggregate tok/s per cell and the ratio.
+long structured answer), or with `--grammar text` by the grammar of a strict tool
+under tool_choice auto while the model writes free text (nearly every token allowed:
+the mask's worst case, paid by every answer token of such a request). Rounds
+alternate free / constrained, so load changes on a shared machine hit both; prints the
+median aggregate tok/s per cell and the ratio.
 
     python benchmarks/structured_bench.py [--model demo:qwen3] [--tokens 96] [--rounds 5]
     python benchmarks/structured_bench.py --model bench:small   # the 116M serving shape
+    python benchmarks/structured_bench.py --grammar text        # free text under strict tools
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from pipeserve.engine.grammar import GrammarCompiler
 from pipeserve.engine.loader import eos_token_ids, load_tokenizer, read_config, resolve_source
 from pipeserve.engine.mlx_engine import build_mlx_engine
 from pipeserve.events import TokenText
-from pipeserve.request import OutputFormat, SamplingParams
+from pipeserve.request import OutputFormat, SamplingParams, ToolSpec
 from pipeserve.stages.grammar_plan import response_grammar
+from pipeserve.stages.toolfmt.call_grammar import auto_call_plan
+from pipeserve.stages.toolfmt.json_format import JsonParams
 
 ITEM: dict[str, Any] = {
     "type": "object",
@@ -49,6 +55,17 @@ ITEM: dict[str, Any] = {
     "additionalProperties": False,
 }
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 100}
+
+
+def bench_grammar(kind: str, compiler: GrammarCompiler) -> str:
+    if kind == "text":
+        tool = ToolSpec(
+            "lookup", "", {"type": "object", "properties": {"q": {"type": "string"}}}, True
+        )
+        plan = auto_call_plan(JsonParams(format="json"), [tool], None, False, single=False)
+        assert plan is not None
+        return plan.build(compiler)
+    return response_grammar(compiler, OutputFormat("json_schema", SCHEMA), Envelope(), False)
 
 
 def model_dir(source: str) -> Path:
@@ -100,16 +117,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--grammar", choices=("schema", "text"), default="schema")
     args = parser.parse_args()
     path = model_dir(args.model)
     tokenizer = load_tokenizer(path)
     eos = eos_token_ids(tokenizer, path)
     compiler = GrammarCompiler(tokenizer, read_config(path).get("vocab_size"), eos)
-    grammar = response_grammar(compiler, OutputFormat("json_schema", SCHEMA), Envelope(), False)
+    grammar = bench_grammar(args.grammar, compiler)
     engine = build_mlx_engine("bench", path, tokenizer, EngineOptions(max_batch=8))
     try:
         run_round(engine, compiler, grammar, 1, 8, eos)  # warm up: compile, caches
-        print(f"model {args.model}, {args.tokens} tokens per sequence, {args.rounds} rounds")
+        print(
+            f"model {args.model}, grammar {args.grammar}, {args.tokens} tokens per sequence, "
+            f"{args.rounds} rounds"
+        )
         print("| batch | free tok/s | constrained tok/s | ratio |")
         print("|---|---|---|---|")
         for batch in (int(b) for b in args.batches.split(",")):
