@@ -174,9 +174,6 @@ def serve(
         print(str(error), file=sys.stderr)
         return 1
     worker_count = workers or settings.workers or config.server.workers
-    if worker_count != 1 and any(m.options.sharding for m in config.models):
-        print("pipeserve: a sharded model needs exactly one gunicorn worker", file=sys.stderr)
-        return 1
     options = gunicorn_options(
         config,
         host or settings.host or config.server.host,

@@ -43,10 +43,12 @@ def sharded_config(
     step_timeout: float = 60.0,
     start_timeout: float = 300.0,
     plain: bool = True,
+    workers: int = 1,
 ) -> Path:
     config = tmp / f"sharded-{family}-{strategy}.yaml"
     config.write_text(
         f"pipelines_dir: {REPO / 'pipelines'}\n"
+        f"server: {{workers: {workers}}}\n"
         "models:\n"
         + (f"  - {{name: plain, source: 'demo:{family}', pipeline: {family}}}\n" if plain else "")
         + f"  - name: split\n    source: 'demo:{family}'\n    pipeline: {family}\n"
@@ -127,15 +129,16 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             current.pop("context").__exit__(None, None, None)
             current.clear()
 
-    def get(family: str, strategy: str, step_timeout: float = 60.0) -> tuple[str, Any]:
-        if current.get("key") != (family, strategy):
+    def get(
+        family: str, strategy: str, step_timeout: float = 60.0, workers: int = 1
+    ) -> tuple[str, Any]:
+        if current.get("key") != (family, strategy, workers):
             stop_current()
             tmp = tmp_path_factory.mktemp("sharded")
-            context = server_process(
-                sharded_config(tmp, family, strategy, step_timeout), startup_timeout=300
-            )
+            config = sharded_config(tmp, family, strategy, step_timeout, workers=workers)
+            context = server_process(config, startup_timeout=300)
             base, proc = context.__enter__()
-            current.update(key=(family, strategy), context=context, base=base, proc=proc)
+            current.update(key=(family, strategy, workers), context=context, base=base, proc=proc)
         return current["base"], current["proc"]
 
     def stop_all() -> list[int]:
@@ -216,6 +219,30 @@ def test_lost_rank_ends_streams_with_an_error_and_the_group_restarts(
     assert health(base) != 200  # unhealthy (or restarting) until the group is back
     wait_healthy(base)
     assert not alive(victim)
+    (replacement,) = peer_pids(proc.pid)
+    assert replacement != victim
+    assert answer(client, "split", PROMPTS[0]) == reference
+
+
+def test_two_workers_share_rank0_in_the_engine_host(
+    servers: dict[str, Any], demo_tokenizer: Any
+) -> None:
+    """server.workers: 2: rank 0 runs in the engine host for both workers; a lost rank
+    fails the stream in protocol, and the master's restart of the host regroups."""
+    base, proc = servers["get"]("qwen3", "tensor", step_timeout=10.0, workers=2)
+    client = OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0, timeout=120)
+    reference = answer(client, "plain", PROMPTS[0])
+    assert answer(client, "split", PROMPTS[0]) == reference
+    (victim,) = peer_pids(proc.pid)
+    chunks = iter(endless(client, sorted(demo_tokenizer("qwen3").eos_token_ids)))
+    for _ in range(3):
+        next(chunks)
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as caught:
+        for _ in chunks:
+            pass
+    assert "sharded model failed" in str(caught.value)
+    wait_healthy(base)
     (replacement,) = peer_pids(proc.pid)
     assert replacement != victim
     assert answer(client, "split", PROMPTS[0]) == reference

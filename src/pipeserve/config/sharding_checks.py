@@ -1,5 +1,5 @@
-"""Checks of `options.sharding` that need more than one model entry: the server's worker
-count, one sharded model per server, the installed MLX's backends, the hosts file, and
+"""Checks of `options.sharding` that need more than one model entry: one sharded model per
+server, the installed MLX's backends, the hosts file, and
 whether the model's architecture can be sharded that way (from its config.json; a Hub
 model not downloaded yet is checked when it loads).
 """
@@ -20,11 +20,6 @@ def check_sharding(doc: YamlDoc, config: ServerConfig) -> list[Problem]:
     """Every sharding problem of a parsed config; resolves `hostfile` against its folder."""
     problems: list[Problem] = []
     sharded = [(i, m) for i, m in enumerate(config.models) if m.options.sharding is not None]
-    if sharded and config.server.workers != 1:
-        message = (
-            f"a sharded model needs exactly one gunicorn worker ({sharded[0][1].name!r} is sharded)"
-        )
-        problems.append(doc.problem(("server", "workers"), message))
     for count, (index, entry) in enumerate(sharded):
         options = entry.options.sharding
         assert options is not None

@@ -3,8 +3,9 @@
 The engine thread starts the group (group.py), loads rank 0's share (load.py) and runs a
 Rank0Batch (lockstep.py). When the group is lost the model turns unhealthy (`/health`
 503, new requests get `unavailable`), requests in flight end with an error event, and,
-in a server, the worker exits shortly after so gunicorn starts a fresh one, which
-starts a fresh group (an mx.distributed group cannot be re-initialised in a process).
+in a server, the process exits shortly after so that a fresh one starts a fresh group
+(an mx.distributed group cannot be re-initialised in a process): gunicorn forks a new
+worker, or, with server.workers > 1, the master restarts the engine host (rank 0's home).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import queue
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,5 +152,16 @@ class ShardedEngine(MlxEngine):
         courier.flush()
 
     def _exit_worker(self) -> None:
-        log.error("model %s: exiting this worker so that a new one restarts the group", self.name)
-        os.kill(os.getpid(), signal.SIGTERM)
+        log.error("model %s: exiting this process so that a new one restarts the group",
+                  self.name)  # fmt: skip
+        exit_process()
+
+
+def stop_this_worker() -> None:
+    """A gunicorn worker stops (gunicorn forks a fresh one, which starts a fresh group)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# How a process whose group was lost leaves, so that its supervisor starts a fresh one:
+# the engine host (server.workers > 1) replaces it with its own exit (the master restarts it).
+exit_process: Callable[[], None] = stop_this_worker

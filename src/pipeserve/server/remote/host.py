@@ -294,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     gevent.signal_handler(signal.SIGHUP, lambda: gevent.spawn(reload, models, args.snapshot))
     log.info("engine host %d: loading models", os.getpid())
     try:
-        models.apply(read_snapshot(args.snapshot))
+        loaded = read_snapshot(args.snapshot)
+        if any(entry.options.sharding for entry in loaded.config.models):
+            from pipeserve.engine.sharding import engine as sharded
+
+            sharded.exit_process = exit_now  # a lost group: the master restarts the host
+        models.apply(loaded)
     except Exception:
         log.exception("engine host: loading the models failed")
         return 1
@@ -303,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info("engine host %d: stopping", os.getpid())
     models.fleet.close()
     return 0
+
+
+def exit_now() -> None:
+    """Leave at once (a sharded model's engine thread may be stuck in a collective, so no
+    orderly close); the workers fail what is left in flight and the master restarts us."""
+    logging.shutdown()
+    os._exit(3)
 
 
 def read_snapshot(path: Path) -> LoadedConfig:
