@@ -119,6 +119,7 @@ class HostClient:
             answer: dict[str, Any] = self._ask(sock, key, ("status", key), STATUS_WAIT)
         except ApiError:
             return None
+        self.down_reason = ""
         self._status = (time.monotonic(), answer)
         return answer
 
@@ -129,7 +130,8 @@ class HostClient:
             self._send(sock, message)
             return result.get(timeout=timeout)
         except gevent.Timeout:
-            raise ApiError("unavailable", "the engine host did not answer", retry_after=1) from None
+            self.down_reason = f"the engine host did not answer within {timeout:.0f} s"
+            raise ApiError("unavailable", self.down_reason, retry_after=1) from None
         finally:
             self._replies.pop(key, None)
 
