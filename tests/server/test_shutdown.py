@@ -18,7 +18,7 @@ pytestmark = pytest.mark.server
 
 # graceful_timeout 60: a stop that waited for idle keep-alive connections would take it.
 CONFIG = f"""
-server: {{graceful_timeout: 60}}
+server: {{graceful_timeout: 60, workers: WORKERS}}
 pipelines_dir: {REPO / "pipelines"}
 models:
   - name: slow
@@ -32,10 +32,14 @@ endpoints:
 BODY = {"model": "slow", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def test_stop_finishes_streams_and_releases_idle_keepalive(tmp_path: Path) -> None:
+# workers 2: the model runs in the engine host, which ignores the process group's SIGTERM
+# so that the draining workers keep their engine, and stops after them.
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stop_finishes_streams_and_releases_idle_keepalive(tmp_path: Path, workers: int) -> None:
     config = tmp_path / "slow.yaml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG.replace("WORKERS", str(workers)))
     with server_process(config) as (base, proc), httpx.Client(base_url=base, timeout=30) as pooled:
+        children = descendants(proc.pid)
         assert (
             pooled.post("/v1/chat/completions", json=BODY).status_code == 200
         )  # now idle in the pool
@@ -51,6 +55,20 @@ def test_stop_finishes_streams_and_releases_idle_keepalive(tmp_path: Path) -> No
         assert pooled.is_closed is False
     assert "".join(streamed).endswith("[DONE]"), streamed
     assert "one two three four five six" in "".join(streamed)
+    _wait_for(lambda: not [pid for pid in children if Path(f"/proc/{pid}").exists()])
+
+
+def descendants(root: int) -> list[int]:
+    """The server's processes below the master (workers, engine host), by parent pid."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return [pid for pid, parent in parents.items() if parent == root]
 
 
 def _stream_into(base: str, out: list[str]) -> None:
