@@ -45,8 +45,8 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield base
 
 
-def chat(base: str, content: str, max_tokens: int, stream: bool = False) -> httpx.Response:
-    body = {
+def chat_body(content: str, max_tokens: int, stream: bool = False) -> dict[str, object]:
+    return {
         "model": "demo",
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
@@ -54,6 +54,10 @@ def chat(base: str, content: str, max_tokens: int, stream: bool = False) -> http
         "stream": stream,
         "reasoning_effort": "none",
     }
+
+
+def chat(base: str, content: str, max_tokens: int, stream: bool = False) -> httpx.Response:
+    body = chat_body(content, max_tokens, stream)
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
 
 
@@ -65,14 +69,7 @@ def metric(base: str, name: str) -> float:
 
 def stream_chunk_times(base: str, content: str, max_tokens: int, into: list[float]) -> None:
     """Stream a chat answer, appending the arrival time of every SSE data line to `into`."""
-    body = {
-        "model": "demo",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "reasoning_effort": "none",
-    }
+    body = chat_body(content, max_tokens, stream=True)
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=300) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: "):
