@@ -17,6 +17,7 @@ tokens and computes the masks, instead of one after the other.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ log = logging.getLogger("pipeserve.engine")
 Sampler = Callable[[mx.array], mx.array]
 SUBSET_LIMIT = 16384  # draw among the allowed tokens when there are at most this many
 SUBSET_MIN = 16
+BIAS_ROWS = 16  # full-vocabulary bias rows kept per batch (about 0.6 MB each at 150k)
 _BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # banned, allowed
 
 
@@ -76,13 +78,14 @@ class RowConstraint:
             self.owner.refresh(logprobs)
         assert self.mask is not None
         allowed = allowed_bits(self.mask, logprobs.shape[-1])
-        ids = np.flatnonzero(allowed)
-        if len(ids) == 1:
+        few = np.count_nonzero(allowed) <= SUBSET_LIMIT  # listing ids costs a scan
+        ids = np.flatnonzero(allowed) if few else None
+        if ids is not None and len(ids) == 1:
             token = mx.array(ids.astype(np.uint32))  # forced: nothing to draw
-        elif self.subsets and len(ids) <= SUBSET_LIMIT:
+        elif ids is not None and self.subsets:
             token = self._draw_among(logprobs, ids)
         else:
-            masked = logprobs + mx.array(_BIAS[allowed.view(np.uint8)])[None]
+            masked = logprobs + self.owner.bias_row(self.mask, allowed)[None]
             token = self.inner(_normalized(masked) if self.normalize else masked)
         self.previous, self.mask, self.sampled_at = token, None, self.owner.step
         return token
@@ -108,6 +111,7 @@ class ConstraintSet:
 
         self.executor = llguidance.LLExecutor(threads)
         self.rows: dict[int, RowConstraint] = {}
+        self.bias_rows: OrderedDict[bytes, mx.array] = OrderedDict()
         self.step = 0
 
     def wrap(
@@ -115,6 +119,20 @@ class ConstraintSet:
     ) -> Sampler:
         row = RowConstraint(self, spec, sampler, filters)
         self.rows[key] = row
+        return row
+
+    def bias_row(self, mask: np.ndarray, allowed: np.ndarray) -> mx.array:
+        """The 0 / -inf row of a mask, kept on the device for masks seen recently: free
+        text repeats one mask step after step, so its row is built once, not per step."""
+        key = mask.tobytes() + len(allowed).to_bytes(4, "little")
+        row = self.bias_rows.get(key)
+        if row is None:
+            row = mx.array(_BIAS[allowed.view(np.uint8)])
+            self.bias_rows[key] = row
+            while len(self.bias_rows) > BIAS_ROWS:
+                self.bias_rows.popitem(last=False)
+        else:
+            self.bias_rows.move_to_end(key)
         return row
 
     def release(self, key: int) -> None:
