@@ -10,7 +10,11 @@ r"""Independent references for GGUF models, sharing no code with pipeserve's con
   `tokenizer.ggml.pre` "smollm" and falls back to GPT-2's; llama.cpp splits such
   vocabularies at every digit first (its regex list for smollm / starcoder starts with
   `\p{N}`, as SmolLM2's own tokenizer.json has a Digits step). `llama_cpp_splits` adds
-  that first split in front of transformers' pre-tokenizer.
+  that first split in front of transformers' pre-tokenizer. For sentencepiece-style
+  (`llama`) vocabularies transformers prepends "▁" with a Metaspace pre-tokenizer (at the
+  start only, and not before a leading space); llama.cpp puts one before every piece of
+  text between special tokens, as sentencepiece does: `llama_cpp_splits` swaps in that
+  rule, the same normalizer transformers' own phi3 builder uses.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], Any]:
 
 def transformers_tokenizer(path: Path, llama_cpp_splits: bool = True) -> Any:
     """transformers' tokenizer for the GGUF (a `tokenizers.Tokenizer`)."""
-    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
@@ -47,6 +51,10 @@ def transformers_tokenizer(path: Path, llama_cpp_splits: bool = True) -> Any:
         if f"tokenizer.{key}" in meta
     }
     backend, _ = convert_gguf_tokenizer(meta["general.architecture"], spec)
+    if llama_cpp_splits and spec.get("tokenizer_type") == "llama":
+        prefix = [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+        backend.normalizer = normalizers.Sequence(prefix)
+        backend.pre_tokenizer = None
     first = LLAMA_CPP_FIRST_SPLIT.get(spec.get("pre_tokenizer_type", ""))
     if llama_cpp_splits and first:
         split = pre_tokenizers.Split(Regex(first), behavior="isolated")

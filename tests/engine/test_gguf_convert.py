@@ -129,12 +129,12 @@ def _error(path: Path, home: Path, sha256: str | None = None) -> str:
 
 
 def test_unsupported_tensor_type_names_it(tmp_path: Path) -> None:
-    q4k = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one 256-weight Q4_K block
-    gguf = write_tiny_gguf(tmp_path / "m.gguf", raw_tensors={"blk.0.extra.weight": (q4k, T.Q4_K)})
+    iq4 = np.zeros((4, 18), dtype=np.uint8)  # 4 rows of one 32-weight IQ4_NL block
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", raw_tensors={"blk.0.extra.weight": (iq4, T.IQ4_NL)})
     message = _error(gguf, tmp_path / "home")
     assert message == (
-        "tensor blk.0.extra.weight has GGUF type Q4_K, which is not supported "
-        "(supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)"
+        "tensor blk.0.extra.weight has GGUF type IQ4_NL, which is not supported (supported: "
+        "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1)"
     )
     assert not (tmp_path / "home" / "gguf").exists() or not any((tmp_path / "home/gguf").iterdir())
 

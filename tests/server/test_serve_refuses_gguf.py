@@ -38,15 +38,16 @@ def serve(
 
 
 def test_unsupported_gguf_tensor_type_refuses_to_start(tmp_path: Path) -> None:
-    q4k = np.zeros((4, 144), dtype=np.uint8)
+    iq4 = np.zeros((4, 18), dtype=np.uint8)  # an i-quant: not converted
     gguf = write_tiny_gguf(
-        tmp_path / "k.gguf", raw_tensors={"blk.0.extra.weight": (q4k, GGMLQuantizationType.Q4_K)}
+        tmp_path / "k.gguf", raw_tensors={"blk.0.extra.weight": (iq4, GGMLQuantizationType.IQ4_NL)}
     )
     result = serve(tmp_path, f"{{name: x, source: {gguf}, pipeline: chatml}}")
     assert result.returncode == 1
     assert (
         f"pipeserve: model 'x': cannot get '{gguf}': tensor blk.0.extra.weight has GGUF type "
-        "Q4_K, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)\n"
+        "IQ4_NL, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, "
+        "Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1)\n"
     ) in result.stderr
     assert "Listening at" not in result.stdout + result.stderr
 

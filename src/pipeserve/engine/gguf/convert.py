@@ -1,9 +1,10 @@
 """One GGUF file -> one mlx-lm model folder (config.json, model.safetensors, tokenizer).
 
-Metadata and tensor types are read with gguf-py (llama.cpp's own reader); the weights
-with `mx.load`, which keeps Q4_0 / Q4_1 / Q8_0 blocks as MLX affine-quantized arrays
-(group size 32) and F32 / F16 / BF16 as they are. Anything else is refused by name
-before any weight is read.
+Metadata and tensor types are read with gguf-py (llama.cpp's own reader). A file of
+F32 / F16 / BF16 / Q4_0 / Q4_1 / Q8_0 tensors is loaded with `mx.load`, which keeps the
+quantized blocks exactly as MLX affine arrays (group size 32). A file holding K-quants
+(or Q5_0 / Q5_1) is read tensor by tensor and re-quantized (requantize.py). Anything
+else (the i-quants, ternary types) is refused by name before any weight is read.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pipeserve.engine.gguf.architectures import (
     Architecture,
 )
 from pipeserve.engine.gguf.files import GgufError
+from pipeserve.engine.gguf.requantize import GROUP_SIZE, NEEDS_REQUANT, REQUANT_BITS, read_tensor
 from pipeserve.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 
+# Types mx.load keeps exactly as MLX affine arrays (32 weights per scale in GGUF too).
 QUANT_BITS: dict[str, int] = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 PLAIN_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
-GROUP_SIZE = 32  # every GGUF block type kept here packs 32 weights per scale
-SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *QUANT_BITS))
+SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *QUANT_BITS, *NEEDS_REQUANT))
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
@@ -54,8 +56,9 @@ def convert(path: Path, out: Path) -> None:
     check_tensor_types(types)
     names = {gguf: mlx_name(gguf, arch) for gguf in types}
     tokenizer = build_tokenizer(meta)
-    config = model_config(meta, arch_name, arch, names, types)
-    weights = load_weights(path, names)
+    requant = any(kind in NEEDS_REQUANT for kind in types.values())
+    config = model_config(meta, arch_name, arch, names, types, requant)
+    weights = read_weights(path, names) if requant else load_weights(path, names)
     import mlx.core as mx
 
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -77,7 +80,7 @@ def architecture(name: str) -> Architecture:
 
 def check_tensor_types(types: dict[str, str]) -> None:
     for name, kind in types.items():
-        if kind not in PLAIN_TYPES and kind not in QUANT_BITS:
+        if kind not in PLAIN_TYPES and kind not in REQUANT_BITS:
             raise GgufError(
                 f"tensor {name} has GGUF type {kind}, which is not supported "
                 f"(supported: {SUPPORTED_TYPES})"
@@ -107,6 +110,7 @@ def model_config(
     arch: Architecture,
     names: dict[str, str],
     types: dict[str, str],
+    requant: bool,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {"model_type": arch.model_type}
     for key, gguf_key in CONFIG_KEYS.items():
@@ -129,7 +133,7 @@ def model_config(
     config["eos_token_id"] = _eos_ids(meta)
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    quantization = quantization_config(names, types)
+    quantization = quantization_config(names, types, REQUANT_BITS if requant else QUANT_BITS)
     if quantization:
         config["quantization"] = quantization
     return config
@@ -148,13 +152,11 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def quantization_config(names: dict[str, str], types: dict[str, str]) -> dict[str, Any]:
+def quantization_config(
+    names: dict[str, str], types: dict[str, str], widths: dict[str, int]
+) -> dict[str, Any]:
     """mlx-lm's `quantization`: the most common bit width, other widths per layer."""
-    bits = {
-        names[n]: QUANT_BITS[t]
-        for n, t in types.items()
-        if t in QUANT_BITS and n.endswith(".weight")
-    }
+    bits = {names[n]: widths[t] for n, t in types.items() if t in widths and n.endswith(".weight")}
     if not bits:
         return {}
     common = Counter(bits.values()).most_common(1)[0][0]
@@ -178,6 +180,18 @@ def load_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
             raise GgufError(f"unexpected tensor {key} in {path.name}")
         gguf_name = f"{stem}.bias" if suffix == "bias" else f"{stem}.weight"
         weights[f"{names[gguf_name]}.{suffix}"] = value
+    return weights
+
+
+def read_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
+    """Every tensor read on its own through gguf-py, quantized ones re-quantized."""
+    from gguf import GGUFReader
+
+    weights: dict[str, Any] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        for suffix, value in read_tensor(tensor).items():
+            part = "bias" if tensor.name.endswith(".bias") else suffix
+            weights[f"{names[tensor.name]}.{part}"] = value
     return weights
 
 

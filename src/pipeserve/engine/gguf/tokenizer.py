@@ -1,5 +1,6 @@
 """A Hugging Face `tokenizer.json` + `tokenizer_config.json` from a GGUF's
-`tokenizer.ggml.*` metadata (byte-level BPE, the `gpt2` tokenizer model).
+`tokenizer.ggml.*` metadata: byte-level BPE (the `gpt2` tokenizer model) here, the
+sentencepiece-style `llama` model in sentencepiece.py.
 
 How text is split before BPE depends on the vocabulary: llama.cpp names the rule in
 `tokenizer.ggml.pre`, and PRE_TOKENIZERS below gives each name's split (the same
@@ -15,8 +16,10 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from pipeserve.engine.gguf.files import GgufError
+from pipeserve.engine.gguf.sentencepiece import build_spm_tokenizer
 
 # llama.cpp token types (gguf.TokenType).
+UNKNOWN = 2
 CONTROL = 3
 USER_DEFINED = 4
 
@@ -74,10 +77,30 @@ def pre_tokenizer_of(name: str) -> PreTokenizer:
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """The fast tokenizer the metadata describes."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    if kind == "gpt2":
+        tokenizer = _byte_level_tokenizer(meta)
+    elif kind == "llama":
+        tokenizer = build_spm_tokenizer(meta)
+    else:
         raise UnsupportedTokenizer(
-            f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, byte-level BPE)"
+            f"tokenizer.ggml.model {kind!r} is not supported "
+            "(supported: gpt2 (byte-level BPE), llama (sentencepiece))"
         )
+    post_processor = _post_processor(meta, tokens)
+    if post_processor is not None:
+        tokenizer.post_processor = post_processor
+    _add_special_tokens(tokenizer, tokens, meta.get("tokenizer.ggml.token_type") or [])
+    return tokenizer
+
+
+def adds_bos(meta: dict[str, Any]) -> bool:
+    """llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say."""
+    default = meta.get("tokenizer.ggml.model") == "llama"
+    return bool(meta.get("tokenizer.ggml.add_bos_token", default))
+
+
+def _byte_level_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     pre = pre_tokenizer_of(str(meta.get("tokenizer.ggml.pre", "default")))
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
@@ -89,8 +112,6 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = _post_processor(meta, tokens)
-    _add_special_tokens(tokenizer, tokens, meta.get("tokenizer.ggml.token_type") or [])
     return tokenizer
 
 
@@ -104,10 +125,11 @@ def _pre_tokenizer(pre: PreTokenizer) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(steps)
 
 
-def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
+def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor | None:
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if not meta.get("tokenizer.ggml.add_bos_token") or bos_id is None:
-        return processors.ByteLevel(trim_offsets=False)
+    if not adds_bos(meta) or bos_id is None:
+        byte_level = meta.get("tokenizer.ggml.model") == "gpt2"
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
     bos = tokens[int(bos_id)]
     return processors.TemplateProcessing(
         single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
@@ -115,11 +137,12 @@ def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostP
 
 
 def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int]) -> None:
-    """Control tokens match whole and are special; user-defined ones match whole too."""
+    """Control (and unknown) tokens match whole and are special; user-defined ones match
+    whole too."""
     added = [
-        AddedToken(tokens[i], special=kind == CONTROL, normalized=False)
+        AddedToken(tokens[i], special=kind != USER_DEFINED, normalized=False)
         for i, kind in enumerate(types)
-        if kind in (CONTROL, USER_DEFINED)
+        if kind in (UNKNOWN, CONTROL, USER_DEFINED)
     ]
     tokenizer.add_special_tokens([t for t in added if t.special])
     tokenizer.add_tokens([t for t in added if not t.special])
@@ -138,7 +161,7 @@ def tokenizer_config(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
         "eos_token": token("eos_token_id"),
         "pad_token": token("padding_token_id"),
         "unk_token": token("unknown_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
     }
