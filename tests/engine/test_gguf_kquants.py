@@ -1,5 +1,6 @@
 """K-quant GGUFs and sentencepiece-style (`llama`) vocabularies, on tiny generated files:
-re-quantized weights stay within one step of MLX's grid of gguf-py's own dequantization, greedy generation through pipeserve's engine equals a numpy model on
+converted weights equal gguf-py's own dequantization up to float16 scales (repacked
+types) or within one step of MLX's grid (re-quantized types), greedy generation through pipeserve's engine equals a numpy model on
 the dequantized weights, and the tokenizer gives transformers' GGUF tokenizer's ids."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pipeserve.config.models import EngineOptions, ModelEntry
 from pipeserve.engine.gguf import ensure_converted
 from pipeserve.engine.gguf.architectures import ARCHITECTURES
 from pipeserve.engine.gguf.convert import mlx_name
-from pipeserve.engine.gguf.requantize import GROUP_SIZE, REQUANT_BITS
-from pipeserve.engine.loader import load_tokenizer
+from pipeserve.engine.gguf.tensors import GROUP_SIZE, REQUANT_BITS
+from pipeserve.engine.loader import load_model, load_tokenizer
 from pipeserve.engine.runtime import build_runtime
 from tests.engine.gguf_fixtures import K_QUANT, write_tiny_gguf
 from tests.engine.gguf_reference import NumpyLlama, transformers_tokenizer
@@ -32,8 +33,12 @@ EVERY_TYPE = {"token_embd": T.Q4_K, "attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v"
               "attn_output": T.Q3_K, "ffn_gate": T.Q2_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K,
               "output": T.Q6_K}  # fmt: skip
 LEGACY = {"blk.1.ffn_up.weight": T.Q5_0, "blk.1.ffn_down.weight": T.Q8_0}
+# MLX bits: repacked exactly at the stored width, or re-quantized two bits wider.
+WIDTHS = {"Q4_K": 4, "Q5_K": 5, "Q5_0": 5, "Q8_0": 8, "Q2_K": 4, "Q3_K": 5, "Q6_K": 8}
 # llama.cpp's Q4_K_M mix: Q6_K for attn_v, ffn_down and the output matrix, Q4_K elsewhere.
 Q4_K_M = {"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K}
+# Only types repacked exactly (Q4_K elsewhere).
+REPACKED = {"attn_v": T.Q5_K, "ffn_down": T.Q5_K, "ffn_up": T.Q5_0, "output": T.Q8_0}
 
 
 def every_type(name: str) -> T:
@@ -44,13 +49,17 @@ def q4_k_m(name: str) -> T:
     return Q4_K_M.get(name.removesuffix(".weight").rsplit(".", 1)[-1], T.Q4_K)
 
 
+def repacked(name: str) -> T:
+    return REPACKED.get(name.removesuffix(".weight").rsplit(".", 1)[-1], T.Q4_K)
+
+
 def _k_model(tmp_path: Path, types: object) -> tuple[Path, Path]:
     gguf = write_tiny_gguf(tmp_path / "k.gguf", "llama", types, tied=False, vocab="spm",
                            dims=K_QUANT)  # fmt: skip
     return gguf, ensure_converted(gguf, tmp_path / "home")
 
 
-def test_requantized_weights_are_within_a_step_of_the_gguf_values(tmp_path: Path) -> None:
+def test_converted_weights_match_the_gguf_values(tmp_path: Path) -> None:
     import mlx.core as mx
 
     gguf, folder = _k_model(tmp_path, every_type)
@@ -66,23 +75,45 @@ def test_requantized_weights_are_within_a_step_of_the_gguf_values(tmp_path: Path
             continue
         seen.add(kind)
         bits = quantization.get(name, quantization)["bits"]
-        assert bits == REQUANT_BITS[kind], tensor.name
-        w, scales, biases = (weights[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
+        assert bits == WIDTHS[kind], tensor.name
+        w = weights[f"{name}.weight"]
+        scales, biases = (weights[f"{name}.{p}"].astype(mx.float32) for p in ("scales", "biases"))
         ours = np.array(mx.dequantize(w, scales, biases, group_size=GROUP_SIZE, bits=bits))
         error = np.abs(ours - reference.reshape(ours.shape)).reshape(*scales.shape, GROUP_SIZE)
-        # One step of each group's grid (MLX keeps the group's larger edge exact, so its
-        # rounding reaches up to a step, not half), plus float16 rounding of scale and bias.
-        step, bias = (np.abs(np.array(a.astype(mx.float32)))[..., None] for a in (scales, biases))
-        bound = step + 2**-10 * (bias + step * (2**bits - 1))
+        step, bias = (np.abs(np.array(a))[..., None] for a in (scales, biases))
+        # The float16 rounding of scale and bias; re-quantized types also one step of
+        # their group's grid (MLX keeps the larger edge exact, so not just half a step).
+        bound = 2**-11 * (bias + step * (2**bits - 1)) + 1e-7
+        if kind in REQUANT_BITS:
+            bound = bound + step
         assert (error <= bound).all(), (tensor.name, float((error - bound).max()))
-    assert seen == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"}
+    assert seen == set(WIDTHS)
 
 
 GREEDY_TOKENS = 12
 
 
-def test_q4_k_m_greedy_generation_matches_the_dequantized_model(tmp_path: Path) -> None:
-    gguf, _folder = _k_model(tmp_path, q4_k_m)
+def test_repacked_k_quants_give_the_dequantized_models_logits(tmp_path: Path) -> None:
+    import mlx.core as mx
+    import mlx_lm
+
+    gguf, folder = _k_model(tmp_path, repacked)
+    tokens = [1, 300, 320, 261, 314, 315, 262, 330, 340]
+    reference = NumpyLlama(gguf).forward(tokens)  # float32 on gguf-py's dequantization
+    quantized, _ = mlx_lm.load(str(folder))  # mlx-lm's own loader, as converted
+    for model in (quantized, load_model(folder, "float32")):  # and pipeserve's CPU layout
+        logits = np.array(model(mx.array([tokens]))[0].astype(mx.float32))
+        # Only the float16 rounding of the K sub-block scales (measured: 4.5e-4).
+        assert np.abs(logits - reference).max() < 2e-3 * np.abs(reference).max()
+        assert (logits.argmax(-1) == reference.argmax(-1)).all()
+
+
+def test_q4_k_m_greedy_generation_matches_the_dequantized_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIPESERVE_HOME", str(tmp_path / "home"))  # converted here, fresh
+    gguf = write_tiny_gguf(tmp_path / "k.gguf", "llama", q4_k_m, tied=False, vocab="spm",
+                           dims=K_QUANT)  # fmt: skip
     entry = ModelEntry(name="k", source=str(gguf), pipeline="qwen3",
                        options=EngineOptions(dtype="auto"))  # fmt: skip
     runtime = build_runtime(entry)

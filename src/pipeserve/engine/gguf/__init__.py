@@ -1,6 +1,6 @@
 """GGUF files as model sources: converted once into an mlx-lm model folder.
 
-    folder = ensure_converted(Path("model.gguf"))   # <home>/gguf/<stem>-<sha256[:16]>-v1/
+    folder = ensure_converted(Path("model.gguf"))   # <home>/gguf/<stem>-<sha256[:16]>-v2/
 
 The folder is keyed by the file's sha256 (a changed file is converted anew), built in
 a temporary folder and renamed into place like the demo models, and loadable by
@@ -20,7 +20,7 @@ from pipeserve.engine.gguf.files import GgufError, check_gguf_file, file_sha256,
 
 log = logging.getLogger("pipeserve.engine")
 
-CONVERTER_VERSION = 1  # bump when the converter's output changes; old folders are ignored
+CONVERTER_VERSION = 2  # bump when the converter's output changes; old folders are ignored
 
 __all__ = ["GgufError", "check_gguf_file", "ensure_converted", "file_sha256", "is_gguf_source"]
 

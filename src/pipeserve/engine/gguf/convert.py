@@ -3,8 +3,9 @@
 Metadata and tensor types are read with gguf-py (llama.cpp's own reader). A file of
 F32 / F16 / BF16 / Q4_0 / Q4_1 / Q8_0 tensors is loaded with `mx.load`, which keeps the
 quantized blocks exactly as MLX affine arrays (group size 32). A file holding K-quants
-(or Q5_0 / Q5_1) is read tensor by tensor and re-quantized (requantize.py). Anything
-else (the i-quants, ternary types) is refused by name before any weight is read.
+(or Q5_0 / Q5_1) is read tensor by tensor (tensors.py): repacked exactly where the
+format allows, re-quantized where it does not. Anything else (the i-quants, ternary
+types) is refused by name before any weight is read.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from pipeserve.engine.gguf.architectures import (
     Architecture,
 )
 from pipeserve.engine.gguf.files import GgufError
-from pipeserve.engine.gguf.requantize import GROUP_SIZE, NEEDS_REQUANT, REQUANT_BITS, read_tensor
+from pipeserve.engine.gguf.tensors import GROUP_SIZE, NEEDS_PER_TENSOR, QUANT_WIDTHS, read_tensor
 from pipeserve.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 # Types mx.load keeps exactly as MLX affine arrays (32 weights per scale in GGUF too).
 QUANT_BITS: dict[str, int] = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 PLAIN_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
-SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *QUANT_BITS, *NEEDS_REQUANT))
+SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *QUANT_BITS, *NEEDS_PER_TENSOR))
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
@@ -56,9 +57,9 @@ def convert(path: Path, out: Path) -> None:
     check_tensor_types(types)
     names = {gguf: mlx_name(gguf, arch) for gguf in types}
     tokenizer = build_tokenizer(meta)
-    requant = any(kind in NEEDS_REQUANT for kind in types.values())
-    config = model_config(meta, arch_name, arch, names, types, requant)
-    weights = read_weights(path, names) if requant else load_weights(path, names)
+    per_tensor = any(kind in NEEDS_PER_TENSOR for kind in types.values())
+    config = model_config(meta, arch_name, arch, names, types, per_tensor)
+    weights = read_weights(path, names) if per_tensor else load_weights(path, names)
     import mlx.core as mx
 
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -80,7 +81,7 @@ def architecture(name: str) -> Architecture:
 
 def check_tensor_types(types: dict[str, str]) -> None:
     for name, kind in types.items():
-        if kind not in PLAIN_TYPES and kind not in REQUANT_BITS:
+        if kind not in PLAIN_TYPES and kind not in QUANT_WIDTHS:
             raise GgufError(
                 f"tensor {name} has GGUF type {kind}, which is not supported "
                 f"(supported: {SUPPORTED_TYPES})"
@@ -110,7 +111,7 @@ def model_config(
     arch: Architecture,
     names: dict[str, str],
     types: dict[str, str],
-    requant: bool,
+    per_tensor: bool,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {"model_type": arch.model_type}
     for key, gguf_key in CONFIG_KEYS.items():
@@ -133,7 +134,7 @@ def model_config(
     config["eos_token_id"] = _eos_ids(meta)
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    quantization = quantization_config(names, types, REQUANT_BITS if requant else QUANT_BITS)
+    quantization = quantization_config(names, types, QUANT_WIDTHS if per_tensor else QUANT_BITS)
     if quantization:
         config["quantization"] = quantization
     return config
@@ -184,7 +185,7 @@ def load_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
 
 
 def read_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
-    """Every tensor read on its own through gguf-py, quantized ones re-quantized."""
+    """Every tensor read on its own through gguf-py (tensors.py)."""
     from gguf import GGUFReader
 
     weights: dict[str, Any] = {}
