@@ -26,7 +26,7 @@ QUANT_WIDTHS: dict[str, int] = {**AFFINE_BITS, **REQUANT_BITS}  # MLX bits of ea
 # Types only this path reads (mx.load refuses a file holding any of them).
 NEEDS_PER_TENSOR: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 GROUP_SIZE = 32
-_CHUNK_WEIGHTS = 1 << 24  # weights decoded at once (64 MB as float32)
+_CHUNK_WEIGHTS = 1 << 22  # weights decoded at once (16 MB as float32, 32 MB as bits)
 
 
 def read_tensor(tensor: Any) -> dict[str, Any]:
