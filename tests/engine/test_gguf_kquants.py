@@ -108,6 +108,26 @@ def test_repacked_k_quants_give_the_dequantized_models_logits(tmp_path: Path) ->
         assert (logits.argmax(-1) == reference.argmax(-1)).all()
 
 
+def test_large_conversions_are_written_in_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlx.core as mx
+    import mlx_lm
+
+    from pipeserve.engine.gguf import shards
+
+    gguf, whole = _k_model(tmp_path, repacked)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 200_000)  # this model's weights: ~1.3 MB
+    sharded = ensure_converted(gguf, tmp_path / "sharded")
+    files = sorted(p.name for p in sharded.glob("model*.safetensors"))
+    assert len(files) > 3 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(mx.load(str(whole / "model.safetensors")))
+    tokens = mx.array([[1, 300, 320, 261, 314]])
+    logits = [np.array(mlx_lm.load(str(folder))[0](tokens)) for folder in (whole, sharded)]
+    assert np.array_equal(*logits)
+
+
 def test_q4_k_m_greedy_generation_matches_the_dequantized_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from pipeserve.engine.gguf.architectures import (
     Architecture,
 )
 from pipeserve.engine.gguf.files import GgufError
+from pipeserve.engine.gguf.shards import write_shards
 from pipeserve.engine.gguf.tensors import GROUP_SIZE, NEEDS_PER_TENSOR, QUANT_WIDTHS, read_tensor
 from pipeserve.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 
@@ -59,10 +61,8 @@ def convert(path: Path, out: Path) -> None:
     tokenizer = build_tokenizer(meta)
     per_tensor = any(kind in NEEDS_PER_TENSOR for kind in types.values())
     config = model_config(meta, arch_name, arch, names, types, per_tensor)
-    weights = read_weights(path, names) if per_tensor else load_weights(path, names)
-    import mlx.core as mx
-
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    weights = read_weights(path, names) if per_tensor else load_weights(path, names).items()
+    write_shards(out, weights)
     tokenizer.save(str(out / "tokenizer.json"))
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens))
@@ -184,16 +184,14 @@ def load_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
     return weights
 
 
-def read_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
-    """Every tensor read on its own through gguf-py (tensors.py)."""
+def read_weights(path: Path, names: dict[str, str]) -> Iterator[tuple[str, Any]]:
+    """Every tensor read on its own through gguf-py (tensors.py), one after another."""
     from gguf import GGUFReader
 
-    weights: dict[str, Any] = {}
     for tensor in GGUFReader(str(path)).tensors:
         for suffix, value in read_tensor(tensor).items():
             part = "bias" if tensor.name.endswith(".bias") else suffix
-            weights[f"{names[tensor.name]}.{part}"] = value
-    return weights
+            yield f"{names[tensor.name]}.{part}", value
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
