@@ -28,6 +28,7 @@ CASES = [
     ("qwen2", T.F16, False),
     ("qwen3", T.Q4_1, True),
     ("qwen3", T.F32, False),
+    ("llama", T.BF16, False),
 ]
 
 
@@ -134,7 +135,7 @@ def test_unsupported_tensor_type_names_it(tmp_path: Path) -> None:
     message = _error(gguf, tmp_path / "home")
     assert message == (
         "tensor blk.0.extra.weight has GGUF type IQ4_NL, which is not supported (supported: "
-        "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1)"
+        "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)"
     )
     assert not (tmp_path / "home" / "gguf").exists() or not any((tmp_path / "home/gguf").iterdir())
 

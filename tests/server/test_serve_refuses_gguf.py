@@ -46,8 +46,8 @@ def test_unsupported_gguf_tensor_type_refuses_to_start(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert (
         f"pipeserve: model 'x': cannot get '{gguf}': tensor blk.0.extra.weight has GGUF type "
-        "IQ4_NL, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, "
-        "Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1)\n"
+        "IQ4_NL, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+        "Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)\n"
     ) in result.stderr
     assert "Listening at" not in result.stdout + result.stderr
 

@@ -1,11 +1,11 @@
 """One GGUF file -> one mlx-lm model folder (config.json, model.safetensors, tokenizer).
 
-Metadata and tensor types are read with gguf-py (llama.cpp's own reader). A file of
-F32 / F16 / BF16 / Q4_0 / Q4_1 / Q8_0 tensors is loaded with `mx.load`, which keeps the
-quantized blocks exactly as MLX affine arrays (group size 32). A file holding K-quants
-(or Q5_0 / Q5_1) is read tensor by tensor (tensors.py): repacked exactly where the
-format allows, re-quantized where it does not. Anything else (the i-quants, ternary
-types) is refused by name before any weight is read.
+Metadata, tensor types and the weights are read with gguf-py (llama.cpp's own reader),
+one tensor at a time (tensors.py): float types as stored, quantized blocks repacked
+exactly as MLX affine arrays where the format allows (Q4_0 ... Q8_0, Q4_K, Q5_K),
+re-quantized where it does not (Q2_K, Q3_K, Q6_K), and written in shards as they come
+(shards.py). Anything else (the i-quants, ternary types) is refused by name before any
+weight is read.
 """
 
 from __future__ import annotations
@@ -27,19 +27,17 @@ from pipeserve.engine.gguf.architectures import (
 )
 from pipeserve.engine.gguf.files import GgufError
 from pipeserve.engine.gguf.shards import write_shards
-from pipeserve.engine.gguf.tensors import GROUP_SIZE, NEEDS_PER_TENSOR, QUANT_WIDTHS, read_tensor
+from pipeserve.engine.gguf.tensors import GROUP_SIZE, QUANT_WIDTHS, read_tensor
 from pipeserve.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 
-# Types mx.load keeps exactly as MLX affine arrays (32 weights per scale in GGUF too).
-QUANT_BITS: dict[str, int] = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 PLAIN_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
-SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *QUANT_BITS, *NEEDS_PER_TENSOR))
+_QUANT_TYPES = sorted(QUANT_WIDTHS, key=lambda kind: (kind.endswith("_K"), kind))  # K-quants last
+SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *_QUANT_TYPES))
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
-_SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """(metadata, tensor name -> GGUF type name) of a GGUF file."""
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
+    """(metadata, tensor name -> GGUF type name, gguf-py's tensors) of a GGUF file."""
     from gguf import GGUFReader
 
     try:
@@ -48,21 +46,19 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         raise GgufError(f"{path} is not a readable GGUF file: {exc}") from exc
     meta = {name: field.contents() for name, field in reader.fields.items()}
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return meta, types
+    return meta, types, list(reader.tensors)
 
 
 def convert(path: Path, out: Path) -> None:
     """Write the mlx-lm model folder of GGUF `path` into the existing folder `out`."""
-    meta, types = read_gguf(path)
+    meta, types, tensors = read_gguf(path)
     arch_name = str(meta.get("general.architecture"))
     arch = architecture(arch_name)
     check_tensor_types(types)
     names = {gguf: mlx_name(gguf, arch) for gguf in types}
     tokenizer = build_tokenizer(meta)
-    per_tensor = any(kind in NEEDS_PER_TENSOR for kind in types.values())
-    config = model_config(meta, arch_name, arch, names, types, per_tensor)
-    weights = read_weights(path, names) if per_tensor else load_weights(path, names).items()
-    write_shards(out, weights)
+    config = model_config(meta, arch_name, arch, names, types)
+    write_shards(out, read_weights(tensors, names))
     tokenizer.save(str(out / "tokenizer.json"))
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens))
@@ -111,7 +107,6 @@ def model_config(
     arch: Architecture,
     names: dict[str, str],
     types: dict[str, str],
-    per_tensor: bool,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {"model_type": arch.model_type}
     for key, gguf_key in CONFIG_KEYS.items():
@@ -134,7 +129,7 @@ def model_config(
     config["eos_token_id"] = _eos_ids(meta)
     if "tokenizer.ggml.bos_token_id" in meta:
         config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    quantization = quantization_config(names, types, QUANT_WIDTHS if per_tensor else QUANT_BITS)
+    quantization = quantization_config(names, types)
     if quantization:
         config["quantization"] = quantization
     return config
@@ -153,11 +148,13 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def quantization_config(
-    names: dict[str, str], types: dict[str, str], widths: dict[str, int]
-) -> dict[str, Any]:
+def quantization_config(names: dict[str, str], types: dict[str, str]) -> dict[str, Any]:
     """mlx-lm's `quantization`: the most common bit width, other widths per layer."""
-    bits = {names[n]: widths[t] for n, t in types.items() if t in widths and n.endswith(".weight")}
+    bits = {
+        names[n]: QUANT_WIDTHS[t]
+        for n, t in types.items()
+        if t in QUANT_WIDTHS and n.endswith(".weight")
+    }
     if not bits:
         return {}
     common = Counter(bits.values()).most_common(1)[0][0]
@@ -168,27 +165,9 @@ def quantization_config(
     return config
 
 
-def load_weights(path: Path, names: dict[str, str]) -> dict[str, Any]:
-    """mx.load's arrays under mlx-lm names (quantized ones as weight / scales / biases)."""
-    import mlx.core as mx
-
-    loaded = mx.load(str(path))
-    assert isinstance(loaded, dict)
-    weights: dict[str, Any] = {}
-    for key, value in loaded.items():
-        stem, _, suffix = key.rpartition(".")
-        if suffix not in _SUFFIXES:
-            raise GgufError(f"unexpected tensor {key} in {path.name}")
-        gguf_name = f"{stem}.bias" if suffix == "bias" else f"{stem}.weight"
-        weights[f"{names[gguf_name]}.{suffix}"] = value
-    return weights
-
-
-def read_weights(path: Path, names: dict[str, str]) -> Iterator[tuple[str, Any]]:
+def read_weights(tensors: list[Any], names: dict[str, str]) -> Iterator[tuple[str, Any]]:
     """Every tensor read on its own through gguf-py (tensors.py), one after another."""
-    from gguf import GGUFReader
-
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in tensors:
         for suffix, value in read_tensor(tensor).items():
             part = "bias" if tensor.name.endswith(".bias") else suffix
             yield f"{names[tensor.name]}.{part}", value

@@ -1,5 +1,5 @@
-"""One GGUF tensor at a time as MLX arrays, for files `mx.load` cannot read (it refuses
-the K-quants and Q5_0 / Q5_1).
+"""One GGUF tensor at a time as MLX arrays (`mx.load` would read a whole file at once,
+and refuses the K-quants and Q5_0 / Q5_1).
 
 - F32 / F16 / BF16: as stored.
 - Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K: repacked exactly as MLX affine at
@@ -23,8 +23,6 @@ from pipeserve.engine.gguf.affine_blocks import AFFINE_BITS, decode, pack
 
 REQUANT_BITS: dict[str, int] = {"Q2_K": 4, "Q3_K": 5, "Q6_K": 8}
 QUANT_WIDTHS: dict[str, int] = {**AFFINE_BITS, **REQUANT_BITS}  # MLX bits of each type
-# Types only this path reads (mx.load refuses a file holding any of them).
-NEEDS_PER_TENSOR: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 GROUP_SIZE = 32
 _CHUNK_WEIGHTS = 1 << 22  # weights decoded at once (16 MB as float32, 32 MB as bits)
 
