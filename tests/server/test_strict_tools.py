@@ -122,3 +122,39 @@ def test_anthropic_strict_tool_reaches_the_grammar(demo_server: str) -> None:
         tools=[loose],  # type: ignore[list-item]
     )
     assert reply.stop_reason in ("max_tokens", "end_turn", "tool_use")
+
+
+def test_chat_response_format_with_tools_answers_or_calls(client: OpenAI) -> None:
+    """response_format and tools together (an agent with a typed final answer): each
+    reply is an answer in the format or calls with valid arguments, never free text."""
+    answer = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "final", "schema": answer}}
+
+    def ask(i: int) -> Any:
+        bias = {str(TOOL_CALL): 30} if i % 2 else {}  # odd: make the call likely
+        reply = client.chat.completions.create(
+            model="demo", messages=ASK, tools=[chat_tool(ARGS, i < 4)], response_format=fmt,
+            temperature=1.0, max_tokens=64, logit_bias=bias, reasoning_effort="none",
+        )  # fmt: skip
+        return reply.choices[0]
+
+    choices = sample_all(ask, 8)
+    calls, answers = [], []
+    for i, choice in enumerate(choices):
+        done = choice.finish_reason != "length"  # else the last call or the answer is cut
+        made = list(choice.message.tool_calls or [])[: None if done else -1]
+        calls += [(i < 4, json.loads(call.function.arguments)) for call in made]
+        if not choice.message.tool_calls and done:
+            answers.append(json.loads(choice.message.content or ""))
+    assert calls and answers, choices
+    for strict, arguments in calls:  # the tool is strict in the first four requests
+        assert isinstance(arguments, dict)
+        if strict:
+            jsonschema.validate(arguments, ARGS)
+    for value in answers:
+        jsonschema.validate(value, answer)

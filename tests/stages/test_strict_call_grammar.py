@@ -13,7 +13,7 @@ import pytest
 
 from pipeserve.constraint import Envelope
 from pipeserve.engine.grammar import GrammarCompiler, GrammarError
-from pipeserve.request import ToolSpec
+from pipeserve.request import OutputFormat, ToolSpec
 from pipeserve.stages.toolfmt.call_grammar import auto_call_plan
 from pipeserve.stages.toolfmt.json_format import JsonParams
 
@@ -105,3 +105,21 @@ def test_a_strict_schema_that_cannot_compile_names_the_tool(compiler: GrammarCom
         grammar(compiler, tools=[*TOOLS, bad], single=False)
     loose = ToolSpec("loose", "", bad.parameters)  # not strict: its schema is not used
     assert accepted(compiler, grammar(compiler, tools=[loose], single=False), "hi") == (True, True)
+
+
+def test_a_client_output_format_or_calls(compiler: GrammarCompiler) -> None:
+    """With response_format too, the answer follows the format or the model calls."""
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = OutputFormat("json_schema", answer)
+    for params, start, end in ((TEXT_TRIGGER, "[CALL]", "[/CALL]"),
+                               (SPECIAL_TRIGGER, "<tool_call>", "</tool_call>")):  # fmt: skip
+        rules = grammar(compiler, params, single=False, fmt=fmt)
+        good = call("weather", '{"city": "Paris", "days": 1}', start, end)
+        assert accepted(compiler, rules, '{"ok": true}') == (True, True)
+        assert accepted(compiler, rules, good) == (True, True)
+        assert accepted(compiler, rules, "free text") == (False, False)
+        assert accepted(compiler, rules, '{"ok": 1}') == (False, False)
+        assert accepted(compiler, rules, call("weather", '{"city": "Nice"}', start, end)) == (
+            False,
+            False,
+        )

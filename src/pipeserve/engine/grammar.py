@@ -26,7 +26,12 @@ T = TypeVar("T")
 
 
 class GrammarError(ValueError):
-    """A grammar or schema the engine cannot enforce; the message says why."""
+    """A grammar or schema the engine cannot enforce; the message says why. `param`:
+    the request field at fault when it is not the plan's own (a strict tool's schema)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)

@@ -161,9 +161,8 @@ def constraint(ctx: RequestContext, runtime: ModelRuntime) -> Constraint | None:
             lambda: compiler.constraint(plan.build(compiler), plan.forced, plan.optional)
         )
     except GrammarError as exc:
-        raise ApiError(
-            "invalid_request", f"Invalid value for '{plan.param}': {exc}", plan.param
-        ) from None
+        param = exc.param or plan.param
+        raise ApiError("invalid_request", f"Invalid value for '{param}': {exc}", param) from None
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

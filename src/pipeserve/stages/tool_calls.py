@@ -130,10 +130,12 @@ class ToolCallsStage:
 
     def _strict_auto(self, ctx: RequestContext) -> None:
         """Strict tools under tool_choice auto: text and calls, strict arguments enforced.
-
-        A client's output format wins (its answer grammar leaves no room for calls)."""
+        With a client's output format (strict tools or not), the answer follows it or the
+        model calls: without this the format's grammar would leave no room for calls."""
         request = ctx.request
-        if not any(t.strict for t in request.tools) or request.output_format is not None:
+        if not request.tools:
+            return
+        if not any(t.strict for t in request.tools) and request.output_format is None:
             return
         ctx.grammar_plan = auto_call_plan(
             self.params,
@@ -141,6 +143,7 @@ class ToolCallsStage:
             ctx.envelope,
             ctx.prompt_opened_thinking,
             single=not request.parallel_tool_calls,
+            fmt=request.output_format,
         )
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:

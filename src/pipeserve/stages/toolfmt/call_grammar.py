@@ -16,6 +16,9 @@ shortest text ending in it) and the text-only answer excludes it by regex negati
 A format declares the text around a call (CallFrame: prefix + JSON arguments + suffix,
 or PairFrame: key/value pairs as GLM writes them); the markers in that text become
 Lark pieces (stages/grammar_plan.py), so nothing here knows a family.
+
+With a client's output format as well (an agent with tools and a typed final answer),
+the answer is either that format or calls, so neither request field is ignored.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any
 
 from pipeserve.constraint import Envelope, GrammarPlan, Tokens
 from pipeserve.engine.grammar import GrammarError
-from pipeserve.request import ToolSpec
+from pipeserve.request import OutputFormat, ToolSpec
 from pipeserve.stages.grammar_plan import (
     ANY_TEXT,
+    answer_grammar,
     envelope_lark,
     framed_answer,
     free_text_until,
@@ -62,9 +66,11 @@ def auto_call_plan(
     envelope: Envelope | None,
     opened: bool,
     single: bool,
+    fmt: OutputFormat | None = None,
 ) -> GrammarPlan | None:
     """Free text and calls (tool_choice auto) with strict tools' arguments enforced;
-    None when the format declares no calls layout. `single`: at most one call."""
+    None when the format declares no calls layout. `single`: at most one call. With a
+    client's output format `fmt`, the answer is that format or calls (no text)."""
     layout = params.calls_layout()
     if layout is None:
         return None
@@ -76,12 +82,19 @@ def auto_call_plan(
             schema = tool.parameters if tool.strict else ANY_OBJECT
             rules += call_rules(params, tool.name, schema, f"call{i}", tokens, layout.trigger)
         rules.append("tail: " + " | ".join(f"call{i}" for i in range(len(tools))))
-        answer, extra = auto_answer(tokens, layout, envelope, single)
+        if fmt is None:
+            answer, extra = auto_answer(tokens, layout, envelope, single)
+        else:
+            answer, extra = format_or_calls(tokens, layout, envelope, single)
         rules += extra
         lark = envelope_lark(tokens, envelope, opened, answer, tuple(rules))
-        return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
+        grammars: list[dict[str, Any]] = [{"lark_grammar": lark}]
+        if fmt is not None:
+            grammars.append(answer_grammar(fmt))
+        return json.dumps({"grammars": grammars}, ensure_ascii=False)
 
-    return GrammarPlan(build, param="tools", optional=True)
+    param = fmt.param if fmt is not None else "tools"
+    return GrammarPlan(build, param=param, optional=True)
 
 
 def auto_answer(
@@ -111,6 +124,20 @@ def auto_answer(
     return framed_answer(tokens, envelope, f"(TEXT | {calls})"), rules
 
 
+def format_or_calls(
+    tokens: Tokens, layout: CallsLayout, envelope: Envelope | None, single: bool
+) -> tuple[str, list[str]]:
+    """(the answer's Lark, its rules) when the client also sent an output format: the
+    answer follows it (`@answer`, in the envelope's answer frame), or the model calls."""
+    trigger = marker_lark(tokens, layout.trigger)
+    again = " ".join(p for p in (marker_lark(tokens, layout.separator), trigger, "tail") if p)
+    more = "" if single or layout.single else f" ({again})*"
+    calls = " ".join(p for p in (trigger, f"tail{more}") if p)
+    if not layout.after_text:
+        return f"({framed_answer(tokens, envelope, '@answer')} | {calls})", []
+    return framed_answer(tokens, envelope, f"(@answer | {calls})"), []
+
+
 def check_strict_schemas(tools: list[ToolSpec]) -> None:
     """A strict tool's schema must compile on its own: the error names the tool."""
     import llguidance
@@ -122,7 +149,8 @@ def check_strict_schemas(tools: list[ToolSpec]) -> None:
         failed, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:
             reason = " ".join(problems[0].split())[:300]
-            raise GrammarError(f"the parameters schema of strict tool {tool.name!r}: {reason}")
+            message = f"the parameters schema of strict tool {tool.name!r}: {reason}"
+            raise GrammarError(message, param="tools")
 
 
 def call_rules(
