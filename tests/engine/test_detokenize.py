@@ -1,11 +1,19 @@
-"""Streaming detokenization: spaces kept, UTF-8 split across tokens, specials as text."""
+"""Streaming detokenization: spaces kept, UTF-8 split across tokens, specials as text;
+a sentencepiece vocabulary streams exactly what one decode gives."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from pipeserve.engine.channel import Channel, Courier
 from pipeserve.engine.detokenize import Detokenizers
+from pipeserve.engine.gguf import ensure_converted
+from pipeserve.engine.loader import load_tokenizer
 from pipeserve.engine.sequence import FLUSH_TOKEN_ID, Sequence
 from pipeserve.events import Finish, TokenText, Usage
+from tests.engine.gguf_fixtures import write_tiny_gguf
 from tests.engine.helpers import job
 
 
@@ -47,3 +55,34 @@ def test_incomplete_character_before_eos_is_flushed(demo_tokenizer):
     tokens = stream_texts(tokenizer, ids, stop=True)
     assert [t.text for t in tokens[:-1]] == [""] * len(ids)
     assert tokens[-1].token_id == FLUSH_TOKEN_ID and tokens[-1].text.startswith(" \ufffd")
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tokenizer of a tiny GGUF with a sentencepiece (llama) vocabulary."""
+    folder = tmp_path_factory.mktemp("spm")
+    gguf = write_tiny_gguf(folder / "spm.gguf", vocab="spm")
+    return load_tokenizer(ensure_converted(gguf, folder / "home"))
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["▁hello", "▁world"],  # the first word's space is the one the decoder strips
+        ["▁", "▁hello", "▁world"],  # only one space is stripped, not one per token
+        ["▁▁", "he", "llo", "<0x0A>", "▁the", "▁", "▁wor", "ld"],
+        ["<0x0A>", "▁hello"],
+        ["<0xE2>", "<0x96>", "<0x81>", "▁a"],  # "▁" spelled in bytes is not a space
+        ["<0xE6>", "<0x97>", "<0xA5>", "本", "▁x"],
+    ],
+)
+def test_sentencepiece_stream_equals_one_decode(spm_tokenizer: Any, pieces: list[str]) -> None:
+    ids = spm_tokenizer.convert_tokens_to_ids(pieces)
+    streamed = "".join(t.text for t in stream_texts(spm_tokenizer, ids))
+    assert streamed == spm_tokenizer.decode(ids)
+
+
+def test_sentencepiece_stream_of_encoded_text(spm_tokenizer: Any) -> None:
+    for text in ["hello world", " hello  world", "the theater\n\n is 12 日本 é (x)"]:
+        ids = spm_tokenizer.encode(text, add_special_tokens=False)
+        assert "".join(t.text for t in stream_texts(spm_tokenizer, ids)) == text
