@@ -93,8 +93,11 @@ def auto_call_plan(
             grammars.append(answer_grammar(fmt))
         return json.dumps({"grammars": grammars}, ensure_ascii=False)
 
-    param = fmt.param if fmt is not None else "tools"
-    return GrammarPlan(build, param=param, optional=True)
+    # Optional (an engine that cannot enforce answers unconstrained, as before) unless the
+    # client asked for an output format, which such an engine refuses.
+    if fmt is not None:
+        return GrammarPlan(build, param=fmt.param)
+    return GrammarPlan(build, param="tools", optional=True)
 
 
 def auto_answer(
@@ -103,16 +106,13 @@ def auto_answer(
     """(the answer's Lark, the rules it adds): free text then calls, or (Harmony) a
     call instead of the text. Each call is `trigger tail`; `tail` is any tool's call
     after the trigger."""
-    trigger = marker_lark(tokens, layout.trigger)
-    again = " ".join(p for p in (marker_lark(tokens, layout.separator), trigger, "tail") if p)
-    more = "" if single or layout.single else f" ({again})*"
+    more = more_calls(tokens, layout, single)
     if not layout.after_text:
         text = framed_answer(tokens, envelope, "TEXT")
-        call = " ".join(p for p in (trigger, f"tail{more}") if p)
-        return f"({text} | {call})", [f"TEXT: {ANY_TEXT}"]
+        return f"({text} | {first_call(tokens, layout)}{more})", [f"TEXT: {ANY_TEXT}"]
     pieces = marker_pieces(tokens, layout.trigger)
     if not pieces or pieces[0][0]:  # a special-token trigger never occurs in free text
-        calls = f"{trigger} tail{more}"
+        calls = f"{first_call(tokens, layout)}{more}"
         return framed_answer(tokens, envelope, f"TEXT ({calls})?"), [f"TEXT: {ANY_TEXT}"]
     first = regex_escape(pieces[0][1])
     rest = " ".join(p if special else lark_string(p) for special, p in pieces[1:])
@@ -129,13 +129,22 @@ def format_or_calls(
 ) -> tuple[str, list[str]]:
     """(the answer's Lark, its rules) when the client also sent an output format: the
     answer follows it (`@answer`, in the envelope's answer frame), or the model calls."""
-    trigger = marker_lark(tokens, layout.trigger)
-    again = " ".join(p for p in (marker_lark(tokens, layout.separator), trigger, "tail") if p)
-    more = "" if single or layout.single else f" ({again})*"
-    calls = " ".join(p for p in (trigger, f"tail{more}") if p)
+    calls = f"{first_call(tokens, layout)}{more_calls(tokens, layout, single)}"
     if not layout.after_text:
         return f"({framed_answer(tokens, envelope, '@answer')} | {calls})", []
     return framed_answer(tokens, envelope, f"(@answer | {calls})"), []
+
+
+def first_call(tokens: Tokens, layout: CallsLayout) -> str:
+    return " ".join(p for p in (marker_lark(tokens, layout.trigger), "tail") if p)
+
+
+def more_calls(tokens: Tokens, layout: CallsLayout, single: bool) -> str:
+    """Lark for the calls after the first: none, or any number after the separator."""
+    if single or layout.single:
+        return ""
+    again = [marker_lark(tokens, layout.separator), first_call(tokens, layout)]
+    return f" ({' '.join(p for p in again if p)})*"
 
 
 def check_strict_schemas(tools: list[ToolSpec]) -> None:
