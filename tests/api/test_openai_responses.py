@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -32,6 +33,7 @@ from pipeserve.events import (
 from pipeserve.request import GenerationRequest
 from pipeserve.server.generation import closing_stream
 from pipeserve.stages.base import RequestContext
+from pipeserve.store import ResponseStore
 from tests.api.helpers import Harness, ctx_for, data_frames, final_via_sdk, scripted_pipeline
 
 PROTOCOL = OpenAIResponses()
@@ -433,6 +435,17 @@ def test_images_are_a_clear_400(content: Any, param: str) -> None:
     with pytest.raises(ApiError) as info:
         decode(input=[{"role": "user", "content": content}])
     assert info.value.param == param and "images are not supported" in info.value.message
+
+
+@pytest.mark.parametrize("stored", [False, True])
+@pytest.mark.parametrize("value", [5, True, 1.5, {"role": "user", "content": "hi"}])
+def test_input_of_another_type_is_a_400(tmp_path: Path, stored: bool, value: Any) -> None:
+    protocol = OpenAIResponses()
+    if stored:  # the store reads the input as items before the messages are built
+        protocol.use_store(ResponseStore(tmp_path / "responses.sqlite3", 30, 1 << 20, 1.0))
+    with pytest.raises(ApiError) as info:
+        protocol.decode({"model": "demo", "input": value}, META)
+    assert info.value.param == "input" and protocol.error_status(info.value) == 400
 
 
 # ---------------------------------------------------------------- encode

@@ -158,7 +158,7 @@ def _messages(req: ResponsesRequestIn, resolved: ResolvedInput) -> list[Message]
     elif req.input is None:
         raise invalid("Missing required parameter: 'input'.", "input")
     else:
-        raise invalid("Invalid type for 'input': expected a string or an array of items.", "input")
+        raise invalid(INPUT_TYPE, "input")
     check(bool(history.messages), "input", "expected at least one message")
     return _merge_leading_system(history.messages)
 
@@ -252,6 +252,9 @@ def _allowed(raw: Any, tools: list[ToolSpec]) -> list[ToolSpec]:
     return [tool for tool in tools if tool.name in names]
 
 
+INPUT_TYPE = "Invalid type for 'input': expected a string or an array of items."
+
+
 def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
     if req.conversation is not None:
@@ -269,6 +272,8 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
 def decode_responses(body: Any, state: ResponsesState | None = None) -> ResponsesGenerationRequest:
     req = validate(ResponsesRequestIn, body)
     _refuse_unhonoured(req)
+    if req.input is not None and not isinstance(req.input, str | list):
+        raise invalid(INPUT_TYPE, "input")  # before the store reads it as items
     resolved = (state or ResponsesState()).resolve(req.input, req.previous_response_id, req.store)
     messages = _messages(req, resolved)
     choice = _tool_choice(req.tool_choice)
