@@ -139,7 +139,7 @@ def test_chat_response_format_with_tools_answers_or_calls(client: OpenAI) -> Non
         bias = {str(TOOL_CALL): 30} if i % 2 else {}  # odd: make the call likely
         reply = client.chat.completions.create(
             model="demo", messages=ASK, tools=[chat_tool(ARGS, i < 4)], response_format=fmt,
-            temperature=1.0, max_tokens=64, logit_bias=bias, reasoning_effort="none",
+            temperature=1.0, max_tokens=48, logit_bias=bias, reasoning_effort="none",
         )  # fmt: skip
         return reply.choices[0]
 
