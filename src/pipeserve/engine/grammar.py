@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pipeserve.engine.channel import OsFlag, os_lock, start_os_thread
-from pipeserve.gevent_support import gevent_patched
+from pipeserve.gevent_support import apply_in_pool, gevent_patched
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -80,7 +80,7 @@ def run_off_hub(fn: Callable[[], T]) -> T:
         return fn()
     import gevent
 
-    return gevent.get_hub().threadpool.apply(fn)  # type: ignore[no-any-return]
+    return apply_in_pool(gevent.get_hub().threadpool, fn)
 
 
 class GrammarCompiler:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pipeserve.gevent_support import gevent_patched
+from pipeserve.gevent_support import apply_in_pool, gevent_patched
 
 T = TypeVar("T")
 POOL_THREADS = 4
@@ -30,8 +30,7 @@ class OffHub:
             from gevent.threadpool import ThreadPool
 
             self._pool = ThreadPool(self.threads)
-        result: T = self._pool.apply(fn, args)
-        return result
+        return apply_in_pool(self._pool, fn, *args)
 
 
 __all__ = ["OffHub"]
