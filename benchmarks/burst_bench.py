@@ -12,15 +12,17 @@ For each burst size N, every request carries a unique tag (no prefix-cache hits)
 one burst is sent per output length (max_tokens = each of --lengths), streamed:
 - TTFT: the burst of the first length (1 by default): each request's time to its first
   output chunk (p50 / p90 / max).
-- fixed cost, measured in each burst itself: wall time less steps x step, where the step
-  is the median interval between consecutive tokens of a stream (served: as the client
-  receives them; in-process: between `next()` calls after the last first token) and
-  steps the longest stream's tokens. What is left is what the burst costs besides its
-  steady decode steps: requests in, admission, prefill, retirement, responses out.
-  Median over rounds and the lengths above 1, with the range.
-- the same fitted: a least-squares line through each round's (steps, wall time) points
-  over the lengths, wall = fixed + steps x step (a cross-check; noisier when the step
-  is long, as the reference's is).
+- fixed cost: what a burst costs besides its steady decode steps (requests in,
+  admission, prefill, retirement, responses out), wall = fixed + steps x step. The step
+  is measured in each burst: the median interval between consecutive tokens of a stream
+  (served: as the client receives them; in-process: between `next()` calls after the
+  last first token). Three estimates, medians over rounds with their range:
+  "fixed s": the first (1-token) burst's wall time less one step (the round's step
+  time from its longer bursts): the fewest steps subtracted, so the least noise;
+  "in-burst": each longer burst's wall time less its steps x its own step;
+  "fit": a least-squares line through each round's (steps, wall time) points.
+  The last two subtract many steps and swing with the load when the step is long, as
+  the reference's is (its logsumexp over batch x vocabulary).
 The reference is mlx-lm's BatchGenerator in one process (prefill batch and completion
 batch = N) on the same prompt tokens, timed the same way.
 """
@@ -218,34 +220,49 @@ def fixed_costs(rounds: list[dict], n: int, lengths: list[int]) -> list[tuple[fl
     ]
 
 
+def short_fixed(rounds: list[dict], n: int, lengths: list[int]) -> list[float]:
+    """Per round: wall time of the burst of the first length less that many steps of the
+    round's step time (the median token interval of its longer bursts). The fewer the
+    steps subtracted, the less their noise weighs on the result."""
+    first, longer = lengths[0], [k for k in lengths if k > lengths[0]]
+    out = []
+    for r in rounds:
+        step = statistics.median(r[f"{n}-{k}"]["step"] for k in longer)
+        out.append(r[f"{n}-{first}"]["wall"] - first * step)
+    return out
+
+
 def report(served: list[dict], reference: list[dict], args: argparse.Namespace) -> None:
     first, longer = args.lengths[0], [k for k in args.lengths if k > 1]
     print(
         f"\n{'N':>4} {'side':<10} {'TTFT p50':>9} {'p90':>7} {'max':>7} {'fixed s':>8} "
-        f"{'(range)':>13} {'step ms':>8} {'fit fixed':>9} {'fit step':>8}"
+        f"{'(range)':>11} {'in-burst':>9} {'(range)':>12} {'fit':>7} {'step ms':>8}"
     )
     for n in args.bursts:
         cells = {}
         for side, rounds in (("pipeserve", served), ("mlx-lm", reference)):
             ttft = median_rows(rounds)[f"{n}-{first}"]
+            short = short_fixed(rounds, n, args.lengths)
             bursts = [r[f"{n}-{k}"] for r in rounds for k in longer]
-            fixed = statistics.median(b["fixed"] for b in bursts)
+            in_burst = [b["fixed"] for b in bursts]
+            fit = statistics.median(f for f, _ in fixed_costs(rounds, n, args.lengths))
             step = statistics.median(b["step"] for b in bursts)
-            spread = f"{min(b['fixed'] for b in bursts):.2f}..{max(b['fixed'] for b in bursts):.2f}"
-            fits = fixed_costs(rounds, n, args.lengths)
-            fit_fixed = statistics.median(f for f, _ in fits)
-            fit_step = statistics.median(s for _, s in fits)
-            cells[side] = (ttft["p50"], fixed, fit_fixed)
+            cells[side] = (ttft["p50"], statistics.median(short), statistics.median(in_burst), fit)
             print(
                 f"{n:>4} {side:<10} {ttft['p50']:>9.3f} {ttft['p90']:>7.3f} {ttft['max']:>7.3f} "
-                f"{fixed:>8.3f} {spread:>13} {step * 1000:>8.1f} {fit_fixed:>9.3f} "
-                f"{fit_step * 1000:>8.1f}"
+                f"{statistics.median(short):>8.3f} {span(short):>11} "
+                f"{statistics.median(in_burst):>9.3f} {span(in_burst):>12} {fit:>7.3f} "
+                f"{step * 1000:>8.1f}"
             )
-        (pt, pf, pfit), (mt, mf, mfit) = cells["pipeserve"], cells["mlx-lm"]
+        p, m = cells["pipeserve"], cells["mlx-lm"]
         print(
-            f"{n:>4} {'ratio p/m':<10} {pt / mt:>9.2f} {'':>7} {'':>7} {ratio(pf, mf):>8} "
-            f"{'':>13} {'':>8} {ratio(pfit, mfit):>9}"
+            f"{n:>4} {'ratio p/m':<10} {ratio(p[0], m[0]):>9} {'':>7} {'':>7} "
+            f"{ratio(p[1], m[1]):>8} {'':>11} {ratio(p[2], m[2]):>9} {'':>12} {ratio(p[3], m[3]):>7}"
         )
+
+
+def span(values: list[float]) -> str:
+    return f"{min(values):.2f}..{max(values):.2f}"
 
 
 def ratio(a: float, b: float) -> str:
