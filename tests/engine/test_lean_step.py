@@ -9,7 +9,7 @@ from pipeserve.config.models import EngineOptions
 from pipeserve.engine.batching import Batch
 from pipeserve.engine.channel import Channel, Courier
 from pipeserve.engine.detokenize import Detokenizers
-from pipeserve.engine.lean import LeanGenerationBatch
+from pipeserve.engine.lean import GenerationBatch, LeanGenerationBatch
 from pipeserve.engine.sequence import Sequence
 from tests.engine.helpers import job, reference_ids
 
@@ -89,3 +89,32 @@ def test_a_logprobs_request_switches_to_mlx_lm_step_and_back(demo_model) -> None
     assert driver.lean_steps > lean_before  # lean again once it left
     ids = [e.token_id for e in driver.events(greedy)]
     assert ids == reference_ids(model, tokenizer, prompts[0], 24)
+
+
+def test_a_greedy_batch_never_takes_mlx_lm_step_not_even_its_first(
+    demo_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefilled batch's first step (taken while it becomes a generation batch) is lean
+    too: mlx-lm's normalising step runs for no token of a greedy batch, also when a
+    second wave of prompts joins a running one. Tokens stay mlx-lm's."""
+    model, tokenizer = demo_model("qwen3")
+    mlx_lm_steps = []
+    original = GenerationBatch._step
+
+    def counted(self):  # the real step, counted
+        mlx_lm_steps.append(len(self.uids))
+        return original(self)
+
+    monkeypatch.setattr(GenerationBatch, "_step", counted)
+    driver = Driver(model, tokenizer)
+    prompts = [list(tokenizer.encode(t)) for t in TEXTS]
+    first = [driver.add(job(p, max_tokens=8)) for p in prompts[:2]]
+    driver.step()
+    driver.step()
+    late = driver.add(job(prompts[2], max_tokens=8))
+    while driver.batch.seqs:
+        driver.step()
+    assert mlx_lm_steps == []
+    for prompt, seq in zip(prompts, [*first, late]):
+        ids = [e.token_id for e in driver.events(seq)]
+        assert ids == reference_ids(model, tokenizer, prompt, 8)

@@ -10,7 +10,7 @@ On MLX's CPU backend the logsumexp over 64 x 151k logits cost several times the
 forward pass of a small model. Any other batch runs mlx-lm's own step unchanged.
 
 Built by subclassing (mlx-lm 0.32): the generator's empty generation batch, and every
-batch a finished prefill turns into, become `LeanGenerationBatch`.
+batch a finished prefill turns into (from its first step on), are `LeanGenerationBatch`.
 """
 
 from __future__ import annotations
@@ -57,9 +57,37 @@ class LeanGenerationBatch(GenerationBatch):
 
 
 class LeanPromptBatch(PromptProcessingBatch):
+    logprobs_wanted = True  # set by the generator before each step
+
     def generate(self, tokens: list[list[int]]) -> Any:
-        batch = super().generate(tokens)
-        batch.__class__ = LeanGenerationBatch  # its first step (in __init__) was mlx-lm's
+        """mlx-lm's `generate` (0.32), building a LeanGenerationBatch instead of a
+        GenerationBatch: its `__init__` takes the new sequences' first step, which is then
+        lean too (mlx-lm's normalised the logits of the whole new batch: at a burst of 64
+        that one step cost about what the burst's prefill did)."""
+        prompt: Any = self  # mlx-lm's untyped state
+        if any(len(t) > 1 for t in tokens):
+            prompt.prompt([t[:-1] for t in tokens])
+        batch: Any = LeanGenerationBatch.__new__(LeanGenerationBatch)
+        batch.logprobs_wanted = self.logprobs_wanted
+        batch.__init__(
+            prompt.model,
+            prompt.uids,
+            mx.array([t[-1] for t in tokens]),
+            prompt.prompt_cache,
+            prompt.tokens,
+            prompt.samplers,
+            prompt.fallback_sampler,
+            prompt.logits_processors,
+            prompt.stop_sequences,
+            prompt.max_tokens,
+        )
+        prompt.uids, prompt.prompt_cache, prompt.tokens = [], [], []
+        prompt.samplers, prompt.logits_processors, prompt.max_tokens = [], [], []
+        return batch
+
+    def _copy(self) -> Any:
+        batch = super()._copy()
+        batch.logprobs_wanted = self.logprobs_wanted  # split() hands out copies
         return batch
 
 
@@ -80,4 +108,5 @@ class LeanBatchGenerator(BatchGenerator):
 
     def _next(self) -> Any:
         self._generation_batch.logprobs_wanted = self.logprobs_wanted
+        self._prompt_batch.logprobs_wanted = self.logprobs_wanted
         return super()._next()
