@@ -126,7 +126,17 @@ def gunicorn_options(
         "limit_request_fields": 64,
         "limit_request_field_size": 8190,
         "proc_name": "pipeserve",
+        **without_control_socket(),
     }
+
+
+def without_control_socket() -> dict[str, Any]:
+    """gunicorn >= 27 opens a control socket at one fixed path in $HOME, shared by every
+    server of the user (a second server takes it over, and an unwritable HOME logs an
+    ERROR at each start); pipeserve is managed by signals (SIGHUP reload), so none."""
+    from gunicorn.config import Config
+
+    return {"control_socket_disable": True} if "control_socket_disable" in Config().settings else {}
 
 
 def serve(
