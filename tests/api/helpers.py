@@ -304,3 +304,27 @@ def scripted_pipeline(
     for stage, _ in chain.used(ctx):
         events = stage(events, ctx)
     return events, ctx
+
+
+# A qwen3 weather tool call, as the real qwen3 stages see it (Chat and Responses tests).
+QWEN3_WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+}
+# qwen3-style output, split into the pieces a tokenizer would produce (markers are single tokens)
+QWEN3_PIECES = [
+    "<think>",
+    "\n",
+    "Need",
+    " weather",
+    ".\n",
+    "</think>",
+    "\n\n",
+    "<tool_call>",
+    "\n",
+    '{"name": "get',
+    '_weather", "arguments": {"city": "Os',
+    'lo", "days": "3"}}',
+    "\n",
+    "</tool_call>",
+]

@@ -32,7 +32,15 @@ from pipeserve.events import (
 )
 from pipeserve.request import GenerationRequest
 from pipeserve.stages.base import RequestContext
-from tests.api.helpers import Harness, ctx_for, openai_stream, parse_sse, scripted_pipeline
+from tests.api.helpers import (
+    QWEN3_PIECES,
+    QWEN3_WEATHER_PARAMS,
+    Harness,
+    ctx_for,
+    openai_stream,
+    parse_sse,
+    scripted_pipeline,
+)
 
 PROTOCOL = OpenAIChat()
 META = RequestMeta(route="/v1/chat/completions")
@@ -710,28 +718,6 @@ def test_valid_call_still_upgrades_stop_to_tool_calls() -> None:
 
 
 # ---------------------------------------------------------------- behind the real qwen3 stages
-
-QWEN3_WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-}
-# qwen3-style output, split into the pieces a tokenizer would produce (markers are single tokens)
-QWEN3_PIECES = [
-    "<think>",
-    "\n",
-    "Need",
-    " weather",
-    ".\n",
-    "</think>",
-    "\n\n",
-    "<tool_call>",
-    "\n",
-    '{"name": "get',
-    '_weather", "arguments": {"city": "Os',
-    'lo", "days": "3"}}',
-    "\n",
-    "</tool_call>",
-]
 
 
 def test_chat_over_real_stages() -> None:

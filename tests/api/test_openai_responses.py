@@ -34,7 +34,15 @@ from pipeserve.request import GenerationRequest
 from pipeserve.server.generation import closing_stream
 from pipeserve.stages.base import RequestContext
 from pipeserve.store import ResponseStore
-from tests.api.helpers import Harness, ctx_for, data_frames, final_via_sdk, scripted_pipeline
+from tests.api.helpers import (
+    QWEN3_PIECES,
+    QWEN3_WEATHER_PARAMS,
+    Harness,
+    ctx_for,
+    data_frames,
+    final_via_sdk,
+    scripted_pipeline,
+)
 
 PROTOCOL = OpenAIResponses()
 META = RequestMeta(route="/v1/responses")
@@ -848,28 +856,6 @@ def test_an_encoder_fault_is_a_typed_error_event_with_the_next_sequence_number()
 
 
 # ---------------------------------------------------------------- behind the real qwen3 stages
-
-QWEN3_WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-}
-# qwen3-style output, split into the pieces a tokenizer would produce (markers are single tokens)
-QWEN3_PIECES = [
-    "<think>",
-    "\n",
-    "Need",
-    " weather",
-    ".\n",
-    "</think>",
-    "\n\n",
-    "<tool_call>",
-    "\n",
-    '{"name": "get',
-    '_weather", "arguments": {"city": "Os',
-    'lo", "days": "3"}}',
-    "\n",
-    "</tool_call>",
-]
 
 
 def test_responses_over_real_stages() -> None:
