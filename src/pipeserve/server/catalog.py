@@ -12,7 +12,7 @@ import falcon
 from pipeserve.api.base import ModelFacts, WireProtocol
 from pipeserve.errors import ApiError
 from pipeserve.server.body import read_json_body
-from pipeserve.server.generation import HttpOptions, ProtocolErrors
+from pipeserve.server.generation import HttpOptions, ProtocolRoute
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.request_log import annotate
 
@@ -37,22 +37,7 @@ def model_facts(served: ServedModel) -> ModelFacts:
     )
 
 
-class CatalogResource:
-    def __init__(
-        self,
-        path: str,
-        protocol: WireProtocol,
-        models: ModelTable,
-        allowed: set[str] | None,
-        options: HttpOptions,
-    ) -> None:
-        self.path = path
-        self.protocol = protocol
-        self.models = models
-        self.allowed = allowed
-        self.options = options
-        self.errors = ProtocolErrors(protocol)
-
+class CatalogResource(ProtocolRoute):
     def answer(self, req: falcon.Request, resp: falcon.Response, body: Any) -> None:
         """`body` None: a GET; anything else: read the request's JSON body."""
         try:
@@ -65,12 +50,12 @@ class CatalogResource:
                     req, self.options.max_body_bytes, self.options.body_read_timeout
                 )
             facts = [model_facts(m) for m in self.models.models if scope is None or m.name in scope]
-            resp.media = self.protocol.catalog(self.path, body, facts)
+            resp.media = self.protocol.catalog(self.route, body, facts)
         except ApiError as error:
             annotate(req, error=error.kind)
             self.errors.render(resp, error)
         except Exception as exc:  # a bug: still answer in protocol shape
-            log.exception("catalog route %s failed", self.path)
+            log.exception("catalog route %s failed", self.route)
             self.errors.render(resp, ApiError("internal", f"internal error: {type(exc).__name__}"))
 
 

@@ -62,7 +62,27 @@ class ProtocolErrors:
         return status
 
 
-class GenerationResource:
+class ProtocolRoute:
+    """What every resource of a protocol's route holds: its route, protocol, models (as
+    far as the endpoint allows them), HTTP options and the protocol's error shape."""
+
+    def __init__(
+        self,
+        route: str,
+        protocol: WireProtocol,
+        models: ModelTable,
+        allowed: set[str] | None,
+        options: HttpOptions,
+    ) -> None:
+        self.route = route
+        self.protocol = protocol
+        self.models = models
+        self.allowed = allowed
+        self.options = options
+        self.errors = ProtocolErrors(protocol)
+
+
+class GenerationResource(ProtocolRoute):
     def __init__(
         self,
         route: str,
@@ -73,14 +93,9 @@ class GenerationResource:
         metrics: Metrics,
         default_format: OutputFormatDefault | None = None,
     ) -> None:
-        self.route = route
+        super().__init__(route, protocol, models, allowed, options)
         self.default_format = default_format
-        self.protocol = protocol
-        self.models = models
-        self.allowed = allowed
-        self.options = options
         self.metrics = metrics
-        self.errors = ProtocolErrors(protocol)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         started = time.monotonic()

@@ -10,13 +10,13 @@ from typing import Any
 import falcon
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pipeserve.api.base import WireProtocol, context_overflow
+from pipeserve.api.base import context_overflow
 from pipeserve.api.openai_common import openai_error_body
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.server.auth import Grant, KeyRing
 from pipeserve.server.body import read_json_body
-from pipeserve.server.generation import HttpOptions, ProtocolErrors, request_id, request_meta
+from pipeserve.server.generation import ProtocolRoute, request_id, request_meta
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.request_log import annotate
@@ -164,23 +164,8 @@ class MetricsResource:
         resp.data = self.metrics.render()
 
 
-class CountTokensResource:
+class CountTokensResource(ProtocolRoute):
     """`<messages route>/count_tokens`: render the prompt (dry run) and count it."""
-
-    def __init__(
-        self,
-        route: str,
-        protocol: WireProtocol,
-        models: ModelTable,
-        allowed: set[str] | None,
-        options: HttpOptions,
-    ) -> None:
-        self.route = route
-        self.protocol = protocol
-        self.models = models
-        self.allowed = allowed
-        self.options = options
-        self.errors = ProtocolErrors(protocol)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         annotate(req, protocol=self.protocol.name)
