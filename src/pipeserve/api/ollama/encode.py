@@ -80,17 +80,7 @@ class OllamaEvents(EventEncoder):
         self, text: str = "", thinking: str = "", calls: list[Any] | None = None
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.ctx.model_name, "created_at": created_at()}
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking:
-                message["thinking"] = thinking
-            if calls:
-                message["tool_calls"] = calls
-            body["message"] = message
-        else:
-            body["response"] = text
-            if thinking:
-                body["thinking"] = thinking
+        body.update(answer_fields(self.chat, text, thinking, calls))
         body["done"] = False
         return body
 
@@ -190,6 +180,21 @@ class OllamaEvents(EventEncoder):
 
     def error(self, err: ApiError) -> list[Frame]:
         return [Frame({"error": err.message}, error=err)]
+
+
+def answer_fields(
+    chat: bool, text: str, thinking: str = "", calls: list[Any] | None = None
+) -> dict[str, Any]:
+    """The answer part of a chunk or body: /api/chat's `message`, or /api/generate's
+    `response` (and `thinking`)."""
+    if not chat:
+        return {"response": text, **({"thinking": thinking} if thinking else {})}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
+    if calls:
+        message["tool_calls"] = calls
+    return {"message": message}
 
 
 __all__ = ["OllamaEvents", "created_at"]

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pipeserve.api.framing import Frame
+from pipeserve.api.ollama.encode import answer_fields
 from pipeserve.api.openai_common import cancelled_error
 from pipeserve.context import RequestContext
 
@@ -36,17 +37,7 @@ def fold_chunks(frames: Iterable[Frame], ctx: RequestContext) -> dict[str, Any]:
 
 def joined(last: dict[str, Any], text: str, thinking: str, calls: list[Any]) -> dict[str, Any]:
     body = dict(last)
-    if "message" in body:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if thinking:
-            message["thinking"] = thinking
-        if calls:
-            message["tool_calls"] = calls
-        body["message"] = message
-    else:
-        body["response"] = text
-        if thinking:
-            body["thinking"] = thinking
+    body.update(answer_fields("message" in body, text, thinking, calls))
     return body
 
 
