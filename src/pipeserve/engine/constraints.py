@@ -184,10 +184,9 @@ class ConstraintSet:
 
 def allowed_bits(mask: np.ndarray, width: int) -> np.ndarray:
     """The mask's bits as `width` booleans (tokens past the mask are banned)."""
-    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-    if bits.shape[0] >= width:
-        return bits[:width].view(np.bool_)
-    return np.concatenate([bits, np.zeros(width - bits.shape[0], dtype=np.uint8)]).view(np.bool_)
+    # `count` cuts the bits to `width`, or pads them with zeros past the mask's end.
+    bits = np.unpackbits(mask.view(np.uint8), count=width, bitorder="little")
+    return bits.view(np.bool_)
 
 
 def _normalized(row: mx.array) -> mx.array:
