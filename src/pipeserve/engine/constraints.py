@@ -78,12 +78,11 @@ class RowConstraint:
             self.owner.refresh(logprobs)
         assert self.mask is not None
         allowed = allowed_bits(self.mask, logprobs.shape[-1])
-        few = np.count_nonzero(allowed) <= SUBSET_LIMIT  # listing ids costs a scan
-        ids = np.flatnonzero(allowed) if few else None
-        if ids is not None and len(ids) == 1:
-            token = mx.array(ids.astype(np.uint32))  # forced: nothing to draw
-        elif ids is not None and self.subsets:
-            token = self._draw_among(logprobs, ids)
+        count = np.count_nonzero(allowed)  # ids are listed only where they are used
+        if count == 1:
+            token = mx.array(np.flatnonzero(allowed).astype(np.uint32))  # forced: no draw
+        elif count <= SUBSET_LIMIT and self.subsets:
+            token = self._draw_among(logprobs, np.flatnonzero(allowed))
         else:
             masked = logprobs + self.owner.bias_row(self.mask, allowed)[None]
             token = self.inner(_normalized(masked) if self.normalize else masked)
