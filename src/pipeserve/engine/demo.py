@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from importlib import resources
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.engine.demo_families import FAMILIES, DemoFamily
+from pipeserve.engine.folders import build_folder_once
 from pipeserve.engine.vocab import build_tokenizer, tiktoken_file, write_atomic
 
 DEMO_FAMILIES: tuple[str, ...] = ("qwen3", "gpt-oss", "glm", "kimi")
@@ -63,17 +63,9 @@ def ensure_demo_model(family: str, home: Path | None = None) -> Path:
     target = demo_model_dir(family, home)
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{family}-build-"))
-    try:
-        write_demo_model(spec, tmp, home / "cache")
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_folder_once(
+        target, f".{family}-build-", lambda tmp: write_demo_model(spec, tmp, home / "cache")
+    )
     _remove_stale(family, target.parent)
     return target
 

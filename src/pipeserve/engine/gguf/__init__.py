@@ -10,12 +10,10 @@ mlx-lm itself (`mlx_lm.server --model <folder>` serves the very same weights).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
+from pipeserve.engine.folders import build_folder_once
 from pipeserve.engine.gguf.files import GgufError, check_gguf_file, file_sha256, is_gguf_source
 
 log = logging.getLogger("pipeserve.engine")
@@ -41,20 +39,14 @@ def ensure_converted(path: Path, home: Path, sha256: str | None = None) -> Path:
     target = converted_dir(path, actual, home)
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-build-"))
     started = time.monotonic()
-    try:
+
+    def build(tmp: Path) -> None:
         from pipeserve.engine.gguf.convert import convert
 
         log.info("converting %s into an mlx-lm model folder %s", path, target)
         convert(path, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    build_folder_once(target, f".{target.name}-build-", build)
     log.info("converted %s in %.1f s", path.name, time.monotonic() - started)
     return target
