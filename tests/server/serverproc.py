@@ -40,22 +40,30 @@ def running_server(
 
 @contextmanager
 def server_process(
-    config: Path, env: dict[str, str] | None = None, startup_timeout: float = 240.0
+    config: Path,
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 240.0,
+    prefix: list[str] | None = None,
+    host: str = "127.0.0.1",
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Like running_server, also yielding the process (to signal it)."""
+    """Like running_server, also yielding the process (to signal it). `prefix` runs the
+    server through a command (`ip netns exec NS`), listening on `host`."""
     port = free_port()
     log_path = server_log(port)
     full_env = {**os.environ, **(env or {})}
+    serve = ["serve", "--config", str(config), "--port", str(port)]
+    if host != "127.0.0.1":
+        serve += ["--host", host]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*pipeserve_command(), "serve", "--config", str(config), "--port", str(port)],
+            [*(prefix or []), *pipeserve_command(), *serve],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
             cwd=REPO,
             start_new_session=True,
         )
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://{host}:{port}"
         try:
             wait_healthy(base, proc, log_path, startup_timeout)
             yield base, proc
