@@ -31,6 +31,9 @@ LAYERS: dict[str, int] = {
     "pipeserve.config.detect_rules": CORE,
     "pipeserve.config.memory": CORE,  # parses server.memory_budget (schema-level)
     "pipeserve.engine": ENGINE,
+    # discovery, node agent, placement, model files: beside the engine, which places its
+    # node-sharded groups through it
+    "pipeserve.cluster": ENGINE,
     "pipeserve.stages": PIPELINE,
     "pipeserve.api": PIPELINE,
     "pipeserve.store": PIPELINE,  # the response store the Responses protocol reads and writes

@@ -18,6 +18,7 @@ from pipeserve.api.base import WireProtocol
 from pipeserve.config.models import EndpointEntry, ServerConfig, ServerSection
 from pipeserve.server.auth import KeyRing
 from pipeserve.server.catalog import add_catalog_routes
+from pipeserve.server.cluster import ClusterResource
 from pipeserve.server.generation import GenerationResource, HttpOptions
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.misc import (
@@ -75,6 +76,7 @@ def create_app(
     app.add_route("/v1/models/{model_id}", models_resource, suffix="one")
     app.add_route("/health", HealthResource(table))
     app.add_route("/metrics", MetricsResource(metrics, keys))
+    app.add_route("/v1/cluster", ClusterResource(keys))
     app.add_route("/", RootResource())
     return app
 

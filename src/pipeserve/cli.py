@@ -1,4 +1,4 @@
-"""The `pipeserve` command: validate | schema | serve | demo-models.
+"""The `pipeserve` command: validate | schema | serve | node | demo-models.
 
 Exit codes: 0 success, 1 invalid configuration (or a failed command), 2 usage error.
 """
@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeserve import __version__
 from pipeserve.config.problems import ConfigError, Problem, sort_problems
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, help="gunicorn worker processes")
     serve.set_defaults(handler=cmd_serve)
 
+    add_node_parser(commands)
+
     demo = commands.add_parser("demo-models", help="build the tiny offline demo models")
     demo.add_argument("--out", type=Path, help="output folder (default: the pipeserve cache)")
     demo.add_argument(
@@ -87,6 +90,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(handler=cmd_demo_models)
     return parser
+
+
+def add_node_parser(commands: Any) -> None:
+    node = commands.add_parser(
+        "node",
+        help="join a cluster: hold ranks of sharded models for a serving machine",
+        description="Run on each extra machine, with the same PIPESERVE_CLUSTER_TOKEN as the"
+        " serving machine (docs/cluster.md).",
+    )
+    node.add_argument(
+        "--cluster",
+        default=os.environ.get("PIPESERVE_CLUSTER", "default"),
+        help="cluster name announced on the LAN (default: $PIPESERVE_CLUSTER or 'default')",
+    )
+    node.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="bind address (default: every interface; every request needs the token)",
+    )
+    node.add_argument("--port", type=int, default=7337, help="API port (default: 7337)")
+    node.add_argument(
+        "--memory",
+        help="memory this machine offers, as bytes or a size ('8GiB'); default: what is available",
+    )
+    node.add_argument(
+        "--advertise",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="address to announce (repeatable; default: this machine's addresses)",
+    )
+    node.add_argument(
+        "--no-announce",
+        action="store_true",
+        help="do not announce on the LAN (the serving machine names this node by address)",
+    )
+    node.add_argument(
+        "--models", type=Path, help="where fetched model files are kept (default: the cache)"
+    )
+    node.set_defaults(handler=cmd_node)
 
 
 def print_problems(problems: Sequence[Problem]) -> None:
@@ -166,6 +209,44 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
     print(json.dumps(json_schema(args.kind), indent=2))
     return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    import logging
+
+    from pipeserve import backend, blas
+    from pipeserve.config.memory import parse_size
+    from pipeserve.engine.demo import pipeserve_home
+    from pipeserve.settings import Settings
+
+    try:
+        memory = parse_size(args.memory) if args.memory else None
+    except ValueError as exc:
+        raise UsageError(f"--memory: {exc}") from None
+    problem = backend.install_problem()
+    if problem:
+        print(f"pipeserve node: refusing to start: {problem}", file=sys.stderr)
+        return 1
+    home = pipeserve_home()
+    if backend.cpu_backend():  # ranks inherit the OpenBLAS preload, as local ranks do
+        blas.reexec_with_openblas(Settings().blas, home)
+    logging.basicConfig(
+        level=os.environ.get("PIPESERVE_LOG_LEVEL", "info").upper(),
+        format="%(asctime)s %(levelname)s node %(name)s: %(message)s",
+    )
+    from pipeserve.cluster.auth import cluster_token
+    from pipeserve.cluster.node import NodeSettings, serve_node
+
+    settings = NodeSettings(
+        cluster=args.cluster,
+        host=args.host,
+        port=args.port,
+        memory=memory,
+        advertise=list(args.advertise),
+        announce=not args.no_announce,
+        models=args.models or home / "cluster-models",
+    )
+    return serve_node(settings, cluster_token())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

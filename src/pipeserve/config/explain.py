@@ -62,12 +62,17 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
         detection = detect_pipeline(read_evidence(folder), pool)
         if entry.pipeline == AUTO:
             lines.append(f"  {entry.name}: auto -> {detection.describe()}")
-            continue
-        verdict = "agrees" if detection.pipeline == entry.pipeline else "DIFFERS"
-        lines.append(
-            f"  {entry.name}: pipeline {entry.pipeline} (named in the config); "
-            f"auto would choose {detection.describe()} [{verdict}]"
-        )
+        else:
+            verdict = "agrees" if detection.pipeline == entry.pipeline else "DIFFERS"
+            lines.append(
+                f"  {entry.name}: pipeline {entry.pipeline} (named in the config); "
+                f"auto would choose {detection.describe()} [{verdict}]"
+            )
+        sharding = entry.options.sharding
+        if sharding is not None and sharding.nodes is not None:
+            from pipeserve.cluster.planning import explain_lines
+
+            lines += explain_lines(folder, sharding)
     return lines
 
 

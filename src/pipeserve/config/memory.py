@@ -33,6 +33,14 @@ def parse_budget(value: int | str) -> tuple[int | None, float | None]:
         ) from None
 
 
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size such as '8GiB' (no shares); ValueError otherwise."""
+    size, share = parse_budget(value)
+    if size is None or share is not None:
+        raise ValueError(f"{value!r}: give bytes or a size such as '8GiB', not a share")
+    return size
+
+
 def total_ram() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 

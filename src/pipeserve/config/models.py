@@ -179,6 +179,28 @@ class ShardingOptions(Strict):
         le=65000,
         description="First TCP port of the ring (one per rank); default: free ports.",
     )
+    nodes: Literal["auto"] | list[str] | None = Field(
+        None,
+        description="Run the other ranks on `pipeserve node` machines instead of a hosts file:"
+        " `auto` (the nodes of `cluster` found on the LAN over mDNS) or a list of node"
+        " addresses (`host` or `host:port`); layers are placed by each node's memory"
+        " (docs/cluster.md).",
+    )
+    cluster: str = Field(
+        "default",
+        min_length=1,
+        max_length=60,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="With nodes: auto, only nodes started with this `--cluster` name are used.",
+    )
+    memory: int | str | None = Field(
+        None,
+        description="With nodes: the memory this (the serving) machine offers its rank, as"
+        " bytes or a size ('8GiB'); default its available memory.",
+    )
+    discovery_timeout: float = Field(
+        3.0, gt=0, le=60, description="With nodes: auto, seconds spent looking for nodes."
+    )
 
     @field_validator("split")
     @classmethod
@@ -186,6 +208,34 @@ class ShardingOptions(Strict):
         if value is not None and any(count < 1 for count in value):
             raise ValueError("every rank needs at least one layer")
         return value
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes_named(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("nodes: name at least one node address, or use nodes: auto")
+            if len(set(value)) != len(value):
+                raise ValueError("nodes: an address is listed twice")
+            if any(not address.strip() or " " in address for address in value):
+                raise ValueError("nodes: an address is `host` or `host:port`")
+        return value
+
+    @model_validator(mode="after")
+    def _nodes_place_themselves(self) -> ShardingOptions:
+        if self.nodes is None:
+            return self
+        for key in ("hostfile", "split", "ranks"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"{key} cannot be combined with nodes: the placement chooses the ranks"
+                    " and layer ranges from each node's memory"
+                )
+        if self.memory is not None:
+            from pipeserve.config.memory import parse_size
+
+            parse_size(self.memory)
+        return self
 
     @model_validator(mode="after")
     def _split_fits(self) -> ShardingOptions:
@@ -202,6 +252,8 @@ class ShardingOptions(Strict):
         """Ranks, when not given by a hosts file (checked against it by validation)."""
         if self.ranks is not None:
             return self.ranks
+        if isinstance(self.nodes, list):
+            return len(self.nodes) + 1
         return len(self.split) if self.split else 2
 
 

@@ -1,5 +1,5 @@
 """Checks of `options.sharding` that need more than one model entry: one sharded model per
-server, the installed MLX's backends, the hosts file, and
+server, the installed MLX's backends, the hosts file or the node list, and
 whether the model's architecture can be sharded that way (from its config.json; a Hub
 model not downloaded yet is checked when it loads).
 """
@@ -58,9 +58,12 @@ def _check_options(
             return problems + [doc.problem(at + ("ranks",), message)]
         options.ranks = len(hosts)
     config = architecture_config(source)
+    # nodes: auto finds its rank count at load: only whether the architecture can be
+    # sharded this way at all is known now (the placement checks the rest).
+    ranks = 1 if options.nodes == "auto" else options.size
     if config is not None:
         where = at + ("split",) if options.split is not None else at + ("strategy",)
-        for message in sharding_problems(config, options.strategy, options.size, options.split):
+        for message in sharding_problems(config, options.strategy, ranks, options.split):
             problems.append(
                 doc.problem(where if "split" in message else at + ("strategy",), message)
             )

@@ -243,6 +243,10 @@ def build_mlx_engine(
     """host: the thread to run on (a model loaded on demand reuses one across loads)."""
     from pipeserve.engine.loader import load_model
 
+    if options.sharding is not None and options.sharding.nodes is not None:
+        from pipeserve.cluster.launch import ClusterShardedEngine
+
+        return ClusterShardedEngine(name, model_dir, tokenizer, options, **kwargs)
     if options.sharding is not None:  # loaded once at start-up: no host
         from pipeserve.engine.sharding.engine import ShardedEngine
 

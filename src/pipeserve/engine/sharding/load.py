@@ -25,6 +25,10 @@ from pipeserve.engine.sharding.pipeline import split_layers
 
 log = logging.getLogger("pipeserve.sharding")
 
+# Written by a cluster node into a model folder that holds only the weight files of its
+# own layers (cluster/files.py): the other layers' weights are absent by design.
+PARTIAL_MARKER = ".pipeserve-partial"
+
 
 def load_shard(model_dir: Path, options: EngineOptions, group: Any) -> Any:
     """This rank's model, evaluated; call on the engine thread (MLX arrays and streams)."""
@@ -33,7 +37,8 @@ def load_shard(model_dir: Path, options: EngineOptions, group: Any) -> Any:
     sharding = options.sharding
     assert sharding is not None
     started = time.monotonic()
-    model, config = load_model(model_dir, lazy=True)
+    partial = (model_dir / PARTIAL_MARKER).exists()
+    model, config = load_model(model_dir, lazy=True, strict=not partial)
     problems = support.sharding_problems(config, sharding.strategy, group.size(), sharding.split)
     if problems:
         raise ValueError("; ".join(problems))

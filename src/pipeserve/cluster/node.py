@@ -1,0 +1,372 @@
+"""`pipeserve node`: the agent that lets a machine hold ranks of a sharded model.
+
+It answers a small HTTP API, every call authenticated with the cluster token:
+
+    GET    /v1/node             this machine's report (memory, MLX, versions) and a free port
+    POST   /v1/node/ranks       an assignment: fetch the model files, start the rank
+    GET    /v1/node/ranks/{id}  the rank's state; each call is the serving machine's heartbeat
+    DELETE /v1/node/ranks/{id}  stop the rank
+
+An assignment is data, never a command: the agent itself starts pipeserve's own rank
+entry point (`python -m pipeserve.engine.sharding.peer`, the one local and ssh ranks
+run) with the assignment's validated settings. A rank stops when told, when its rank 0
+closes the group, when the serving machine's heartbeats stop for `heartbeat_timeout`
+seconds, or when this agent exits (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from pipeserve.cluster.auth import TOKEN_ENV, authorized, token_problem
+from pipeserve.cluster.files import ModelFile, fetch_model, folder_key
+from pipeserve.cluster.report import machine_report
+from pipeserve.config.models import EngineOptions
+
+log = logging.getLogger("pipeserve.cluster")
+
+PEER_MODULE = "pipeserve.engine.sharding.peer"
+ADDRESS = r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$"
+MAX_BODY = 4 << 20
+STOP_GRACE = 3.0
+REAP_INTERVAL = 0.5
+
+
+class Assignment(BaseModel):
+    """What the serving machine asks of this node: validated, then used as data only."""
+
+    model: str = Field(pattern=r"^[A-Za-z0-9_.:/-]{1,200}$")
+    rank: int = Field(ge=1, le=63)
+    ring: list[list[str]] = Field(min_length=2, max_length=64)
+    control: str = Field(pattern=ADDRESS)
+    group_token: str = Field(pattern=r"^[0-9a-f]{16,128}$")
+    options: EngineOptions
+    files: list[ModelFile] = Field(min_length=1)
+    files_port: int = Field(ge=1, le=65535)
+    layers: tuple[int, int] | None = None
+    heartbeat_timeout: float = Field(15.0, gt=0, le=3600)
+
+
+@dataclass
+class RankJob:
+    id: str
+    assignment: Assignment
+    source_ip: str
+    state: str = "fetching"  # fetching, running, exited, failed, stopped
+    detail: str = ""
+    process: subprocess.Popen[bytes] | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    files: dict[str, Any] = field(default_factory=dict)
+
+    def view(self) -> dict[str, Any]:
+        code = self.process.poll() if self.process else None
+        return {
+            "id": self.id,
+            "model": self.assignment.model,
+            "rank": self.assignment.rank,
+            "state": self.state,
+            "detail": self.detail,
+            "pid": self.process.pid if self.process else None,
+            "exit_code": code,
+            "files": self.files,
+        }
+
+
+class NodeAgent:
+    def __init__(self, token: str | None, cluster: str, memory: int | None, models: Path) -> None:
+        self.token = token
+        self.cluster = cluster
+        self.memory = memory
+        self.models = models
+        self.jobs: dict[str, RankJob] = {}
+        self.lock = threading.Lock()
+        self.closing = False
+
+    # -- the API ----------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        with self.lock:
+            ranks = [job.view() for job in self.jobs.values()]
+        return {
+            "cluster": self.cluster,
+            **machine_report(self.memory),
+            "ring_port": free_port(),
+            "ranks": ranks,
+        }
+
+    def assign(self, assignment: Assignment, source_ip: str) -> RankJob:
+        job = RankJob(secrets.token_hex(8), assignment, source_ip)
+        with self.lock:
+            self.jobs[job.id] = job
+        log.info("assignment %s: model %s rank %d from %s", job.id, assignment.model,
+                 assignment.rank, source_ip)  # fmt: skip
+        threading.Thread(target=self._prepare_and_start, args=(job,), daemon=True).start()
+        return job
+
+    def heartbeat(self, job_id: str) -> RankJob | None:
+        with self.lock:
+            job = self.jobs.get(job_id)
+        if job is not None:
+            job.last_seen = time.monotonic()
+            self._refresh(job)
+        return job
+
+    def stop(self, job_id: str, why: str) -> RankJob | None:
+        with self.lock:
+            job = self.jobs.get(job_id)
+        if job is not None:
+            self._stop_job(job, why)
+        return job
+
+    # -- ranks ------------------------------------------------------------------------
+
+    def _prepare_and_start(self, job: RankJob) -> None:
+        assignment = job.assignment
+        folder = self.models / folder_key(assignment.files)
+        try:
+            assert self.token is not None
+            fetched = fetch_model(
+                folder,
+                assignment.files,
+                assignment.layers,
+                (job.source_ip, assignment.files_port),
+                self.token,
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            job.state, job.detail = "failed", f"fetching the model files: {exc}"
+            log.error("assignment %s: %s", job.id, job.detail)
+            return
+        job.files = {"fetched": fetched.fetched, "reused": fetched.reused,
+                     "fetched_bytes": fetched.fetched_bytes, "sha256_checked": True}  # fmt: skip
+        log.info("assignment %s: model files in %s (fetched %s, reused %s)", job.id, folder,
+                 fetched.fetched or "none", fetched.reused or "none")  # fmt: skip
+        with self.lock:
+            if job.state != "fetching":  # stopped while fetching
+                return
+            job.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    PEER_MODULE,
+                    f"--model={assignment.model}",
+                    f"--rank={assignment.rank}",
+                ],  # fmt: skip
+                env=self._rank_env(assignment, folder),
+            )
+            job.state = "running"
+        log.info("assignment %s: rank %d started, pid %d", job.id, assignment.rank, job.process.pid)
+
+    def _rank_env(self, assignment: Assignment, folder: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env.pop("MLX_HOSTFILE", None)
+        env.update(
+            MLX_RANK=str(assignment.rank),
+            PIPESERVE_SHARD_RING=json.dumps(assignment.ring),
+            PIPESERVE_SHARD_CONTROL=assignment.control,
+            PIPESERVE_SHARD_TOKEN=assignment.group_token,
+            PIPESERVE_SHARD_MODEL_DIR=str(folder),
+            PIPESERVE_SHARD_OPTIONS=assignment.options.model_dump_json(),
+            PIPESERVE_SHARD_NAME=assignment.model,
+            PIPESERVE_SHARD_PARENT=str(os.getpid()),
+        )
+        return env
+
+    def _refresh(self, job: RankJob) -> None:
+        if job.state == "running" and job.process is not None:
+            code = job.process.poll()
+            if code is not None:
+                job.state, job.detail = "exited", f"exit code {code}"
+                log.info("assignment %s: rank %d exited (%d)", job.id, job.assignment.rank, code)
+
+    def _stop_job(self, job: RankJob, why: str) -> None:
+        with self.lock:
+            was = job.state
+            if was in ("fetching", "running"):
+                job.state, job.detail = "stopped", why
+        process = job.process
+        if process is None or process.poll() is not None:
+            return
+        log.info("assignment %s: stopping rank %d: %s", job.id, job.assignment.rank, why)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def reap_forever(self) -> None:
+        """Stop ranks whose serving machine stopped sending heartbeats; forget old jobs."""
+        while not self.closing:
+            time.sleep(REAP_INTERVAL)
+            now = time.monotonic()
+            with self.lock:
+                jobs = list(self.jobs.values())
+            for job in jobs:
+                self._refresh(job)
+                silent = now - job.last_seen
+                if job.state in ("fetching", "running"):
+                    if silent > job.assignment.heartbeat_timeout:
+                        self._stop_job(
+                            job, f"no heartbeat from the serving machine for {silent:.0f} s"
+                        )
+                elif silent > 600:
+                    with self.lock:
+                        self.jobs.pop(job.id, None)
+
+    def close(self) -> None:
+        self.closing = True
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            self._stop_job(job, "the node is stopping")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        return int(sock.getsockname()[1])
+
+
+class NodeHandler(BaseHTTPRequestHandler):
+    agent: NodeAgent  # set on the subclass made by serve_node
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        if self.path == "/v1/node":
+            self._answer(200, self.agent.report())
+        elif self.path.startswith("/v1/node/ranks/"):
+            job = self.agent.heartbeat(self.path.rsplit("/", 1)[1])
+            self._job_answer(job)
+        else:
+            self._answer(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        if not self._authorized():
+            return
+        if self.path != "/v1/node/ranks":
+            self._answer(404, {"error": "not found"})
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            self._answer(413, {"error": "assignment too large"})
+            return
+        try:
+            assignment = Assignment.model_validate_json(self.rfile.read(length))
+        except ValidationError as exc:
+            self._answer(400, {"error": f"invalid assignment: {exc.errors()[0]['msg']}"})
+            return
+        job = self.agent.assign(assignment, self.client_address[0])
+        self._answer(202, job.view())
+
+    def do_DELETE(self) -> None:
+        if not self._authorized():
+            return
+        if not self.path.startswith("/v1/node/ranks/"):
+            self._answer(404, {"error": "not found"})
+            return
+        self._job_answer(
+            self.agent.stop(self.path.rsplit("/", 1)[1], "stopped by the serving machine")
+        )
+
+    def _job_answer(self, job: RankJob | None) -> None:
+        if job is None:
+            self._answer(404, {"error": "no such assignment"})
+        else:
+            self._answer(200, job.view())
+
+    def _authorized(self) -> bool:
+        token = self.agent.token
+        if token is None:
+            message = f"this node was started without {TOKEN_ENV}: it accepts no request"
+            self._answer(403, {"error": message})
+            return False
+        if not authorized(self.headers.get("Authorization"), token):
+            self._answer(401, {"error": "wrong or missing cluster token"})
+            return False
+        return True
+
+    def _answer(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.client_address[0], *args)
+
+
+@dataclass
+class NodeSettings:
+    cluster: str
+    host: str
+    port: int
+    memory: int | None
+    advertise: list[str]
+    announce: bool
+    models: Path
+
+
+def serve_node(settings: NodeSettings, token: str | None) -> int:
+    """Run the agent until SIGTERM / SIGINT."""
+    from pipeserve import __version__
+    from pipeserve.cluster.discovery import Announcement, own_addresses
+
+    problem = token_problem(token)
+    if problem:
+        log.warning("%s; this node refuses every request", problem)
+        token = None
+    agent = NodeAgent(token, settings.cluster, settings.memory, settings.models)
+    handler = type("Handler", (NodeHandler,), {"agent": agent})
+    server = ThreadingHTTPServer((settings.host, settings.port), handler)
+    server.daemon_threads = True
+    port = int(server.server_address[1])
+    threading.Thread(target=agent.reap_forever, daemon=True).start()
+    announcement = None
+    if settings.announce:
+        addresses = settings.advertise or _announced(settings.host, own_addresses())
+        announcement = Announcement(settings.cluster, port, addresses, __version__)
+        log.info("announced on the LAN as cluster %r at %s port %d", settings.cluster,
+                 ", ".join(addresses), port)  # fmt: skip
+    report = machine_report(settings.memory)
+    log.info("pipeserve node listening on %s:%d; offers %d bytes (%s), %s", settings.host, port,
+             report["memory"]["usable"], report["memory"]["found_kind"] if settings.memory is None
+             else "--memory", report["device_name"])  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stop.wait()
+    log.info("stopping: ranks first, then the announcement")
+    agent.close()
+    if announcement is not None:
+        announcement.close()
+    server.shutdown()
+    return 0
+
+
+def _announced(host: str, found: list[str]) -> list[str]:
+    if host not in ("0.0.0.0", "", "::"):
+        return [host]
+    if not found:
+        raise SystemExit("pipeserve node: no network address to announce (use --advertise)")
+    return found
