@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeserve.cluster.auth import authorized
 from pipeserve.cluster.placement import LAYER_NAME, tensor_sizes
@@ -37,6 +37,8 @@ _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha25
 
 
 class ModelFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(pattern=SAFE_NAME, max_length=200)
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")

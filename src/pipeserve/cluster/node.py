@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeserve.cluster.auth import TOKEN_ENV, authorized, token_problem
 from pipeserve.cluster.files import ModelFile, fetch_model, folder_key
@@ -48,6 +48,8 @@ REAP_INTERVAL = 0.5
 
 class Assignment(BaseModel):
     """What the serving machine asks of this node: validated, then used as data only."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(pattern=r"^[A-Za-z0-9_.:/-]{1,200}$")
     rank: int = Field(ge=1, le=63)
