@@ -1,0 +1,198 @@
+"""A cluster that forms itself (docs/cluster.md), on three emulated machines: the server
+on m1, `pipeserve node` on m2 and m3, found over mDNS on the bridge or named by address.
+
+The model is a 6-layer float32 qwen3 (6 heads, 3 KV heads) built here, so it splits over
+3 ranks both ways. Each node starts with an empty model folder: it fetches the files
+from the serving machine (sha256-checked). The nodes offer unequal memory (--memory), so
+the pipeline split follows it. Bounded: two servers, two nodes, a few short answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pipeserve.engine.demo import pipeserve_home, write_demo_model
+from pipeserve.engine.demo_families import QWEN3
+from tests.multimachine.harness import Cluster, Machine, wait_port
+from tests.server.serverproc import REPO, pipeserve_command, server_process
+
+pytestmark = [pytest.mark.multimachine, pytest.mark.sharded, pytest.mark.server]
+
+TOKEN = "test-cluster-token-" + "7" * 16
+CLUSTER = "ns-test"
+NODE_PORT = 7337
+PROMPTS = ["Say hello", "Write a haiku about the sea"]
+GIB = 2**30
+SIX_LAYERS = {**QWEN3.config, "num_hidden_layers": 6, "num_attention_heads": 6,
+              "num_key_value_heads": 3, "intermediate_size": 192}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(3, tmp_path_factory.mktemp("machines"), ssh=False) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("six-layer-qwen3")
+    write_demo_model(replace(QWEN3, config=SIX_LAYERS), folder, pipeserve_home() / "cache")
+    return folder
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PIPESERVE_CLUSTER_TOKEN": TOKEN, **extra}
+
+
+def start_node(
+    machine: Machine,
+    folder: Path,
+    memory: str,
+    port: int = NODE_PORT,
+    node_env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    argv = [*pipeserve_command(), "node", "--cluster", CLUSTER, "--memory", memory,
+            "--port", str(port), "--models", str(folder)]  # fmt: skip
+    with open(folder.parent / f"node-{machine.name}-{port}.log", "wb") as log:
+        proc = machine.popen(argv, env=node_env or env(), stdout=log, stderr=log)
+    wait_port(machine.ip, port)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def nodes(machines: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
+    """m2 offers 3 GiB, m3 2 GiB; each keeps fetched model files in an empty folder."""
+    _, m2, m3 = machines.machines
+    work = tmp_path_factory.mktemp("nodes")
+    procs = [start_node(m2, work / "m2-models", "3GiB"), start_node(m3, work / "m3-models", "2GiB")]
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+def write_config(folder: Path, model: Path, sharding: str) -> Path:
+    config = folder / "cluster.yaml"
+    config.write_text(
+        f"pipelines_dir: {REPO / 'pipelines'}\n"
+        "models:\n"
+        f"  - {{name: plain, source: '{model}', pipeline: qwen3}}\n"
+        f"  - name: split\n    source: '{model}'\n    pipeline: qwen3\n"
+        f"    options:\n      sharding: {sharding}\n"
+        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
+    )
+    return config
+
+
+def answer(base: str, model: str, prompt: str) -> tuple[str, int]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 10, "temperature": 0}  # fmt: skip
+    reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()
+    return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+
+
+def assert_split_equals_plain(base: str) -> None:
+    for prompt in PROMPTS:
+        assert answer(base, "split", prompt) == answer(base, "plain", prompt)
+
+
+def test_discovery_finds_both_nodes_of_the_cluster_only(
+    machines: Cluster, nodes: list[Any]
+) -> None:
+    m1 = machines.machines[0]
+    look = [sys.executable, "-m", "pipeserve.cluster.discovery", "--timeout", "2"]
+    found = m1.run([*look, "--cluster", CLUSTER], capture_output=True, text=True, timeout=60)
+    assert json.loads(found.stdout) == ["10.77.0.2:7337", "10.77.0.3:7337"], found.stderr
+    other = m1.run([*look, "--cluster", "another"], capture_output=True, text=True, timeout=60)
+    assert json.loads(other.stdout) == []
+
+
+def test_pipeline_over_discovered_nodes_follows_memory_and_equals_unsharded(
+    machines: Cluster, nodes: list[Any], model: Path, tmp_path: Path
+) -> None:
+    m1, m2, m3 = machines.machines
+    sharding = f"{{strategy: pipeline, nodes: auto, cluster: {CLUSTER}, memory: 1GiB}}"
+    config = write_config(tmp_path, model, sharding)
+    # 1 : 3 : 2 GiB (less the replicated embeddings) over 6 layers; rank 0 holds the last
+    expected = {0: [5, 6], 1: [2, 5], 2: [0, 2]}
+    explain = m1.run([*pipeserve_command(), "validate", str(config), "--explain"],
+                     env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "rank 1 on 10.77.0.2:7337: layers [2, 5)" in explain.stdout, explain.stderr
+    assert "rank 2 on 10.77.0.3:7337: layers [0, 2)" in explain.stdout
+    assert "rank 0 on this machine: layers [5, 6)" in explain.stdout
+    with server_process(config, env(), 300, m1.command([]), m1.ip) as (base, _):
+        assert_split_equals_plain(base)
+        view = httpx.get(f"{base}/v1/cluster", timeout=10).json()["models"]["split"]
+        ranks = view["placement"]["ranks"]
+        assert {r["rank"]: r["layers"] for r in ranks} == expected
+        assert [r["machine"]["usable"] for r in ranks] == [GIB, 3 * GIB, 2 * GIB]
+        assert view["healthy"] is True
+        for rank, machine in zip(view["ranks"], (m2, m3), strict=True):
+            # each node lacked the model: it fetched it from m1 and checked every sha256
+            assert "model.safetensors" in rank["files"]["fetched"]
+            assert rank["files"]["sha256_checked"] is True
+            assert rank["state"] == "running" and rank["address"] == f"{machine.ip}:7337"
+        pids = rank_pids(m2) + rank_pids(m3)
+        assert [machines.machine_of(pid) for pid in pids] == [m2, m3]
+    assert rank_pids(m2) == rank_pids(m3) == []  # a normal stop stops the nodes' ranks
+
+
+def rank_pids(machine: Machine) -> list[int]:
+    reply = httpx.get(f"http://{machine.ip}:{NODE_PORT}/v1/node",
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()  # fmt: skip
+    return [r["pid"] for r in reply["ranks"] if r["state"] == "running"]
+
+
+def test_tensor_over_nodes_named_by_address_equals_unsharded(
+    machines: Cluster, nodes: list[Any], model: Path, tmp_path: Path
+) -> None:
+    m1 = machines.machines[0]
+    listed = "['10.77.0.3:7337', '10.77.0.2']"  # the default port may be left out
+    config = write_config(tmp_path, model, f"{{strategy: tensor, nodes: {listed}}}")
+    with server_process(config, env(), 300, m1.command([]), m1.ip) as (base, _):
+        assert_split_equals_plain(base)
+        view = httpx.get(f"{base}/v1/cluster", timeout=10).json()["models"]["split"]
+        holds = [(r["machine"]["address"], r["holds"]) for r in view["placement"]["ranks"]]
+        assert holds == [("this machine", "1/3 of every layer"),
+                         ("10.77.0.3:7337", "1/3 of every layer"),
+                         ("10.77.0.2", "1/3 of every layer")]  # fmt: skip
+        # the files were fetched for the pipeline run: this time they are reused
+        assert all("model.safetensors" in r["files"]["reused"] for r in view["ranks"])
+
+
+def test_a_node_without_the_token_refuses_and_a_wrong_token_is_refused(
+    machines: Cluster, nodes: list[Any], tmp_path: Path
+) -> None:
+    m2 = machines.machines[1]
+    no_token = {k: v for k, v in os.environ.items() if k != "PIPESERVE_CLUSTER_TOKEN"}
+    proc = start_node(m2, tmp_path / "models", "1GiB", port=7338, node_env=no_token)
+    try:
+        assignment = {"model": "split", "rank": 1}
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        refused = httpx.post(f"http://{m2.ip}:7338/v1/node/ranks", json=assignment,
+                             headers=bearer, timeout=10)  # fmt: skip
+        assert refused.status_code == 403
+        assert "without PIPESERVE_CLUSTER_TOKEN" in refused.json()["error"]
+        wrong = {"Authorization": f"Bearer {TOKEN[:-1]}x"}
+        denied = httpx.post(f"http://{m2.ip}:{NODE_PORT}/v1/node/ranks", json=assignment,
+                            headers=wrong, timeout=10)  # fmt: skip
+        assert denied.status_code == 401
+        command = {**assignment, "command": "touch /tmp/pwned"}
+        invalid = httpx.post(f"http://{m2.ip}:{NODE_PORT}/v1/node/ranks", json=command,
+                             headers=bearer, timeout=10)  # fmt: skip
+        assert invalid.status_code == 400
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
