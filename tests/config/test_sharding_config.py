@@ -40,6 +40,9 @@ def validate(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str
         "{ranks: 2}",
         "{strategy: tensor, ranks: 2, backend: ring, step_timeout: 5}",
         "{strategy: pipeline, ranks: 2, split: [1, 1]}",
+        "{strategy: pipeline, nodes: auto, cluster: lab-2, memory: 8GiB, discovery_timeout: 1}",
+        "{strategy: tensor, nodes: ['10.0.0.2:7337']}",
+        "{strategy: pipeline, nodes: [gpu-box]}",
     ],
 )
 def test_workable_sharding_validates(
@@ -69,6 +72,18 @@ def test_workable_sharding_validates(
         ("{ranks: 1}", "7:25: models[0].options.sharding.ranks", "greater than or equal to 2"),
         ("{ranks: 2, hostfile: nowhere.json}", "7:38: models[0].options.sharding.hostfile",
          "cannot read the hosts file"),
+        ("{nodes: auto, hostfile: hosts.json}", "7:17: models[0].options.sharding",
+         "hostfile cannot be combined with nodes"),
+        ("{nodes: auto, ranks: 3}", "7:17: models[0].options.sharding",
+         "ranks cannot be combined with nodes"),
+        ("{nodes: [a, a]}", "7:25: models[0].options.sharding.nodes", "listed twice"),
+        ("{nodes: []}", "7:25: models[0].options.sharding.nodes", "at least one node"),
+        ("{nodes: auto, memory: 50%}", "7:17: models[0].options.sharding", "not a share"),
+        ("{nodes: auto, cluster: 'a b'}", "7:40: models[0].options.sharding.cluster",
+         "should match pattern"),
+        # two nodes named: 3 ranks, and qwen3's 2 KV heads do not divide by 3
+        ("{strategy: tensor, nodes: [a, b]}", "7:28: models[0].options.sharding.strategy",
+         "num_key_value_heads = 2 does not divide by 3 ranks"),
     ],
 )  # fmt: skip
 def test_unworkable_sharding_is_a_positioned_error(
