@@ -36,10 +36,10 @@ def summary(samples: list[float]) -> str:
 
 
 def in_process() -> None:
-    from pipeserve.store import ResponseStore
+    from pipeserve.store import SqliteStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        store = ResponseStore(Path(tmp) / "r.sqlite3", 30, 1 << 30, 2.0)
+        store = SqliteStore(Path(tmp) / "r.sqlite3", 30, 1 << 30, 2.0)
         store.open_checked()
         text = [{"type": "output_text", "text": "x" * 500, "annotations": []}]
         times: dict[str, list[float]] = {"save": [], "get": [], "history": []}

@@ -112,3 +112,13 @@ def replay_runtime(demo_model_dir: Any) -> Iterator[Callable[[str], Any]]:
     yield get
     for runtime in built.values():
         runtime.engine.close()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 (tests/postgres_cluster.py), shared by
+    the session; skipped with a one-line reason where it cannot be started."""
+    from tests.postgres_cluster import start_cluster
+
+    with start_cluster() as cluster:
+        yield cluster

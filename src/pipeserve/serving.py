@@ -233,23 +233,43 @@ def fetch_sources(config: Any, known: dict[str, Path] | None = None) -> dict[str
 
 
 def check_response_store(config: Any, config_dir: Path) -> bool:
-    """Create or check the response store before forking, so that a corrupt or unwritable
-    file stops the start with a clear message instead of failing every worker."""
-    from pipeserve.store import StoreError, response_store
+    """Create, migrate or check the response store before forking, so that a corrupt,
+    unwritable or too new one stops the start with a clear message instead of failing
+    every worker. A PostgreSQL store that cannot be reached now does not stop it.
 
-    store = response_store(config.server, config_dir)
-    if store is None:
+    PostgreSQL is checked in a spawned child: psycopg picks its wait functions when first
+    imported, and imported in the master it would block the workers' gevent hubs."""
+    from pipeserve.store import check_store
+
+    options = config.server.responses_store
+    if options is not False and options.url is not None:
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as child:
+            checked = child.submit(check_store, config.server, config_dir).result()
+    else:
+        checked = check_store(config.server, config_dir)
+    if checked is None:
         return True
-    try:
-        store.open_checked()
-    except StoreError as error:
+    if checked.problem is not None:
+        fix = (
+            "Fix the database, point server.responses_store.url at another"
+            if options.url is not None
+            else "Fix or remove the file, set server.responses_store.path elsewhere"
+        )
         print(
-            f"pipeserve: the response store {store.path} cannot be used: {error}. Fix or remove the"
-            " file, set server.responses_store.path elsewhere, or set server.responses_store: false.",
+            f"pipeserve: the response store {checked.where} cannot be used: {checked.problem}."
+            f" {fix}, or set server.responses_store: false.",
             file=sys.stderr,
         )
         return False
-    log.info("responses are stored in %s", store.path)
+    if checked.unreachable is not None:
+        log.warning(
+            "the response store cannot be reached now (%s): starting anyway; requests that"
+            " need it get a 503 until it is back",
+            checked.unreachable,
+        )
+    else:
+        log.info("responses are stored in %s", checked.where)
     return True
 
 

@@ -33,7 +33,7 @@ from pipeserve.events import (
 from pipeserve.request import GenerationRequest
 from pipeserve.server.generation import closing_stream
 from pipeserve.stages.base import RequestContext
-from pipeserve.store import ResponseStore
+from pipeserve.store import SqliteStore
 from tests.api.helpers import (
     QWEN3_PIECES,
     QWEN3_WEATHER_PARAMS,
@@ -450,7 +450,7 @@ def test_images_are_a_clear_400(content: Any, param: str) -> None:
 def test_input_of_another_type_is_a_400(tmp_path: Path, stored: bool, value: Any) -> None:
     protocol = OpenAIResponses()
     if stored:  # the store reads the input as items before the messages are built
-        protocol.use_store(ResponseStore(tmp_path / "responses.sqlite3", 30, 1 << 20, 1.0))
+        protocol.use_store(SqliteStore(tmp_path / "responses.sqlite3", 30, 1 << 20, 1.0))
     with pytest.raises(ApiError) as info:
         protocol.decode({"model": "demo", "input": value}, META)
     assert info.value.param == "input" and protocol.error_status(info.value) == 400

@@ -32,23 +32,56 @@ class ApiKeyEntry(Strict):
 
 
 class ResponsesStoreOptions(Strict):
-    """Where stored Responses live (SQLite, shared by all workers) and how long."""
+    """Where stored Responses live and how long: one SQLite file shared by this server's
+    workers (the default), or PostgreSQL (`url`), which several servers can share."""
 
     path: str | None = Field(
         None,
         description="SQLite file; default <PIPESERVE_HOME>/responses.sqlite3; a relative path is"
         " relative to this config file's folder.",
     )
+    url: str | None = Field(
+        None,
+        pattern=r"^postgres(ql)?://",
+        description="PostgreSQL instead of SQLite, e.g. postgresql://pipeserve@db.internal:5432/pipeserve"
+        " (libpq's PG* environment variables and ~/.pgpass may carry the password). Servers given"
+        " the same database share one store.",
+    )
     max_age_days: float = Field(30.0, gt=0, description="Older stored responses expire.")
     max_bytes: int = Field(
-        1 << 30, ge=1 << 20, description="Size bound of the database; the oldest expire first."
+        1 << 30,
+        ge=1 << 20,
+        description="Size bound (SQLite: the file's used pages; PostgreSQL: the stored JSON);"
+        " the oldest expire first.",
     )
     lock_timeout: float = Field(
         2.0,
         gt=0,
         le=60,
-        description="Seconds a request may wait for the database lock (503 after).",
+        description="Seconds a request may wait for the database: a lock, or (PostgreSQL) a"
+        " working connection (503 after; an answer that cannot be stored is sent unstored).",
     )
+
+    @model_validator(mode="after")
+    def _one_database(self) -> ResponsesStoreOptions:
+        if self.path is not None and self.url is not None:
+            raise ValueError("give either path (SQLite) or url (PostgreSQL), not both")
+        if self.url is not None:
+            _check_postgres_url(self.url)
+        return self
+
+
+def _check_postgres_url(url: str) -> None:
+    """A URL libpq will parse: postgresql://[user[:password]@][host][:port][/dbname][?k=v]."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"url: not a PostgreSQL URL ({exc})") from None
+    if parts.fragment:
+        raise ValueError("url: a PostgreSQL URL has no #fragment")
 
 
 class ServerSection(Strict):

@@ -6,7 +6,6 @@ are a 404 naming the id, in the Responses error shape."""
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -14,11 +13,11 @@ import falcon
 
 from pipeserve.api.base import WireProtocol
 from pipeserve.api.openai_responses.replay import replay_events
-from pipeserve.api.openai_responses.state import store_busy
+from pipeserve.api.openai_responses.state import store_fault
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
 from pipeserve.server.generation import HttpOptions, ProtocolErrors
-from pipeserve.store import ResponseStore, StoreBusy
+from pipeserve.store import ResponseStore, StoreError
 
 T = TypeVar("T")
 log = logging.getLogger("pipeserve.http")
@@ -37,10 +36,8 @@ class _StoreResource:
         try:
             self.options.keys.authenticate(req)
             work()
-        except StoreBusy:
-            self.errors.render(resp, store_busy())
-        except sqlite3.Error as exc:
-            self.errors.render(resp, ApiError("internal", f"the response store failed: {exc}"))
+        except StoreError as exc:
+            self.errors.render(resp, store_fault(exc))
         except ApiError as error:
             self.errors.render(resp, error)
         except Exception as exc:  # a bug: still answer in the protocol's shape

@@ -11,13 +11,18 @@ with a 400 saying so, and responses echo `store: false`.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.api.openai_common import new_id
 from pipeserve.errors import ApiError, invalid
-from pipeserve.store import MissingResponse, ResponseStore, StoreBusy
+from pipeserve.store import (
+    MissingResponse,
+    ResponseStore,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("pipeserve.responses")
 
@@ -56,11 +61,8 @@ class ResponsesState:
         try:
             earlier = self._earlier(previous_id)
             items = self._dereference(raw_input)
-        except StoreBusy as exc:
-            raise store_busy() from exc
-        except sqlite3.Error as exc:
-            log.exception("response store read failed")
-            raise ApiError("internal", f"the response store failed: {exc}") from exc
+        except StoreError as exc:
+            raise store_fault(exc) from exc
         record = input_records(items) if store_requested is not False else None
         return ResolvedInput(earlier, items, record)
 
@@ -121,8 +123,8 @@ class ResponsesState:
             return
         try:
             self.store.save(response, record, response.get("previous_response_id"))
-        except (StoreBusy, sqlite3.Error, OSError):
-            log.exception("response %s could not be stored", response.get("id"))
+        except StoreError as exc:
+            log.warning("response %s is answered unstored: %s", response.get("id"), exc)
             response["store"] = False
 
 
@@ -130,8 +132,14 @@ def is_reference(item: Any) -> bool:
     return isinstance(item, dict) and item.get("type") == "item_reference"
 
 
-def store_busy() -> ApiError:
-    return ApiError("unavailable", "the response store is busy; retry shortly", retry_after=1)
+def store_fault(exc: StoreError) -> ApiError:
+    """A 503 (with Retry-After) while the store is busy or unreachable; else a 500."""
+    if isinstance(exc, StoreUnavailable):
+        state = "busy" if isinstance(exc, StoreBusy) else "unavailable"
+        message = f"the response store is {state} ({exc}); retry shortly"
+        return ApiError("unavailable", message, retry_after=1)
+    log.error("response store failed: %s", exc)
+    return ApiError("internal", f"the response store failed: {exc}")
 
 
 def input_records(items: Any) -> list[dict[str, Any]]:
@@ -169,4 +177,4 @@ def message_parts(role: Any, content: Any) -> Any:
     return parts
 
 
-__all__ = ["ResolvedInput", "ResponsesState", "input_records", "store_busy"]
+__all__ = ["ResolvedInput", "ResponsesState", "input_records", "store_fault"]

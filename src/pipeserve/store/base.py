@@ -1,0 +1,301 @@
+"""The response store's interface, and its calls written once for both SQL backends.
+
+A store keeps OpenAI Response objects (without their output) as rows of `responses` and
+their input and output items as rows of `items`, found by their own ids for
+item_reference. A response is written in one transaction with its items, so others see
+it whole or not at all; reads run in one snapshot. Expired rows (older than the age
+bound) are invisible to reads and deleted by later writes.
+
+Backends (sqlite_store.py, postgres_store.py) supply their connections, transactions,
+table names, placeholder style, the insert and the pruning; they turn their driver's
+errors into the exceptions below, which are all callers see.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar, Literal, TypeVar
+
+T = TypeVar("T")
+
+# The chain of previous_response_id links from one response back to the first (bounded).
+CHAIN = """
+WITH RECURSIVE chain (id, depth) AS (
+    SELECT id, 0 FROM {responses} WHERE id = ? AND stored_at >= ?
+    UNION ALL
+    SELECT r.previous_id, c.depth + 1 FROM chain c JOIN {responses} r ON r.id = c.id
+    WHERE r.previous_id IS NOT NULL AND c.depth < 100000
+)
+SELECT c.id, c.depth, r.id IS NOT NULL AND r.stored_at >= ?
+FROM chain c LEFT JOIN {responses} r ON r.id = c.id ORDER BY c.depth
+"""
+PRUNE_ROUNDS = 50  # at most this many delete rounds per write (each drops ~10% of rows)
+
+
+class StoreError(Exception):
+    """The database cannot be used (corrupt, unwritable, from a newer version, a fault)."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached now (down, no connection in time): retry later."""
+
+
+class StoreBusy(StoreUnavailable):
+    """The database lock was not free within lock_timeout."""
+
+
+class MissingResponse(Exception):
+    """A response id (asked for, or earlier in a previous_response_id chain) is unknown."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
+@dataclass(frozen=True)
+class ItemPage:
+    items: list[dict[str, Any]]
+    has_more: bool
+
+
+@dataclass(frozen=True)
+class Row:
+    """One stored item: which list it is in, its place there, its id, its JSON."""
+
+    source: Literal["input", "output"]
+    position: int
+    item_id: str
+    body: str
+
+
+class ResponseStore(ABC):
+    """One store; every call is safe from any greenlet or thread of the process."""
+
+    RESPONSES: ClassVar[str] = "responses"
+    ITEMS: ClassVar[str] = "items"
+    PARAM: ClassVar[str] = "?"  # the driver's placeholder
+
+    def __init__(self, max_age_days: float, max_bytes: int, lock_timeout: float) -> None:
+        self.max_age = max_age_days * 86400.0
+        self.max_bytes = max_bytes
+        self.lock_timeout = lock_timeout
+
+    # ------------------------------------------------------------ the backend's part
+
+    @property
+    @abstractmethod
+    def where(self) -> str:
+        """The database, for logs and messages (never a password)."""
+
+    @abstractmethod
+    def open_checked(self, deep: bool = True) -> None:
+        """Create or migrate the schema and check the database now (`deep`: thoroughly, as
+        at start-up). StoreUnavailable: it cannot be reached now; StoreError: unusable."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(connection, *args) on a pooled connection, driver errors translated."""
+
+    @abstractmethod
+    def _reading(self, conn: Any) -> AbstractContextManager[None]:
+        """One read-only transaction: every read in it sees the same snapshot."""
+
+    @abstractmethod
+    def _writing(self, conn: Any) -> AbstractContextManager[None]:
+        """One write transaction, waiting at most lock_timeout for locks (StoreBusy)."""
+
+    @abstractmethod
+    def _insert(self, conn: Any, response_id: str, previous_id: str | None, body: str,
+                rows: list[Row]) -> int:  # fmt: skip
+        """Write (or replace) one response and its item rows; the bytes this adds."""
+
+    @abstractmethod
+    def _prune(self, conn: Any, added: int) -> None:
+        """Delete what is older than the age bound, then the oldest beyond the size bound."""
+
+    @abstractmethod
+    def _delete_one(self, conn: Any, response_id: str) -> bool: ...
+
+    # ------------------------------------------------------------ public calls
+
+    def save(
+        self,
+        response: dict[str, Any],
+        input_items: Sequence[dict[str, Any]],
+        previous_id: str | None,
+    ) -> None:
+        """Store a response (its `output` as items) with its own input items."""
+        self._run(self._save, response, list(input_items), previous_id)
+
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        """The stored Response object with its output, None when unknown or expired."""
+        return self._run(self._get, response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._run(self._delete, response_id)
+
+    def input_items(
+        self, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> ItemPage | None:
+        """One page of a response's input items; None when the response is unknown."""
+        return self._run(self._input_items, response_id, after, limit, order)
+
+    def items(self, item_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Stored items by id (the most recently stored one when ids repeat)."""
+        return self._run(self._items, list(item_ids))
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        """Input and output items of the chain ending at `response_id`, oldest first.
+        Raises MissingResponse naming the first id of the chain that is gone."""
+        return self._run(self._history, response_id)
+
+    # ------------------------------------------------------------ SQL
+
+    @classmethod
+    def sql(cls, text: str) -> str:
+        """`text` with this backend's table names and placeholder."""
+        return _dialect(text, cls.RESPONSES, cls.ITEMS, cls.PARAM)
+
+    def cutoff(self) -> float:
+        return time.time() - self.max_age
+
+    def _save(
+        self,
+        conn: Any,
+        response: dict[str, Any],
+        input_items: list[dict[str, Any]],
+        previous_id: str | None,
+    ) -> None:
+        body = dump({key: value for key, value in response.items() if key != "output"})
+        rows = [_row("input", i, item) for i, item in enumerate(input_items)]
+        rows += [_row("output", i, item) for i, item in enumerate(response.get("output") or [])]
+        with self._writing(conn):
+            added = self._insert(conn, response["id"], previous_id, body, rows)
+            self._prune(conn, added)
+
+    def _delete(self, conn: Any, response_id: str) -> bool:
+        with self._writing(conn):
+            return self._delete_one(conn, response_id)
+
+    def _get(self, conn: Any, response_id: str) -> dict[str, Any] | None:
+        with self._reading(conn):
+            row = conn.execute(
+                self.sql("SELECT body FROM {responses} WHERE id = ? AND stored_at >= ?"),
+                (response_id, self.cutoff()),
+            ).fetchone()
+            if row is None:
+                return None
+            output = conn.execute(
+                self.sql(
+                    "SELECT body FROM {items} WHERE response_id = ? AND source = 'output'"
+                    " ORDER BY position"
+                ),
+                (response_id,),
+            ).fetchall()
+        body: dict[str, Any] = json.loads(row[0])
+        body["output"] = [json.loads(item) for (item,) in output]
+        return body
+
+    def _input_items(
+        self,
+        conn: Any,
+        response_id: str,
+        after: str | None,
+        limit: int,
+        order: Literal["asc", "desc"],
+    ) -> ItemPage | None:
+        direction = "ASC" if order == "asc" else "DESC"
+        with self._reading(conn):
+            if not self._exists(conn, response_id):
+                return None
+            rows = conn.execute(
+                self.sql(
+                    "SELECT item_id, body FROM {items} WHERE response_id = ? AND source = 'input'"
+                    f" ORDER BY position {direction}"
+                ),
+                (response_id,),
+            ).fetchall()
+        ids = [item_id for item_id, _ in rows]
+        start = ids.index(after) + 1 if after in ids else 0
+        chosen = rows[start : start + limit]
+        return ItemPage([json.loads(body) for _, body in chosen], start + limit < len(rows))
+
+    def _exists(self, conn: Any, response_id: str) -> bool:
+        found = conn.execute(
+            self.sql("SELECT 1 FROM {responses} WHERE id = ? AND stored_at >= ?"),
+            (response_id, self.cutoff()),
+        ).fetchone()
+        return found is not None
+
+    def _items(self, conn: Any, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        query = self.sql(
+            "SELECT i.body FROM {items} i JOIN {responses} r ON r.id = i.response_id"
+            " WHERE i.item_id = ? AND r.stored_at >= ? ORDER BY r.stored_at DESC LIMIT 1"
+        )
+        found: dict[str, dict[str, Any]] = {}
+        with self._reading(conn):
+            for item_id in dict.fromkeys(item_ids):
+                row = conn.execute(query, (item_id, self.cutoff())).fetchone()
+                if row is not None:
+                    found[item_id] = json.loads(row[0])
+        return found
+
+    def _history(self, conn: Any, response_id: str) -> list[dict[str, Any]]:
+        cutoff = self.cutoff()
+        query = self.sql(
+            "SELECT body FROM {items} WHERE response_id = ? ORDER BY source = 'output', position"
+        )
+        bodies: list[str] = []
+        with self._reading(conn):
+            chain = conn.execute(self.sql(CHAIN), (response_id, cutoff, cutoff)).fetchall()
+            if not chain:
+                raise MissingResponse(response_id)
+            for chain_id, _, present in chain:
+                if not present:
+                    raise MissingResponse(chain_id)
+            for chain_id, _, _ in reversed(chain):
+                bodies += [body for (body,) in conn.execute(query, (chain_id,)).fetchall()]
+        return [json.loads(body) for body in bodies]
+
+
+@cache
+def _dialect(text: str, responses: str, items: str, param: str) -> str:
+    return text.format(responses=responses, items=items).replace("?", param)
+
+
+def _row(source: Literal["input", "output"], position: int, item: dict[str, Any]) -> Row:
+    return Row(source, position, str(item.get("id", "")), dump(item))
+
+
+def dump(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def schema_too_new(where: str, found: int, known: int) -> StoreError:
+    return StoreError(
+        f"{where} has schema version {found}, newer than the {known} this pipeserve"
+        " understands (a newer pipeserve wrote it): upgrade pipeserve, or use another store"
+    )
+
+
+__all__ = [
+    "PRUNE_ROUNDS",
+    "ItemPage",
+    "MissingResponse",
+    "ResponseStore",
+    "Row",
+    "StoreBusy",
+    "StoreError",
+    "StoreUnavailable",
+    "dump",
+    "schema_too_new",
+]

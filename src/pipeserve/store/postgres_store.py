@@ -1,0 +1,295 @@
+"""The response store in PostgreSQL, for several servers sharing one store.
+
+psycopg 3 with a psycopg_pool connection pool per worker. Under gevent psycopg waits
+cooperatively (it picks its wait functions when first imported, so it must be imported
+after gevent's monkey patching: never in the gunicorn master, see serving.py), so calls
+run on the calling greenlet and the pool's helpers are greenlets too.
+
+- Bounds: every wait for a lock (`lock_timeout`), for a pooled connection, and every
+  statement (a few times `lock_timeout`) is bounded; then StoreBusy / StoreUnavailable.
+- Faults: the pool checks a connection before handing it out and replaces broken ones in
+  the background, so after the database comes back the store works again by itself.
+- Size: each response row records the bytes it and its items hold; one counter row keeps
+  the total, updated last in each write transaction (so it is locked only briefly).
+- Schema: the applied versions are rows of pipeserve_schema; migrations run in one
+  transaction under an advisory lock, so servers starting together apply each once.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import psycopg
+from psycopg import errors, waiting
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from pipeserve.gevent_support import gevent_patched
+from pipeserve.store.base import (
+    PRUNE_ROUNDS,
+    ResponseStore,
+    Row,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+    schema_too_new,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("pipeserve.store")
+
+SCHEMA_VERSION = 1
+MIGRATION_LOCK = 0x70697065_73657276  # "pipeserv": the advisory lock of schema changes
+MIGRATION_LOCK_TIMEOUT_MS = 60_000  # another server migrating: wait this long for it
+# Migration N takes the database from version N-1 to N (inside one transaction).
+MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE pipeserve_responses (
+    id text PRIMARY KEY,
+    stored_at double precision NOT NULL,
+    previous_id text,
+    size bigint NOT NULL,
+    body text NOT NULL
+);
+CREATE INDEX pipeserve_responses_by_age ON pipeserve_responses (stored_at);
+CREATE TABLE pipeserve_items (
+    response_id text NOT NULL REFERENCES pipeserve_responses (id) ON DELETE CASCADE,
+    source text NOT NULL CHECK (source IN ('input', 'output')),
+    position integer NOT NULL,
+    item_id text NOT NULL,
+    body text NOT NULL,
+    PRIMARY KEY (response_id, source, position)
+);
+CREATE INDEX pipeserve_items_by_id ON pipeserve_items (item_id);
+CREATE TABLE pipeserve_usage (
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    bytes bigint NOT NULL
+);
+INSERT INTO pipeserve_usage VALUES (true, 0);
+""",
+}
+POOL_MAX = 8
+RECONNECT_TIMEOUT = 10.0  # then a pool slot gives up; the next request starts a new try
+STATEMENT_TIMEOUT_FACTOR = 5  # a statement may run this many times lock_timeout
+
+
+def display_url(url: str) -> str:
+    """The URL without its password (and query), for logs and messages."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    host = parts.hostname or "local socket"
+    port = f":{parts.port}" if parts.port else ""
+    return f"PostgreSQL {parts.scheme}://{user}{host}{port}{parts.path}"
+
+
+class PostgresStore(ResponseStore):
+    RESPONSES = "pipeserve_responses"
+    ITEMS = "pipeserve_items"
+    PARAM = "%s"
+
+    def __init__(self, url: str, max_age_days: float, max_bytes: int, lock_timeout: float) -> None:
+        super().__init__(max_age_days, max_bytes, lock_timeout)
+        self.url = url
+        self._pool: ConnectionPool | None = None
+        self._schema_ready = False
+
+    @property
+    def where(self) -> str:
+        return display_url(self.url)
+
+    # ---------------------------------------------------------------- connections
+
+    def open_checked(self, deep: bool = True) -> None:
+        """`deep` (start-up, one process): one plain connection, migrated, then closed.
+        Otherwise (a worker): open the pool, then check it as any request would."""
+        if deep:
+            try:
+                with psycopg.connect(self.url, autocommit=True, **self._connect_options()) as conn:
+                    self._configure(conn)
+                    self._migrate(conn)
+            except psycopg.Error as exc:
+                raise _translated(exc, self.where) from exc
+            return
+        self._open_pool()
+        self._run(lambda conn: None)
+
+    def _connect_options(self) -> dict[str, Any]:
+        return {"connect_timeout": max(2, round(self.lock_timeout)),
+                "application_name": "pipeserve"}  # fmt: skip
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        ms = int(self.lock_timeout * 1000)
+        conn.execute(f"SET lock_timeout = {ms}")
+        conn.execute(f"SET statement_timeout = {ms * STATEMENT_TIMEOUT_FACTOR}")
+
+    def _open_pool(self) -> ConnectionPool:
+        if self._pool is None:
+            _check_cooperative()
+            self._pool = ConnectionPool(
+                self.url,
+                kwargs={"autocommit": True, **self._connect_options()},
+                min_size=1,
+                max_size=POOL_MAX,
+                open=False,
+                configure=self._configure,
+                check=ConnectionPool.check_connection,
+                timeout=self.lock_timeout,
+                reconnect_timeout=RECONNECT_TIMEOUT,
+                name="pipeserve-responses",
+            )
+            self._pool.open(wait=False)
+        return self._pool
+
+    def _migrate(self, conn: psycopg.Connection[Any]) -> None:
+        version = _version(conn)
+        if version == SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
+            raise schema_too_new(self.where, version, SCHEMA_VERSION)
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = {MIGRATION_LOCK_TIMEOUT_MS}")
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS pipeserve_schema (version integer PRIMARY KEY,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            version = _version(conn)  # another server may have migrated meanwhile
+            if version > SCHEMA_VERSION:
+                raise schema_too_new(self.where, version, SCHEMA_VERSION)
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                conn.execute(MIGRATIONS[step])
+                conn.execute("INSERT INTO pipeserve_schema (version) VALUES (%s)", (step,))
+                log.info("%s: response store schema migrated to version %d", self.where, step)
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            with self._open_pool().connection() as conn:
+                if not self._schema_ready:
+                    self._migrate(conn)
+                    self._schema_ready = True
+                return fn(conn, *args)
+        except PoolTimeout as exc:
+            message = f"{self.where}: no working connection within {self.lock_timeout:g} s"
+            raise StoreUnavailable(message) from exc
+        except psycopg.Error as exc:
+            raise _translated(exc, self.where) from exc
+
+    @contextmanager
+    def _writing(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        with conn.transaction():
+            yield
+
+    @contextmanager
+    def _reading(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    # ---------------------------------------------------------------- writes
+
+    def _insert(
+        self, conn: psycopg.Connection[Any], response_id: str, previous_id: str | None,
+        body: str, rows: list[Row],
+    ) -> int:  # fmt: skip
+        size = len(body.encode()) + sum(len(r.body.encode()) for r in rows)
+        replaced = conn.execute(
+            "DELETE FROM pipeserve_responses WHERE id = %s RETURNING size", (response_id,)
+        ).fetchall()
+        conn.execute(
+            "INSERT INTO pipeserve_responses VALUES (%s, %s, %s, %s, %s)",
+            (response_id, time.time(), previous_id, size, body),
+        )
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO pipeserve_items VALUES (%s, %s, %s, %s, %s)",
+                [(response_id, r.source, r.position, r.item_id, r.body) for r in rows],
+            )
+        return size - sum(int(freed) for (freed,) in replaced)
+
+    def _prune(self, conn: psycopg.Connection[Any], added: int) -> None:
+        """Rows other transactions hold are skipped (they are being deleted or written);
+        the usage counter is updated last, so its row lock is held only to the commit."""
+        delta = added - _freed(
+            conn,
+            "DELETE FROM pipeserve_responses WHERE id IN (SELECT id FROM pipeserve_responses"
+            " WHERE stored_at < %s FOR UPDATE SKIP LOCKED) RETURNING size",
+            (self.cutoff(),),
+        )
+        total = int(_scalar(conn, "SELECT bytes FROM pipeserve_usage")) + delta
+        for _ in range(PRUNE_ROUNDS):
+            if total <= self.max_bytes:
+                break
+            count = int(_scalar(conn, "SELECT count(*) FROM pipeserve_responses"))
+            if count <= 1:
+                break
+            freed = _freed(
+                conn,
+                "DELETE FROM pipeserve_responses WHERE id IN (SELECT id FROM pipeserve_responses"
+                " ORDER BY stored_at LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING size",
+                (max(1, count // 10),),
+            )
+            total, delta = total - freed, delta - freed
+        conn.execute("UPDATE pipeserve_usage SET bytes = bytes + %s", (delta,))
+
+    def _delete_one(self, conn: psycopg.Connection[Any], response_id: str) -> bool:
+        deleted = conn.execute(
+            "DELETE FROM pipeserve_responses WHERE id = %s AND stored_at >= %s RETURNING size",
+            (response_id, self.cutoff()),
+        ).fetchall()
+        if deleted:
+            conn.execute("UPDATE pipeserve_usage SET bytes = bytes - %s", (deleted[0][0],))
+        return bool(deleted)
+
+
+def _freed(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> int:
+    return sum(int(size) for (size,) in conn.execute(query, params).fetchall())
+
+
+def _scalar(conn: psycopg.Connection[Any], query: str) -> Any:
+    row = conn.execute(query).fetchone()
+    assert row is not None, query
+    return row[0]
+
+
+def _version(conn: psycopg.Connection[Any]) -> int:
+    """The newest applied schema version; 0 for a database pipeserve never used."""
+    if _scalar(conn, "SELECT to_regclass('pipeserve_schema')") is None:
+        return 0
+    return int(_scalar(conn, "SELECT max(version) FROM pipeserve_schema") or 0)
+
+
+def _translated(exc: psycopg.Error, where: str) -> StoreError:
+    """Lock waits and timeouts are StoreBusy; lost or refused connections StoreUnavailable."""
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, errors.LockNotAvailable | errors.QueryCanceled | errors.DeadlockDetected):
+        return StoreBusy(f"{where}: {detail}")
+    if isinstance(exc, psycopg.OperationalError):
+        return StoreUnavailable(f"{where}: {detail}")
+    return StoreError(f"{where}: {detail}")
+
+
+def _check_cooperative() -> None:
+    """Under gevent, psycopg must have been imported after the monkey patching: else its
+    waits block the whole worker. A bug if not (something imported it too early)."""
+    if gevent_patched("select") and (
+        waiting.wait is getattr(waiting, "wait_c", None)
+        or getattr(waiting, "DefaultSelector", None) is not selectors.DefaultSelector
+    ):
+        raise StoreError("psycopg was imported before gevent's monkey patching (a bug)")
+
+
+__all__ = ["SCHEMA_VERSION", "PostgresStore", "display_url"]
