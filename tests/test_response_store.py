@@ -46,8 +46,10 @@ class Backend:
 
 
 def bounds(given: dict[str, Any]) -> tuple[float, int, float]:
-    return given.get("max_age_days", 30.0), given.get("max_bytes", 1 << 20), given.get(
-        "lock_timeout", 0.5
+    return (
+        given.get("max_age_days", 30.0),
+        given.get("max_bytes", 1 << 20),
+        given.get("lock_timeout", 0.5),
     )
 
 

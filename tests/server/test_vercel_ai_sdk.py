@@ -45,11 +45,13 @@ def final_response(response: httpx.Response) -> dict[str, Any]:
     raise AssertionError(f"no response.completed event in:\n{response.text[-2000:]}")
 
 
-def test_recorded_sdk_requests_are_served(servers: Servers) -> None:
+def serve_recorded_requests(bases: list[str]) -> None:
+    """Replay the recorded SDK requests in order, alternating over `bases` (servers
+    sharing one store), and check every answer."""
     ids: dict[str, str] = {}  # recorded item id -> the id this run's server gave it
     answers = []
-    with httpx.Client(base_url=servers.base, timeout=60) as client:
-        for exchange in FIXTURE["exchanges"]:
+    with httpx.Client(timeout=60) as client:
+        for n, exchange in enumerate(FIXTURE["exchanges"]):
             body = exchange["body"]
             for old, new in ids.items():
                 body = body.replace(f'"{old}"', f'"{new}"')
@@ -57,7 +59,8 @@ def test_recorded_sdk_requests_are_served(servers: Servers) -> None:
                 "content-type": "application/json",
                 "x-mock-response": json.dumps(exchange["mock"]),
             }
-            response = client.post("/v1/responses", content=body, headers=headers)
+            url = f"{bases[n % len(bases)]}/v1/responses"
+            response = client.post(url, content=body, headers=headers)
             assert response.status_code == 200, response.text
             final = final_response(response)
             assert final["status"] == "completed"
@@ -74,6 +77,10 @@ def test_recorded_sdk_requests_are_served(servers: Servers) -> None:
     references = [e["body"].count('"item_reference"') for e in FIXTURE["exchanges"]]
     assert references[1] == 2 and references[3] >= 1  # the chat's 2nd turn, the loop's 2nd step
     assert answers == FIXTURE["answers"]
+
+
+def test_recorded_sdk_requests_are_served(servers: Servers) -> None:
+    serve_recorded_requests([servers.base])
 
 
 def node_sdk() -> Path:
@@ -100,10 +107,11 @@ def node_sdk() -> Path:
     return folder
 
 
-def test_the_sdk_itself_chats_and_loops_over_tools(servers: Servers) -> None:
+def run_the_sdk(bases: list[str]) -> None:
+    """The SDK's chat and tool loop, its requests alternating over `bases`."""
     folder = node_sdk()
     ran = subprocess.run(
-        ["node", SCRIPT.name, servers.base, QWEN3.model],
+        ["node", SCRIPT.name, ",".join(bases), QWEN3.model],
         cwd=folder,
         capture_output=True,
         text=True,
@@ -121,3 +129,9 @@ def test_the_sdk_itself_chats_and_loops_over_tools(servers: Servers) -> None:
         item["id"] for item in second_turn["input"] if item.get("type") == "item_reference"
     ]
     assert referenced == result["exchanges"][0]["output_ids"]
+    servers = [exchange["server"] for exchange in result["exchanges"]]
+    assert servers == [bases[n % len(bases)] for n in range(len(servers))]
+
+
+def test_the_sdk_itself_chats_and_loops_over_tools(servers: Servers) -> None:
+    run_the_sdk([servers.base])

@@ -3,10 +3,14 @@
 // model's script for each request goes in the X-Mock-Response header, chosen from what
 // the request carries. Prints JSON: the answers and every exchange (request body, mock,
 // the output item ids of the answer), which tests/server/fixtures records for replay.
+// Several comma-separated base URLs (servers sharing one store): requests alternate
+// between them, so each turn lands on another server than the one that stored the last.
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateText, isStepCount, jsonSchema, streamText, tool } from "ai";
 
-const [base, model] = process.argv.slice(2);
+const [bases, model] = process.argv.slice(2);
+const servers = bases.split(",");
+const base = servers[0];
 const THINK = (text) => `<think>\nLet me think.\n</think>\n\n${text}`;
 const CALL =
   '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>';
@@ -35,8 +39,9 @@ const openai = createOpenAI({
     const mock = mockFor(body);
     const headers = new Headers(init.headers);
     headers.set("x-mock-response", JSON.stringify(mock));
-    const response = await fetch(url, { ...init, headers });
-    const exchange = { body: init.body, mock, status: response.status };
+    const server = servers[exchanges.length % servers.length];
+    const response = await fetch(String(url).replace(base, server), { ...init, headers });
+    const exchange = { body: init.body, mock, status: response.status, server };
     exchanges.push(exchange);
     exchange.output_ids = response.ok ? await outputIds(response) : [];
     if (!response.ok) exchange.error = await response.clone().text();
