@@ -19,6 +19,8 @@ from pipeserve.config.models import EndpointEntry, ServerConfig, ServerSection
 from pipeserve.server.auth import KeyRing
 from pipeserve.server.catalog import add_catalog_routes
 from pipeserve.server.cluster import ClusterResource
+from pipeserve.server.console.config_view import ConfigSource
+from pipeserve.server.console.routes import add_console_routes
 from pipeserve.server.generation import GenerationResource, HttpOptions
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.misc import (
@@ -43,11 +45,13 @@ def create_app(
     api_keys: Sequence[str] = (),
     store: ResponseStore | None = None,
     metrics: Metrics | None = None,
+    source: ConfigSource | None = None,
 ) -> falcon.App[falcon.Request, falcon.Response]:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading).
     Without a response store, Responses endpoints are stateless. `api_keys` are the
     environment's keys, valid next to the config's server.api_keys. metrics: kept across
-    config reloads (pipeserve.live_app); new when omitted."""
+    config reloads (pipeserve.live_app); new when omitted. source: the config's file and
+    text, for the console's Config view."""
     app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
@@ -77,7 +81,11 @@ def create_app(
     app.add_route("/health", HealthResource(table))
     app.add_route("/metrics", MetricsResource(metrics, keys))
     app.add_route("/v1/cluster", ClusterResource(keys))
-    app.add_route("/", RootResource())
+    if server.console:
+        source = source or ConfigSource()
+        add_console_routes(app, config, source, table, served, keys, metrics)
+    else:
+        app.add_route("/", RootResource())
     return app
 
 

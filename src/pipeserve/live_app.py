@@ -28,6 +28,7 @@ from pipeserve.config.memory import budget_bytes
 from pipeserve.config.models import ModelEntry
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.engine.base import Engine
+from pipeserve.server.console.config_view import ConfigSource
 from pipeserve.server.fleet import Fleet, FleetView
 from pipeserve.server.fleet_metrics import FleetCollector
 from pipeserve.server.managed_engine import ManagedEngine, run_off_hub
@@ -66,8 +67,10 @@ class LiveApp:
         api_keys: Sequence[str] = (),
         workers: int = 1,
         engine_host: Path | None = None,
+        reload_status: Path | None = None,
     ) -> None:
         load_builtin_stages()
+        self.reload_status = reload_status  # the master's last reload outcome, for the console
         self.api_keys = tuple(api_keys)
         self.workers = workers
         self.fleet = Fleet()
@@ -124,6 +127,7 @@ class LiveApp:
             api_keys=self.api_keys,
             store=worker_response_store(server, loaded.path.parent),
             metrics=self.metrics,
+            source=config_source(loaded, self.reload_status),
         )
         now = managed(slots.values())
         kept = {id(e) for e in now}
@@ -149,7 +153,11 @@ class LiveApp:
         env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
         decls = [StageDecl(kind=s.kind, params=s.params, role=s.role) for s in pipeline.stages]
         served = ServedModel(
-            entry=entry, family=pipeline.family, runtime=runtime, chain=build_chain(decls, env)
+            entry=entry,
+            family=pipeline.family,
+            runtime=runtime,
+            chain=build_chain(decls, env),
+            stages=tuple(decls),
         )
         return Slot(rkey, ckey, served)
 
@@ -191,6 +199,18 @@ class LiveApp:
 
     def close(self) -> None:
         self.fleet.close()
+
+
+def config_source(loaded: LoadedConfig, reload_status: Path | None) -> ConfigSource:
+    """The config as the console shows it: its text as validated, its pipelines' files."""
+    pipelines = []
+    for name, pipeline in sorted(loaded.pipelines.items()):
+        try:
+            text = pipeline.path.read_text(encoding="utf-8")
+        except OSError as exc:
+            text = f"# cannot read {pipeline.path}: {exc}"
+        pipelines.append((name, str(pipeline.path), text))
+    return ConfigSource(str(loaded.path), loaded.text, pipelines, reload_status)
 
 
 def managed(slots: Iterable[Slot]) -> list[ManagedEngine]:

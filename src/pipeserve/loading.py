@@ -26,8 +26,16 @@ def build_app_from_loaded(
     api_keys: Sequence[str] = (),
     workers: int = 1,
     engine_host: Path | None = None,
+    reload_status: Path | None = None,
 ) -> LiveApp:
     """The app of a validated config whose `pipeline: auto` entries are resolved: a WSGI
     callable whose models and routes a config reload replaces in place. With
-    `engine_host` (a Unix socket), the models run there, once for all workers."""
-    return LiveApp(loaded, api_keys=api_keys, workers=workers, engine_host=engine_host)
+    `engine_host` (a Unix socket), the models run there, once for all workers.
+    `reload_status`: the file where the master records its last reload's outcome."""
+    return LiveApp(
+        loaded,
+        api_keys=api_keys,
+        workers=workers,
+        engine_host=engine_host,
+        reload_status=reload_status,
+    )

@@ -33,6 +33,7 @@ class Snapshot:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="pipeserve-config-"))
         self.path = self.folder / "config.pickle"
+        self.reload_status = self.folder / "reload-status.json"  # read by the console
         owner = os.getpid()
 
         def remove_in_owner() -> None:
@@ -91,29 +92,40 @@ def reread(app: Any, log: Any) -> Any:
     from pipeserve.config.auto import resolve_auto
     from pipeserve.serving import fetch_sources
 
+    def refuse(problems: list[Any], why: str) -> None:
+        for problem in problems:
+            log.error("%s", problem)
+        log.error("reload refused: %s; the running config keeps serving", why)
+        record_reload(app, problems or [why])
+
     try:
         loaded = load_server_config(app.config_path)
     except ConfigError as error:
-        for problem in error.problems:
-            log.error("%s", problem)
-        log.error(
-            "reload refused: %s is invalid; the running config keeps serving", app.config_path
-        )
+        refuse(error.problems, f"{app.config_path} is invalid")
         return None
     folders = fetch_sources(loaded.config, known=app.folders)
     if folders is None:
-        log.error("reload refused: a model source could not be fetched (see above)")
+        refuse([], "a model source could not be fetched (see the log)")
         return None
     try:
         loaded = resolve_auto(loaded, folders)
     except ConfigError as error:
-        for problem in error.problems:
-            log.error("%s", problem)
-        log.error("reload refused; the running config keeps serving")
+        refuse(error.problems, "no pipeline fits a `pipeline: auto` model")
         return None
     app.folders.update({e.source: folders[e.name] for e in loaded.config.models})
     warn_restart_only(app.loaded, loaded, log)
+    record_reload(app, [])
     return loaded
+
+
+def record_reload(app: Any, problems: list[Any]) -> None:
+    """For the console's Config view: the last reload's outcome, beside the snapshot."""
+    from pipeserve.server.console.config_view import write_reload_status
+
+    try:
+        write_reload_status(app.snapshot.reload_status, str(app.config_path), problems)
+    except OSError:  # the console then shows no reload; serving is unaffected
+        pass
 
 
 def warn_restart_only(old: Any, new: Any, log: Any) -> None:

@@ -92,7 +92,11 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
             workers = int(self.cfg.workers or 1)
             host = self.host.socket_path if self.host is not None else None
             return build_app_from_loaded(
-                self.loaded, api_keys=self.api_keys, workers=workers, engine_host=host
+                self.loaded,
+                api_keys=self.api_keys,
+                workers=workers,
+                engine_host=host,
+                reload_status=self.snapshot.reload_status,
             )
         return build_app_from_config(self.config_path, api_keys=self.api_keys)
 

@@ -48,7 +48,7 @@ def resolve_auto(loaded: LoadedConfig, folders: Mapping[str, Path]) -> LoadedCon
         models.append(entry.model_copy(update={"pipeline": detection.pipeline}))
         detections[entry.name] = detection
     config = loaded.config.model_copy(update={"models": models})
-    return LoadedConfig(loaded.path, config, loaded.pipelines, detections)
+    return LoadedConfig(loaded.path, config, loaded.pipelines, detections, loaded.text)
 
 
 def resolve_auto_with(loaded: LoadedConfig, locate: Callable[[str], Path]) -> LoadedConfig:

@@ -43,6 +43,7 @@ class LoadedConfig:
     pipelines: dict[str, LoadedPipeline]
     # `pipeline: auto` models, once resolved (pipeserve.config.auto): name -> Detection
     detections: dict[str, Any] = field(default_factory=dict)
+    text: str = ""  # the config file as validated (secrets included: redact before showing)
 
     def pipeline_for(self, model: ModelEntry | str) -> LoadedPipeline:
         entry = model if isinstance(model, ModelEntry) else self.model(model)
@@ -85,7 +86,7 @@ def check_config(
         problems += check_sharding(doc, parsed)
     if problems or parsed is None:
         return None, problems
-    return LoadedConfig(doc.path, parsed, pipelines), []
+    return LoadedConfig(doc.path, parsed, pipelines, text=doc.text), []
 
 
 def _entries(value: Any) -> list[tuple[int, dict[str, Any]]]:

@@ -52,6 +52,7 @@ class YamlDoc:
     data: Any
     values: dict[PathKey, Position] = field(default_factory=dict)
     keys: dict[PathKey, Position] = field(default_factory=dict)
+    text: str = ""  # the file as read (the console shows the config the server runs)
 
     def position(self, path: PathKey, *, prefer_key: bool = False) -> Position:
         """Position of `path`, or of the nearest enclosing node that exists.
@@ -156,7 +157,7 @@ def load_yaml(path: Path | str, *, display: str | None = None) -> YamlDoc:
 
 def parse_yaml(text: str, *, file: str, path: Path | None = None) -> YamlDoc:
     """Like load_yaml, for text already in memory."""
-    doc = YamlDoc(file=file, path=path or Path(file), data=None)
+    doc = YamlDoc(file=file, path=path or Path(file), data=None, text=text)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()

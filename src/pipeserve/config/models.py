@@ -135,6 +135,11 @@ class ServerSection(Strict):
         description='Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"];'
         ' ["*"] allows any origin; empty (the default) sends no CORS headers.',
     )
+    console: bool = Field(
+        True,
+        description="The web console at / (chat, models, live traffic, config); false: / answers"
+        " with a small JSON document and the console's files and /console/api/ routes are off.",
+    )
     responses_store: ResponsesStoreOptions | Literal[False] = Field(
         default_factory=ResponsesStoreOptions,
         description="OpenAI Responses stored for previous_response_id, item_reference and"

@@ -130,12 +130,16 @@ class ManagedEngine:
         return "" if engine is None else engine.health_reason
 
     def describe(self) -> dict[str, Any]:
-        """What /v1/models says about this model's residency."""
-        return {
+        """What /v1/models says about this model's residency (and why its last load
+        failed, while it is not resident)."""
+        facts: dict[str, Any] = {
             "state": {"loaded": "loaded", "loading": "loading"}.get(self.state, "not-loaded"),
             "load": "startup" if self.pinned else "on_demand",
             "memory_bytes": self.memory_bytes(),
         }
+        if self.load_error is not None and self.state == "unloaded":
+            facts["load_error"] = self.load_error.message
+        return facts
 
     # -- fleet side ---------------------------------------------------------------------
 

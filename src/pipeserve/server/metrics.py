@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeserve.events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, Usage
+from pipeserve.server.console.recent import RecentActivity
 
 OUTPUT_EVENTS = (ContentDelta, ReasoningDelta, ToolCallArgsDelta)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -86,6 +87,7 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(EngineCollector(stats_by_model))
+        self.recent = RecentActivity()  # the console's Live view
 
     def count_request(self, route: str, model: str, status: int) -> None:
         self.requests.labels(route=route, model=model, status=str(status)).inc()
@@ -95,19 +97,25 @@ class Metrics:
     ) -> Iterator[Event]:
         """Pass every event through while recording latency and token counters."""
         last_output: float | None = None
-        for event in events:
-            if isinstance(event, OUTPUT_EVENTS):
-                now = time.monotonic()
-                if last_output is None:
-                    self.ttft.labels(model).observe(now - started)
-                else:
-                    self.itl.labels(model).observe(now - last_output)
-                last_output = now
-            elif isinstance(event, Usage):
-                self.prompt_tokens.labels(model).inc(event.prompt_tokens)
-                self.cached_tokens.labels(model).inc(event.cached_tokens)
-                self.completion_tokens.labels(model).inc(event.completion_tokens)
-            yield event
+        self.recent.begin()
+        try:
+            for event in events:
+                if isinstance(event, OUTPUT_EVENTS):
+                    now = time.monotonic()
+                    if last_output is None:
+                        self.ttft.labels(model).observe(now - started)
+                        self.recent.output(now - started)
+                    else:
+                        self.itl.labels(model).observe(now - last_output)
+                        self.recent.output()
+                    last_output = now
+                elif isinstance(event, Usage):
+                    self.prompt_tokens.labels(model).inc(event.prompt_tokens)
+                    self.cached_tokens.labels(model).inc(event.cached_tokens)
+                    self.completion_tokens.labels(model).inc(event.completion_tokens)
+                yield event
+        finally:
+            self.recent.end()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

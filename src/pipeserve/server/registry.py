@@ -29,6 +29,7 @@ class ServedModel:
     family: str
     runtime: ModelRuntime
     chain: Chain
+    stages: tuple[StageDecl, ...] = ()  # the validated pipeline the chain was built from
 
     @property
     def name(self) -> str:

@@ -1,0 +1,138 @@
+"""What the console's Models view shows of each served model: state and memory, where
+it runs, its sampling defaults, its pipeline as the chain of stages with their params,
+the routes that serve it and, for a sharded model, its ranks, hosts and layers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from pipeserve.api.base import WireProtocol
+from pipeserve.backend import installed_backends
+from pipeserve.config.models import EndpointEntry, ShardingOptions
+from pipeserve.server.registry import ServedModel
+
+
+def describe_model(
+    served: ServedModel,
+    endpoints: Sequence[EndpointEntry],
+    protocols: Mapping[str, WireProtocol],
+    config_dir: Path,
+) -> dict[str, Any]:
+    entry, runtime = served.entry, served.runtime
+    engine = runtime.engine
+    residency = dict(engine.describe()) or {"state": "loaded", "load": "startup"}
+    stats = engine.stats()
+    return {
+        "name": served.name,
+        "aliases": list(entry.aliases),
+        "family": served.family,
+        "pipeline": entry.pipeline,
+        "source": entry.source,
+        "engine": entry.engine,
+        "state": state_of(residency),
+        "error": residency.get("load_error"),
+        "load": residency.get("load", entry.load),
+        "keep_alive": entry.keep_alive if entry.load == "on_demand" else None,
+        "memory_bytes": int(residency.get("memory_bytes", stats.get("memory_bytes", 0))),
+        "device": device_of(entry.engine),
+        "backend": ", ".join(installed_backends()) or "mlx",
+        "context_length": runtime.context_length,
+        "default_max_tokens": runtime.default_max_tokens,
+        "sampling": dict(runtime.sampling_defaults),
+        "capabilities": sorted(served.chain.capabilities()),
+        "stages": [
+            {"kind": d.kind, "role": d.role, "params": d.params.model_dump(mode="json")}
+            for d in served.stages
+        ],
+        "routes": routes_of(served.name, endpoints, protocols),
+        "in_flight": int(stats.get("in_flight", stats.get("active_sequences", 0))),
+        "queue": int(stats.get("queue_depth", 0)),
+        "healthy": engine.healthy,
+        "health_reason": engine.health_reason,
+        "sharding": sharding_of(served, config_dir),
+    }
+
+
+def state_of(residency: Mapping[str, Any]) -> str:
+    """loaded, loading, on demand (not resident, loads on the next request) or failed."""
+    if residency.get("load_error") and residency.get("state") != "loaded":
+        return "failed"
+    return {"not-loaded": "on demand"}.get(str(residency.get("state")), str(residency["state"]))
+
+
+@cache
+def device_of(engine: str) -> str:
+    if engine == "replay":
+        return "none (replay: scripted output, no weights)"
+    from pipeserve.backend import describe_device
+
+    return describe_device()
+
+
+def routes_of(
+    name: str, endpoints: Sequence[EndpointEntry], protocols: Mapping[str, WireProtocol]
+) -> list[dict[str, Any]]:
+    """Each route that serves the model, with its protocol and its generation paths."""
+    out = []
+    for endpoint in endpoints:
+        if endpoint.models is not None and name not in endpoint.models:
+            continue
+        protocol = protocols.get(endpoint.route)
+        paths = protocol.generation_paths if protocol is not None else ("",)
+        base = endpoint.route.rstrip("/")
+        out.append({"route": endpoint.route, "api": endpoint.api,
+                    "paths": [(base + p) or "/" for p in paths]})  # fmt: skip
+    return out
+
+
+def sharding_of(served: ServedModel, config_dir: Path) -> dict[str, Any] | None:
+    """The plan of a sharded model: each rank's host and layers, and the group's health."""
+    sharding = served.entry.options.sharding
+    if sharding is None:
+        return None
+    hosts = _hosts(sharding, config_dir)
+    size = len(hosts) if hosts else sharding.size
+    layers = _layer_ranges(served.runtime.model_dir, sharding, size)
+    ranks = [
+        {
+            "rank": rank,
+            "host": hosts[rank] if hosts else "this machine",
+            "layers": layers[rank] if layers else "a slice of every layer",
+        }
+        for rank in range(size)
+    ]
+    engine = served.runtime.engine
+    return {
+        "strategy": sharding.strategy,
+        "backend": sharding.backend,
+        "ranks": ranks,
+        "healthy": engine.healthy,
+        "reason": engine.health_reason,
+    }
+
+
+def _hosts(sharding: ShardingOptions, config_dir: Path) -> list[str]:
+    if sharding.hostfile is None:
+        return []
+    from pipeserve.engine.sharding.hostfile import read_hostfile
+
+    hosts, _ = read_hostfile(config_dir / sharding.hostfile)
+    return [str(h.get("ssh")) for h in hosts]
+
+
+def _layer_ranges(model_dir: Path, sharding: ShardingOptions, size: int) -> list[str]:
+    """`[start, end)` per rank for the pipeline strategy (rank 0 holds the last layers)."""
+    if sharding.strategy != "pipeline":
+        return []
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        count = int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
+        from pipeserve.engine.sharding.pipeline import layer_ranges
+
+        return [f"layers {a}-{b - 1}" for a, b in layer_ranges(count, size, sharding.split)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

@@ -1,0 +1,90 @@
+// Models: each model's state, memory, device, aliases, sampling defaults, its pipeline
+// drawn as the chain of stages with their params, the routes serving it and, when
+// sharded, its ranks, hosts and layers with the group's health. Refreshed every 3 s.
+import { bytes, clear, el, every } from "./dom.js";
+import { getJson } from "./http.js";
+
+export function showModels(root) {
+  clear(root);
+  const list = el("div", { id: "models" }, el("p", { class: "muted" }, "loading..."));
+  const notice = el("p", { class: "error", role: "alert" });
+  root.append(notice, list);
+  return every(3000, async () => {
+    try {
+      const body = await getJson("/console/api/models");
+      notice.textContent = "";
+      clear(list);
+      if (!body.models.length) list.append(el("p", { class: "muted" }, "No model is visible to this key."));
+      for (const model of body.models) list.append(modelCard(model));
+    } catch (error) {
+      if (error.name !== "AuthError") notice.textContent = error.message;
+      throw error;
+    }
+  });
+}
+
+function modelCard(model) {
+  const stateClass = model.state.replace(/\s/g, "-");
+  return el("div", { class: "card model", "data-model": model.name },
+    el("div", { class: "model-head" },
+      el("h2", {}, model.name),
+      el("span", { class: `badge ${stateClass}` }, model.state),
+      model.healthy ? null : el("span", { class: "badge bad" }, `unhealthy: ${model.health_reason}`),
+      el("span", { class: "muted" }, `${model.family} · ${model.engine}`)),
+    model.error ? el("p", { class: "error" }, model.error) : null,
+    el("div", { class: "facts" },
+      fact("aliases", model.aliases.join(", ") || "none"),
+      fact("load", model.load + (model.keep_alive !== null ? ` (keep_alive ${model.keep_alive} s)` : "")),
+      fact("memory", bytes(model.memory_bytes)),
+      fact("device", model.device),
+      fact("backend", model.backend),
+      fact("context", model.context_length ? `${model.context_length} tokens` : "model default"),
+      fact("in flight / queue", `${model.in_flight} / ${model.queue}`),
+      fact("sampling defaults", samplingText(model.sampling)),
+      fact("source", model.source)),
+    el("h3", {}, `Pipeline: ${model.pipeline}`),
+    chain(model.stages),
+    el("h3", {}, "Routes"),
+    routes(model.routes),
+    model.sharding ? sharding(model.sharding) : null);
+}
+
+function fact(name, value) {
+  return el("div", {}, el("b", {}, name), value);
+}
+
+function samplingText(sampling) {
+  const entries = Object.entries(sampling);
+  return entries.length ? entries.map(([k, v]) => `${k} ${v}`).join(", ") : "protocol defaults";
+}
+
+function chain(stages) {
+  const node = el("div", { class: "chain" });
+  stages.forEach((stage, index) => {
+    if (index) node.append(el("span", { class: "arrow" }, "→"));
+    const params = Object.entries(stage.params).filter(([, v]) => v !== null && v !== "" && !(Array.isArray(v) && !v.length));
+    node.append(el("div", { class: `stage ${stage.role}` },
+      el("div", { class: "kind" }, stage.kind),
+      el("div", { class: "role" }, stage.role),
+      params.length ? el("dl", {}, params.flatMap(([k, v]) => {
+        const text = typeof v === "string" ? v : JSON.stringify(v);
+        return [el("dt", {}, k), el("dd", { title: text }, text)];
+      })) : null));
+  });
+  return node;
+}
+
+function routes(list) {
+  return el("table", {},
+    el("tr", {}, el("th", {}, "protocol"), el("th", {}, "paths")),
+    list.map((r) => el("tr", {}, el("td", {}, r.api), el("td", {}, r.paths.join(", ")))));
+}
+
+function sharding(plan) {
+  return el("div", {},
+    el("h3", {}, `Sharding: ${plan.strategy} over ${plan.ranks.length} ranks (${plan.backend}) `,
+      el("span", { class: `badge ${plan.healthy ? "ok" : "bad"}` }, plan.healthy ? "healthy" : `lost: ${plan.reason}`)),
+    el("table", {},
+      el("tr", {}, el("th", {}, "rank"), el("th", {}, "host"), el("th", {}, "layers")),
+      plan.ranks.map((r) => el("tr", {}, el("td", {}, r.rank), el("td", {}, r.host), el("td", {}, r.layers)))));
+}
