@@ -5,6 +5,7 @@ buckets (in flight carried over quiet seconds, TTFT percentiles)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -107,3 +108,80 @@ def test_live_buckets_carry_in_flight_and_give_ttft_percentiles() -> None:
     recent.end()
     now[0] += BUCKET_SECONDS
     assert recent.series()[-1]["in_flight"] == 0 and recent.in_flight == 0
+
+
+def test_models_view_gives_a_sharded_models_ranks_hosts_and_layers(
+    replay_runtime: Any, tmp_path: Path
+) -> None:
+    from pipeserve.config.models import ModelEntry
+    from pipeserve.server.console.models_view import sharding_of
+    from pipeserve.server.registry import ServedModel
+    from pipeserve.stages.base import Chain
+
+    hosts = {"hosts": [{"ssh": "m1", "ips": ["10.0.0.1"]}, {"ssh": "m2", "ips": ["10.0.0.2"]}]}
+    (tmp_path / "hosts.json").write_text(json.dumps(hosts))
+    sharding = {"strategy": "pipeline", "hostfile": "hosts.json"}
+    entry = ModelEntry.model_validate(
+        {
+            "name": "big",
+            "source": "demo:qwen3",
+            "pipeline": "qwen3",
+            "options": {"sharding": sharding},
+        }  # fmt: skip
+    )
+    served = ServedModel(entry, "qwen3", replay_runtime("qwen3"), Chain([], []))
+    plan = sharding_of(served, tmp_path)
+    assert plan is not None and plan["healthy"] is True
+    # The demo qwen3 has 2 layers; rank 0 holds the last ones (mlx-lm's convention).
+    assert plan["ranks"] == [
+        {"rank": 0, "host": "m1", "layers": "layer 1"},
+        {"rank": 1, "host": "m2", "layers": "layer 0"},
+    ]
+    tensor = entry.model_copy(update={"options": entry.options.model_copy(update={
+        "sharding": entry.options.sharding.model_copy(update={"strategy": "tensor", "hostfile": None, "ranks": 2})})})  # fmt: skip
+    plan = sharding_of(ServedModel(tensor, "qwen3", served.runtime, Chain([], [])), tmp_path)
+    assert plan is not None
+    assert [r["layers"] for r in plan["ranks"]] == ["a slice of every layer"] * 2
+
+
+def test_models_view_states_loading_then_failed_with_the_reason(
+    demo_model_dir: Any,
+) -> None:
+    import threading
+
+    from pipeserve.config.models import ModelEntry
+    from pipeserve.engine.runtime import build_runtime
+    from pipeserve.server.console.models_view import state_of
+    from pipeserve.server.fleet import Fleet
+
+    demo_model_dir("qwen3")
+    entry = ModelEntry.model_validate(
+        {
+            "name": "broken",
+            "source": "demo:qwen3",
+            "pipeline": "qwen3",
+            "engine": "replay",
+            "load": "on_demand",
+        }  # fmt: skip
+    )
+    fleet, gate = Fleet(), threading.Event()
+    manage = fleet.manager_for(entry)
+
+    def fails_at_the_gate() -> Any:
+        gate.wait(60)
+        raise RuntimeError("the weights are truncated")
+
+    runtime = build_runtime(entry, manage=lambda start, folder: manage(fails_at_the_gate, folder))
+    engine: Any = runtime.engine
+    fleet.set_current([engine], [])
+    assert state_of(engine.describe()) == "on demand"
+    ticket = fleet.request_load(engine)
+    wait_for(lambda: engine.describe()["state"] == "loading", "the load to start")
+    assert state_of(engine.describe()) == "loading"
+    assert engine.describe()["loading_seconds"] >= 0
+    gate.set()
+    wait_for(lambda: ticket.wait(1) is not None, "the load to fail")
+    facts = engine.describe()
+    assert state_of(facts) == "failed"
+    assert "the weights are truncated" in facts["load_error"]
+    fleet.close()

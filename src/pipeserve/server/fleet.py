@@ -185,7 +185,7 @@ class Fleet:
         return min(idle, key=lambda e: e.last_used, default=None)
 
     def _load(self, engine: ManagedEngine) -> None:
-        engine.state = "loading"
+        engine.mark_loading()
         self._note_peak(engine)
         engine.load()
         self.loads[engine.name] += 1

@@ -75,6 +75,7 @@ class ManagedEngine:
         self.last_used = time.monotonic()
         self.retired = False
         self.load_error: ApiError | None = None
+        self.load_started = 0.0  # monotonic time the current (or last) load began
         self.changed = threading.Event()  # set whenever a load attempt ends
         self._start = start
         # hosted: start(host=...) runs the engine on this model's one reusable OS thread
@@ -139,15 +140,17 @@ class ManagedEngine:
         }
         if self.load_error is not None and self.state == "unloaded":
             facts["load_error"] = self.load_error.message
+        if self.state == "loading":  # no load reports its progress; its time so far
+            facts["loading_seconds"] = round(time.monotonic() - self.load_started, 1)
         return facts
 
     # -- fleet side ---------------------------------------------------------------------
 
     def load(self) -> None:
         """Start the real engine (blocking off the hub). The fleet serializes this."""
-        self.state = "loading"
+        self.mark_loading()
         self.changed.clear()
-        started = time.monotonic()
+        started = self.load_started
         start = self._start
         if self._hosted:
             self._host = self._host or OsThreadHost(f"pipeserve-engine-{self.name}")
@@ -164,6 +167,10 @@ class ManagedEngine:
         self.state = "loaded"
         self.load_error = None
         log.info("model %s loaded in %.1f s", self.name, time.monotonic() - started)
+
+    def mark_loading(self) -> None:
+        if self.state != "loading":
+            self.state, self.load_started = "loading", time.monotonic()
 
     def unload(self, reason: str) -> None:
         engine, self.engine = self.engine, None

@@ -35,6 +35,7 @@ def describe_model(
         "engine": entry.engine,
         "state": state_of(residency),
         "error": residency.get("load_error"),
+        "loading_seconds": residency.get("loading_seconds"),
         "load": residency.get("load", entry.load),
         "keep_alive": entry.keep_alive if entry.load == "on_demand" else None,
         "memory_bytes": int(residency.get("memory_bytes", stats.get("memory_bytes", 0))),
@@ -133,6 +134,7 @@ def _layer_ranges(model_dir: Path, sharding: ShardingOptions, size: int) -> list
         count = int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
         from pipeserve.engine.sharding.pipeline import layer_ranges
 
-        return [f"layers {a}-{b - 1}" for a, b in layer_ranges(count, size, sharding.split)]
+        ranges = layer_ranges(count, size, sharding.split)
+        return [f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}" for a, b in ranges]
     except (OSError, ValueError, KeyError, TypeError):
         return []

@@ -28,7 +28,9 @@ function modelCard(model) {
   return el("div", { class: "card model", "data-model": model.name },
     el("div", { class: "model-head" },
       el("h2", {}, model.name),
-      el("span", { class: `badge ${stateClass}` }, model.state),
+      el("span", { class: `badge ${stateClass}` }, model.state,
+        model.loading_seconds !== null && model.loading_seconds !== undefined
+          ? ` for ${Math.round(model.loading_seconds)} s (${bytes(model.memory_bytes)} of weights)` : ""),
       model.healthy ? null : el("span", { class: "badge bad" }, `unhealthy: ${model.health_reason}`),
       el("span", { class: "muted" }, `${model.family} · ${model.engine}`)),
     model.error ? el("p", { class: "error" }, model.error) : null,
