@@ -34,8 +34,8 @@ from pipeserve.engine.sharding.group import GroupLost, Peer, RankGroup
 log = logging.getLogger("pipeserve.cluster")
 
 HEARTBEAT_INTERVAL = 1.0
-NODE_SILENCE = 10.0  # seconds a node may leave heartbeats unanswered before it counts as lost
-NODE_HEARTBEAT_TIMEOUT = 15.0  # what nodes are told: stop the rank after this much silence
+NODE_SILENCE = 10.0  # seconds of failed heartbeats before a node counts as lost
+NODE_HEARTBEAT_TIMEOUT = 30.0  # what nodes are told: stop the rank after this much silence
 ENDED = ("exited", "failed", "stopped")
 
 GROUPS: dict[str, ClusterRankGroup] = {}  # model name -> its group, for GET /v1/cluster
@@ -51,6 +51,10 @@ class NodeRank:
     detail: str = ""
     files: dict[str, Any] = field(default_factory=dict)
     last_ok: float = field(default_factory=time.monotonic)
+    # When the heartbeats began to fail (None: the last one was answered). Counted from a
+    # failed attempt, not from the last answer: mx.distributed.init may hold the GIL for
+    # a while, and a heartbeat that was never sent proves nothing about the node.
+    failing_since: float | None = None
 
 
 def route_ip(target: str) -> str:
@@ -169,10 +173,11 @@ class ClusterRankGroup(RankGroup):
                     answer = call(node.address, "GET", f"/v1/node/ranks/{node.job}", token,
                                   timeout=2.0)  # fmt: skip
                 except (NodeUnreachable, NodeRefused):
+                    node.failing_since = node.failing_since or time.monotonic()
                     continue
                 node.state, node.detail = str(answer["state"]), str(answer.get("detail", ""))
                 node.files = answer.get("files") or {}
-                node.last_ok = time.monotonic()
+                node.last_ok, node.failing_since = time.monotonic(), None
             os_sleep(HEARTBEAT_INTERVAL)
 
     def _problem(self) -> str | None:
@@ -180,7 +185,8 @@ class ClusterRankGroup(RankGroup):
         for node in self.node_ranks:
             if node.state in ENDED:
                 return f"rank {node.rank} on node {node.address} {node.state}: {node.detail}"
-            if now - node.last_ok > NODE_SILENCE:
+            failing = node.failing_since
+            if failing is not None and now - failing > NODE_SILENCE:
                 return f"node {node.address} (rank {node.rank}) has not answered for {NODE_SILENCE:g} s"
         started = self.step_started
         timeout = self.sharding.step_timeout

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -64,7 +65,8 @@ def start_node(
 ) -> subprocess.Popen[bytes]:
     argv = [*pipeserve_command(), "node", "--cluster", CLUSTER, "--memory", memory,
             "--port", str(port), "--models", str(folder)]  # fmt: skip
-    with open(folder.parent / f"node-{machine.name}-{port}.log", "wb") as log:
+    logs = Path(os.environ.get("PYTEST_SERVER_LOG_DIR", folder.parent))
+    with open(logs / f"pipeserve-node-{machine.name}-{port}.log", "wb") as log:
         proc = machine.popen(argv, env=node_env or env(), stdout=log, stderr=log)
     wait_port(machine.ip, port)
     return proc
@@ -196,3 +198,41 @@ def test_a_node_without_the_token_refuses_and_a_wrong_token_is_refused(
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_is_placed_again(
+    machines: Cluster, nodes: list[Any], model: Path, tmp_path: Path
+) -> None:
+    """m3's node dies (its rank with it) while a stream runs: the stream ends with an
+    error event, and the model is placed again over m1 and m2 without a restart."""
+    m1 = machines.machines[0]
+    sharding = f"{{strategy: pipeline, nodes: auto, cluster: {CLUSTER}, step_timeout: 20}}"
+    config = write_config(tmp_path, model, sharding)
+    with server_process(config, env(), 300, m1.command([]), m1.ip) as (base, _):
+        body = {"model": "split", "messages": [{"role": "user", "content": "Count"}],
+                "max_tokens": 2000, "temperature": 0, "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as reply:
+            lines = reply.iter_lines()
+            for _ in range(3):  # the stream runs
+                next(lines)
+            nodes[1].kill()  # m3's node, SIGKILL: its rank dies with it
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "[DONE]" not in rest.split('"error"')[0][-10:]
+        placed = wait_for_ranks(base, 2, timeout=120)
+        assert [r["machine"]["address"] for r in placed] == ["this machine", "10.77.0.2:7337"]
+        assert_split_equals_plain(base)
+
+
+def wait_for_ranks(base: str, count: int, timeout: float) -> list[dict[str, Any]]:
+    """The placement once the model serves again on `count` ranks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            view = httpx.get(f"{base}/v1/cluster", timeout=5).json()["models"].get("split")
+            healthy = httpx.get(f"{base}/health", timeout=5).status_code == 200
+        except (httpx.HTTPError, ValueError):
+            view, healthy = None, False
+        if healthy and view and view["healthy"] and len(view["placement"]["ranks"]) == count:
+            return list(view["placement"]["ranks"])
+        time.sleep(1)
+    raise AssertionError(f"not placed again on {count} ranks within {timeout} s")
