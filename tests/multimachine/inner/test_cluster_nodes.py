@@ -1,5 +1,6 @@
 """A cluster that forms itself (docs/cluster.md), on three emulated machines: the server
 on m1, `pipeserve node` on m2 and m3, found over mDNS on the bridge or named by address.
+The tests run in file order: the last one kills m3's node.
 
 The model is a 6-layer float32 qwen3 (6 heads, 3 KV heads) built here, so it splits over
 3 ranks both ways. Each node starts with an empty model folder: it fetches the files
@@ -121,36 +122,6 @@ def test_discovery_finds_both_nodes_of_the_cluster_only(
     assert json.loads(other.stdout) == []
 
 
-def test_pipeline_over_discovered_nodes_follows_memory_and_equals_unsharded(
-    machines: Cluster, nodes: list[Any], model: Path, tmp_path: Path
-) -> None:
-    m1, m2, m3 = machines.machines
-    sharding = f"{{strategy: pipeline, nodes: auto, cluster: {CLUSTER}, memory: 1GiB}}"
-    config = write_config(tmp_path, model, sharding)
-    # 1 : 3 : 2 GiB (less the replicated embeddings) over 6 layers; rank 0 holds the last
-    expected = {0: [5, 6], 1: [2, 5], 2: [0, 2]}
-    explain = m1.run([*pipeserve_command(), "validate", str(config), "--explain"],
-                     env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert "rank 1 on 10.77.0.2:7337: layers [2, 5)" in explain.stdout, explain.stderr
-    assert "rank 2 on 10.77.0.3:7337: layers [0, 2)" in explain.stdout
-    assert "rank 0 on this machine: layers [5, 6)" in explain.stdout
-    with server_process(config, env(), 300, m1.command([]), m1.ip) as (base, _):
-        assert_split_equals_plain(base)
-        view = httpx.get(f"{base}/v1/cluster", timeout=10).json()["models"]["split"]
-        ranks = view["placement"]["ranks"]
-        assert {r["rank"]: r["layers"] for r in ranks} == expected
-        assert [r["machine"]["usable"] for r in ranks] == [GIB, 3 * GIB, 2 * GIB]
-        assert view["healthy"] is True
-        for rank, machine in zip(view["ranks"], (m2, m3), strict=True):
-            # each node lacked the model: it fetched it from m1 and checked every sha256
-            assert "model.safetensors" in rank["files"]["fetched"]
-            assert rank["files"]["sha256_checked"] is True
-            assert rank["state"] == "running" and rank["address"] == f"{machine.ip}:7337"
-        pids = rank_pids(m2) + rank_pids(m3)
-        assert [machines.machine_of(pid) for pid in pids] == [m2, m3]
-    assert rank_pids(m2) == rank_pids(m3) == []  # a normal stop stops the nodes' ranks
-
-
 def rank_pids(machine: Machine) -> list[int]:
     reply = httpx.get(f"http://{machine.ip}:{NODE_PORT}/v1/node",
                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()  # fmt: skip
@@ -170,8 +141,10 @@ def test_tensor_over_nodes_named_by_address_equals_unsharded(
         assert holds == [("this machine", "1/3 of every layer"),
                          ("10.77.0.3:7337", "1/3 of every layer"),
                          ("10.77.0.2", "1/3 of every layer")]  # fmt: skip
-        # the files were fetched for the pipeline run: this time they are reused
-        assert all("model.safetensors" in r["files"]["reused"] for r in view["ranks"])
+        for rank in view["ranks"]:
+            # each node lacked the model: it fetched it from m1 and checked every sha256
+            assert "model.safetensors" in rank["files"]["fetched"]
+            assert rank["files"]["sha256_checked"] is True
 
 
 def test_a_node_without_the_token_refuses_and_a_wrong_token_is_refused(
@@ -200,29 +173,6 @@ def test_a_node_without_the_token_refuses_and_a_wrong_token_is_refused(
         proc.wait(30)
 
 
-def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_is_placed_again(
-    machines: Cluster, nodes: list[Any], model: Path, tmp_path: Path
-) -> None:
-    """m3's node dies (its rank with it) while a stream runs: the stream ends with an
-    error event, and the model is placed again over m1 and m2 without a restart."""
-    m1 = machines.machines[0]
-    sharding = f"{{strategy: pipeline, nodes: auto, cluster: {CLUSTER}, step_timeout: 20}}"
-    config = write_config(tmp_path, model, sharding)
-    with server_process(config, env(), 300, m1.command([]), m1.ip) as (base, _):
-        body = {"model": "split", "messages": [{"role": "user", "content": "Count"}],
-                "max_tokens": 2000, "temperature": 0, "stream": True}  # fmt: skip
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as reply:
-            lines = reply.iter_lines()
-            for _ in range(3):  # the stream runs
-                next(lines)
-            nodes[1].kill()  # m3's node, SIGKILL: its rank dies with it
-            rest = "\n".join(lines)
-        assert '"error"' in rest and "[DONE]" not in rest.split('"error"')[0][-10:]
-        placed = wait_for_ranks(base, 2, timeout=120)
-        assert [r["machine"]["address"] for r in placed] == ["this machine", "10.77.0.2:7337"]
-        assert_split_equals_plain(base)
-
-
 def wait_for_ranks(base: str, count: int, timeout: float) -> list[dict[str, Any]]:
     """The placement once the model serves again on `count` ranks."""
     deadline = time.monotonic() + timeout
@@ -236,3 +186,60 @@ def wait_for_ranks(base: str, count: int, timeout: float) -> list[dict[str, Any]
             return list(view["placement"]["ranks"])
         time.sleep(1)
     raise AssertionError(f"not placed again on {count} ranks within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(
+    machines: Cluster, nodes: list[Any], model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A server on m1 whose `split` is placed over the nodes found on the LAN."""
+    m1 = machines.machines[0]
+    sharding = f"{{strategy: pipeline, nodes: auto, cluster: {CLUSTER}, memory: 1GiB}}"
+    config = write_config(tmp_path_factory.mktemp("pipeline"), model, sharding)
+    # 1 : 3 : 2 GiB (less the replicated embeddings) over 6 layers; rank 0 holds the last
+    explain = m1.run([*pipeserve_command(), "validate", str(config), "--explain"],
+                     env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "rank 1 on 10.77.0.2:7337: layers [2, 5)" in explain.stdout, explain.stderr
+    assert "rank 2 on 10.77.0.3:7337: layers [0, 2)" in explain.stdout
+    assert "rank 0 on this machine: layers [5, 6)" in explain.stdout
+    with server_process(config, env(), 300, m1.command([]), m1.ip) as (base, _):
+        yield base
+    assert rank_pids(machines.machines[1]) == []  # a normal stop stops the nodes' ranks
+
+
+def test_pipeline_over_discovered_nodes_follows_memory_and_equals_unsharded(
+    machines: Cluster, pipeline_server: str
+) -> None:
+    _, m2, m3 = machines.machines
+    assert_split_equals_plain(pipeline_server)
+    view = httpx.get(f"{pipeline_server}/v1/cluster", timeout=10).json()["models"]["split"]
+    ranks = view["placement"]["ranks"]
+    assert {r["rank"]: r["layers"] for r in ranks} == {0: [5, 6], 1: [2, 5], 2: [0, 2]}
+    assert [r["machine"]["usable"] for r in ranks] == [GIB, 3 * GIB, 2 * GIB]
+    assert view["healthy"] is True
+    for rank, machine in zip(view["ranks"], (m2, m3), strict=True):
+        # the files were fetched for the tensor run: this time they are checked and reused
+        assert "model.safetensors" in rank["files"]["reused"] and not rank["files"]["fetched"]
+        assert rank["state"] == "running" and rank["address"] == f"{machine.ip}:7337"
+    pids = rank_pids(m2) + rank_pids(m3)
+    assert [machines.machine_of(pid) for pid in pids] == [m2, m3]
+
+
+def test_a_node_lost_mid_stream_ends_the_stream_and_the_model_is_placed_again(
+    nodes: list[Any], pipeline_server: str
+) -> None:
+    """m3's node dies (its rank with it) while a stream runs: the stream ends with an
+    error event, and the model is placed again over m1 and m2 without a restart."""
+    base = pipeline_server
+    body = {"model": "split", "messages": [{"role": "user", "content": "Count"}],
+            "max_tokens": 2000, "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as reply:
+        lines = reply.iter_lines()
+        for _ in range(3):  # the stream runs
+            next(lines)
+        nodes[1].kill()  # m3's node, SIGKILL: its rank dies with it
+        rest = "\n".join(lines)
+    assert '"error"' in rest and "[DONE]" not in rest.split('"error"')[0][-10:]
+    placed = wait_for_ranks(base, 2, timeout=120)
+    assert [r["machine"]["address"] for r in placed] == ["this machine", "10.77.0.2:7337"]
+    assert_split_equals_plain(base)
