@@ -1,7 +1,8 @@
 """The web console at `/` in a real headless Chromium against a real server: the shipped
 SmolLM2 answers "Paris" streamed over Chat Completions and over Messages, the Models
 view draws the shipped pipeline's stages, Stop ends a long generation on the server,
-model text with HTML renders as text, and a server with API keys asks for one. The
+model text with HTML (answer, reasoning, tool call; over Responses) renders as text, and a
+server with API keys asks for one. The
 screenshots go to PIPESERVE_SCREENSHOTS (docs/images for the README) or a temp folder."""
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ pytestmark = [pytest.mark.server, pytest.mark.mlx, pytest.mark.browser]
 
 QUESTION = "What is the capital of France?"
 HOSTILE = (
+    '<think>\nI think <img src="y" onerror="window.__pwned = 4">.\n</think>\n\n'
     "Here is <script>window.__pwned = 1</script> and "
     '<img src="x" onerror="window.__pwned = 2"> in **bold**.\n\n'
-    "```html\n<script>window.__pwned = 3</script>\n```"
+    "```html\n<script>window.__pwned = 3</script>\n```\n"
+    '<tool_call>\n{"name": "lookup", "arguments": {"q": "<b onmouseover=alert(5)>"}}\n</tool_call>'
 )
+TOOLS = '[{"name": "lookup", "description": "Look up", "parameters": {"type": "object"}}]'
 SLOW = {"completion": "word " * 3000, "delay": 0.05}  # ~150 s unless stopped
 
 
@@ -153,16 +157,24 @@ def test_stop_button_cancels_the_generation_on_the_server(page: Any, server: str
 
 
 def test_model_text_with_html_renders_as_text(page: Any) -> None:
+    """Over Responses, with reasoning and a tool call: every part shows as text."""
     from playwright.sync_api import expect
 
-    choose(page, "hostile", "openai-chat")
-    ask(page, "Say something nasty.", "/v1/chat/completions")
-    answer = last_answer(page).locator(".answer")
+    choose(page, "hostile", "openai-responses")
+    page.fill("#chat-tools", TOOLS)
+    ask(page, "Say something nasty.", "/v1/responses")
+    message = last_answer(page)
+    answer = message.locator(".answer")
+    expect(message.locator(".stats")).to_be_visible()
     expect(answer.locator("pre code")).to_contain_text("<script>window.__pwned = 3</script>")
     expect(answer).to_contain_text('<img src="x" onerror="window.__pwned = 2">')
     expect(answer).to_contain_text("<script>window.__pwned = 1</script>")
-    assert answer.locator("script, img").count() == 0
     assert answer.locator("strong").inner_text() == "bold"  # Markdown still renders
+    reasoning = message.locator("details.reasoning")
+    reasoning.locator("summary").click()
+    expect(reasoning).to_contain_text('<img src="y" onerror="window.__pwned = 4">')
+    expect(message.locator(".tool")).to_contain_text('{"q": "<b onmouseover=alert(5)>"}')
+    assert message.locator("script, img, b").count() == 0
     assert page.evaluate("window.__pwned") is None
 
 
