@@ -293,12 +293,16 @@ async function stream(path, api, turns, settings, answer, signal) {
     first ??= performance.now();
     redraw();
   };
-  const tools = {};
+  const tools = {}; // by the protocol's index of the call
+  const call = (key, name = "") => {
+    if (!tools[key]) answer.tools.push((tools[key] = { name, args: "" }));
+    return tools[key];
+  };
   const sink = {
     text: (t) => { answer.content += t; output(); },
     reasoning: (t) => { answer.reasoning += t; output(); },
-    toolStart: (key, name) => { tools[key] = { name, args: "" }; answer.tools.push(tools[key]); output(); },
-    toolArgs: (key, delta) => { (tools[key] ??= answer.tools[answer.tools.push({ name: "?", args: "" }) - 1]).args += delta; output(); },
+    toolStart: (key, name) => { call(key, name).name = name; output(); },
+    toolArgs: (key, delta) => { call(key).args += delta; output(); },
     usage: (u) => { if (u.output !== undefined) answer.outputTokens = u.output; },
     error: (message) => { answer.error = message; redraw(); },
   };
