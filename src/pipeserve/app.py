@@ -8,7 +8,7 @@ requests reuse them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import falcon
@@ -46,12 +46,14 @@ def create_app(
     store: ResponseStore | None = None,
     metrics: Metrics | None = None,
     source: ConfigSource | None = None,
+    cluster_views: Callable[[], list[dict[str, Any]]] | None = None,
 ) -> falcon.App[falcon.Request, falcon.Response]:
     """Build the WSGI app for already-loaded models (see pipeserve.serving for loading).
     Without a response store, Responses endpoints are stateless. `api_keys` are the
     environment's keys, valid next to the config's server.api_keys. metrics: kept across
     config reloads (pipeserve.live_app); new when omitted. source: the config's file and
-    text, for the console's Config view."""
+    text, for the console's Config view. cluster_views: /v1/cluster's views of the
+    sharded models' shard hosts."""
     app = falcon.App(media_type=falcon.MEDIA_JSON, middleware=middleware(config.server))
     app.req_options.strip_url_path_trailing_slash = True
     app.resp_options.media_handlers[falcon.MEDIA_JSON] = compact_json_handler()
@@ -80,7 +82,7 @@ def create_app(
     app.add_route("/v1/models/{model_id}", models_resource, suffix="one")
     app.add_route("/health", HealthResource(table))
     app.add_route("/metrics", MetricsResource(metrics, keys))
-    app.add_route("/v1/cluster", ClusterResource(keys))
+    app.add_route("/v1/cluster", ClusterResource(keys, cluster_views))
     if server.console:
         source = source or ConfigSource()
         add_console_routes(app, config, source, table, served, keys, metrics)

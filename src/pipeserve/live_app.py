@@ -41,6 +41,7 @@ from pipeserve.stages.base import BuildEnv
 from pipeserve.store import worker_response_store
 
 log = logging.getLogger("pipeserve.reload")
+SHARD_STATUS_WAIT = 0.5  # seconds /health waits for a shard host's answer
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LiveApp:
         workers: int = 1,
         engine_host: Path | None = None,
         reload_status: Path | None = None,
+        shard_hosts: dict[str, Path] | None = None,
     ) -> None:
         load_builtin_stages()
         self.reload_status = reload_status  # the master's last reload outcome, for the console
@@ -76,6 +78,11 @@ class LiveApp:
         self.fleet = Fleet()
         # With an engine host, the models run there; this worker holds tokenizers and chains.
         self.host = HostClient(engine_host) if engine_host is not None else None
+        # Sharded models run in shard hosts of their own; /health must answer quickly.
+        self.shard_clients = {
+            name: HostClient(path, status_wait=SHARD_STATUS_WAIT)
+            for name, path in (shard_hosts or {}).items()
+        }
         self.slots: dict[str, Slot] = {}
         self.tokenizers: dict[Path, Any] = {}  # by model folder, shared by its models
         self.table = ModelTable([])
@@ -128,6 +135,7 @@ class LiveApp:
             store=worker_response_store(server, loaded.path.parent),
             metrics=self.metrics,
             source=config_source(loaded, self.reload_status),
+            cluster_views=self._shard_cluster_views,
         )
         now = managed(slots.values())
         kept = {id(e) for e in now}
@@ -178,7 +186,7 @@ class LiveApp:
     def _manager(self, entry: ModelEntry) -> Manage:
         """How the model's engine is made: a ManagedEngine of this worker's fleet, or a
         RemoteEngine for the engine host's one (its start, the local load, is never called)."""
-        host = self.host
+        host = self.shard_clients.get(entry.name, self.host)
         if host is None:
             return self.fleet.manager_for(entry)
 
@@ -193,6 +201,11 @@ class LiveApp:
             )
 
         return remote
+
+    def _shard_cluster_views(self) -> list[dict[str, Any]]:
+        """/v1/cluster's part from each shard host that answers (node-placed models)."""
+        statuses = [client.status() for client in self.shard_clients.values()]
+        return [s["cluster"] for s in statuses if s is not None and "cluster" in s]
 
     def _fleet_view(self) -> FleetView:
         return self.host.fleet_view() if self.host is not None else self.fleet.view()

@@ -27,15 +27,18 @@ def build_app_from_loaded(
     workers: int = 1,
     engine_host: Path | None = None,
     reload_status: Path | None = None,
+    shard_hosts: dict[str, Path] | None = None,
 ) -> LiveApp:
     """The app of a validated config whose `pipeline: auto` entries are resolved: a WSGI
     callable whose models and routes a config reload replaces in place. With
     `engine_host` (a Unix socket), the models run there, once for all workers.
-    `reload_status`: the file where the master records its last reload's outcome."""
+    `reload_status`: the file where the master records its last reload's outcome. A
+    model named in `shard_hosts` runs in its own shard host (a sharded model)."""
     return LiveApp(
         loaded,
         api_keys=api_keys,
         workers=workers,
         engine_host=engine_host,
         reload_status=reload_status,
+        shard_hosts=shard_hosts,
     )

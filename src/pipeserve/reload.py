@@ -77,13 +77,13 @@ class ReloadingArbiter(Arbiter):  # type: ignore[misc]
 
     def manage_workers(self) -> None:
         super().manage_workers()
-        if self.app.host is not None:  # runs on every turn of the master's loop
-            self.app.host.check()
+        for host in self.app.all_hosts():  # runs on every turn of the master's loop
+            host.check()
 
     def stop(self, graceful: bool = True) -> None:
         super().stop(graceful)
-        if self.app.host is not None:  # after the workers: their last requests need it
-            self.app.host.stop()
+        for host in self.app.all_hosts():  # after the workers: their last requests need them
+            host.stop()
 
 
 def reread(app: Any, log: Any) -> Any:

@@ -39,6 +39,8 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         self.folders: dict[str, Path] = {}  # source -> fetched folder, for reloads
         # server.workers > 1: the engine host that runs each model once for all workers
         self.host: Any = None
+        # each sharded model's own shard host (host.py --only), by model name
+        self.shard_hosts: dict[str, Any] = {}
         self.host_logs = ("human", "info")  # (format, level) for the host's log lines
         super().__init__()
 
@@ -48,6 +50,7 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         self.snapshot = Snapshot()  # the last valid config, for workers told to reload
         if int(self.cfg.workers or 1) > 1:
             self.start_engine_host()
+        self.start_shard_hosts()
         try:
             ReloadingArbiter(self).run()
         except RuntimeError as e:  # as gunicorn's BaseApplication.run
@@ -70,6 +73,28 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
                   file=sys.stderr)  # fmt: skip
             sys.exit(1)
 
+    def start_shard_hosts(self) -> None:
+        """Each sharded model runs in a process of its own, which places it on its machines
+        in the background (retrying), so that losing its group ends that process alone."""
+        from pipeserve.server.remote.supervisor import EngineHostProcess
+
+        models = self.loaded.config.models if self.loaded is not None else []
+        sharded = [e.name for e in models if e.options.sharding is not None]
+        if not sharded:
+            return
+        self.snapshot.write(self.loaded)
+        for number, name in enumerate(sharded):
+            socket_path = self.snapshot.folder / f"shard-{number}.sock"
+            host = EngineHostProcess(self.snapshot.path, socket_path, *self.host_logs, only=name)
+            host.start()
+            self.shard_hosts[name] = host
+        for host in self.shard_hosts.values():
+            host.wait_ready()  # listening (its model is placed in the background)
+
+    def all_hosts(self) -> list[Any]:
+        """The engine and shard host processes the master supervises."""
+        return ([self.host] if self.host is not None else []) + list(self.shard_hosts.values())
+
     def reload_worker(self, wsgi: Any, worker_log: Any) -> None:
         """In a worker told by the master (SIGHUP) that a new config is valid: apply it."""
         from pipeserve.reload import reload_worker
@@ -91,12 +116,14 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         if self.loaded is not None:
             workers = int(self.cfg.workers or 1)
             host = self.host.socket_path if self.host is not None else None
+            shards = {name: h.socket_path for name, h in self.shard_hosts.items()}
             return build_app_from_loaded(
                 self.loaded,
                 api_keys=self.api_keys,
                 workers=workers,
                 engine_host=host,
                 reload_status=self.snapshot.reload_status,
+                shard_hosts=shards,
             )
         return build_app_from_config(self.config_path, api_keys=self.api_keys)
 

@@ -152,8 +152,11 @@ def test_hostfile_sets_the_rank_count(tmp_path: Path, capsys: pytest.CaptureFixt
     hosts = [{"ssh": "m1", "ips": ["10.0.0.1"]}, {"ssh": "m2", "ips": ["10.0.0.2"]},
              {"ssh": "m3", "ips": ["10.0.0.3"]}]  # fmt: skip
     (tmp_path / "hosts.json").write_text(json.dumps({"backend": "ring", "hosts": hosts}))
-    # 3 hosts: qwen3's 2 KV heads do not divide by 3 (the hosts file sets the ranks)
+    # 3 hosts: qwen3's 2 KV heads do not divide by 3, but it is placed on 2 of them
+    # (placement.py), so the config is valid; without a hosts file 3 ranks are refused
     code, err = validate(write_config(tmp_path, "{hostfile: hosts.json}"), capsys)
+    assert code == 0, err
+    code, err = validate(write_config(tmp_path, "{ranks: 3}"), capsys)
     assert code == 1 and "num_key_value_heads = 2 does not divide by 3 ranks" in err
     code, err = validate(write_config(tmp_path, "{hostfile: hosts.json, ranks: 2}"), capsys)
     assert code == 1 and "ranks 2 but the hosts file lists 3 hosts" in err

@@ -100,3 +100,24 @@ def test_pipeline_adapter_keeps_gpt_oss_layer_metadata_local(demo_model_dir: Any
     plain, _ = load_model(demo_model_dir("gpt-oss"))
     for expected, got in zip(_logits(plain, [3, 4, 5]), _logits(model, [3, 4, 5])):
         assert mx.allclose(expected, got).item()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "split", "usable", "expected"),
+    [
+        ("pipeline", None, 3, (2, None)),  # 2 layers: at most 2 ranks of the 3 machines
+        ("tensor", None, 3, (2, None)),  # 2 KV heads divide by 2, not by 3
+        ("pipeline", [1, 1], 2, (2, [1, 1])),  # every host used: the split applies
+        ("pipeline", None, 1, (0, None)),  # rank 0 alone is no placement
+    ],
+)
+def test_placement_takes_the_most_ranks_the_shapes_allow(
+    strategy: str, split: list[int] | None, usable: int, expected: tuple[int, Any]
+) -> None:
+    from pipeserve.config.models import ShardingOptions
+    from pipeserve.engine.demo_families import FAMILIES
+    from pipeserve.engine.sharding.placement import _most_ranks
+
+    options = ShardingOptions(strategy=strategy, split=split)  # type: ignore[arg-type]
+    count, got_split, _ = _most_ranks(options, dict(FAMILIES["qwen3"].config), usable, 2)
+    assert (count, got_split) == expected

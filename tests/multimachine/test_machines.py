@@ -20,6 +20,6 @@ def test_in_private_network_namespace(name: str) -> None:
     reason = missing()
     if reason:
         pytest.skip(f"cannot emulate machines: {reason}")
-    result = run_pytest_in_private_netns(["-q", "-rfE", str(INNER / name)], timeout=900)
+    result = run_pytest_in_private_netns(["-q", "-s", "-rfE", str(INNER / name)], timeout=900)
     print(result.stdout[-20000:], result.stderr[-5000:])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

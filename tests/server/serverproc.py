@@ -45,9 +45,11 @@ def server_process(
     startup_timeout: float = 240.0,
     prefix: list[str] | None = None,
     host: str = "127.0.0.1",
+    ready: tuple[int, ...] = (200,),
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Like running_server, also yielding the process (to signal it). `prefix` runs the
-    server through a command (`ip netns exec NS`), listening on `host`."""
+    server through a command (`ip netns exec NS`), listening on `host`; it counts as up
+    once /health answers one of the `ready` statuses."""
     port = free_port()
     log_path = server_log(port)
     full_env = {**os.environ, **(env or {})}
@@ -65,7 +67,7 @@ def server_process(
         )
         base = f"http://{host}:{port}"
         try:
-            wait_healthy(base, proc, log_path, startup_timeout)
+            wait_healthy(base, proc, log_path, startup_timeout, ready)
             yield base, proc
         finally:
             stop(proc)
@@ -77,7 +79,13 @@ def server_log(port: int | str) -> Path:
     return Path(os.environ.get("PYTEST_SERVER_LOG_DIR", "/tmp")) / f"pipeserve-test-{port}.log"
 
 
-def wait_healthy(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
+def wait_healthy(
+    base: str,
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    timeout: float,
+    ready: tuple[int, ...] = (200,),
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -85,7 +93,7 @@ def wait_healthy(base: str, proc: subprocess.Popen[bytes], log_path: Path, timeo
                 f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
             )
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/health", timeout=2).status_code in ready:
                 return
         except httpx.HTTPError:
             pass

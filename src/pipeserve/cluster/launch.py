@@ -12,7 +12,6 @@ next start places the model again over the nodes that answer then.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,7 +89,6 @@ class ClusterRankGroup(RankGroup):
             GROUPS[self.name] = self
 
     def start(self) -> Any:
-        import mlx.core as mx
 
         token = cluster_token()
         try:
@@ -116,14 +114,7 @@ class ClusterRankGroup(RankGroup):
         start_os_thread(self._watch, name=f"pipeserve-shard-watch-{self.name}")
         start_os_thread(lambda: self._heartbeats(token), name=f"pipeserve-node-beat-{self.name}")
         self._accept_all()
-        os.environ["MLX_RANK"] = "0"
-        os.environ["MLX_HOSTFILE"] = self._ring_file or ""
-        self._in_init = True
-        group = mx.distributed.init(strict=True, backend=self.sharding.backend)
-        self._in_init = False
-        if group.size() != len(ring):
-            raise GroupLost(f"mx.distributed gave a group of {group.size()} ranks")
-        return group
+        return self._join(len(ring))
 
     def _adopt(self, found: ClusterPlan) -> None:
         """Rank 0's own options take the plan's rank count and layer split."""

@@ -63,11 +63,22 @@ def _check_options(
     ranks = 1 if options.nodes == "auto" else options.size
     if config is not None:
         where = at + ("split",) if options.split is not None else at + ("strategy",)
-        for message in sharding_problems(config, options.strategy, ranks, options.split):
+        messages = sharding_problems(config, options.strategy, ranks, options.split)
+        if messages and options.hostfile is not None and _fits_fewer(config, options):
+            messages = []  # placed on fewer of the hosts (engine/sharding/placement.py)
+        for message in messages:
             problems.append(
                 doc.problem(where if "split" in message else at + ("strategy",), message)
             )
     return problems
+
+
+def _fits_fewer(config: dict[str, Any], options: ShardingOptions) -> bool:
+    """Some placement on 2 or more of the hosts file's machines suits the model's shapes."""
+    from pipeserve.engine.sharding.support import sharding_problems
+
+    sizes = range(2, options.size)
+    return any(not sharding_problems(config, options.strategy, n, None) for n in sizes)
 
 
 def architecture_config(source: str) -> dict[str, Any] | None:

@@ -71,7 +71,11 @@ class PipeserveWorker(GeventWorker):  # type: ignore[misc]
 
 
 def _shut(sock: socket.socket) -> None:
+    """Shut the connection down under gevent's feet: the handler's pending read then
+    returns EOF (the client left). gevent's own shutdown() would instead cancel that read
+    with EBADF, which gunicorn logs as a "Socket error processing request" traceback."""
+    raw = getattr(sock, "_sock", sock)  # gevent's socket wraps the OS one
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        raw.shutdown(socket.SHUT_RDWR)
     except OSError:  # already gone
         pass

@@ -17,6 +17,7 @@ import pickle
 import struct
 from typing import Any
 
+from pipeserve.engine.channel import os_lock
 from pipeserve.gevent_support import gevent_patched
 
 _LENGTH = struct.Struct("!I")
@@ -50,14 +51,17 @@ def os_sleep(seconds: float) -> None:
 
 
 class Connection:
-    """A framed, blocking connection (one reader, one writer: the engine threads)."""
+    """A framed, blocking connection: one reader; writers take turns (on rank 0 the
+    engine thread's batch log and the watchdog's pings)."""
 
     def __init__(self, sock: Any) -> None:
         self.sock = sock
+        self._send_lock = os_lock()
 
     def send_bytes(self, payload: bytes) -> None:
         try:
-            self.sock.sendall(_LENGTH.pack(len(payload)) + payload)
+            with self._send_lock:
+                self.sock.sendall(_LENGTH.pack(len(payload)) + payload)
         except OSError as exc:
             raise ChannelClosed(f"control channel: {exc}") from exc
 

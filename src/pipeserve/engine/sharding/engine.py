@@ -1,11 +1,12 @@
 """ShardedEngine: MlxEngine whose model runs on a group of ranks (rank 0 is this engine).
 
-The engine thread starts the group (group.py), loads rank 0's share (load.py) and runs a
-Rank0Batch (lockstep.py). When the group is lost the model turns unhealthy (`/health`
-503, new requests get `unavailable`), requests in flight end with an error event, and,
-in a server, the process exits shortly after so that a fresh one starts a fresh group
-(an mx.distributed group cannot be re-initialised in a process): gunicorn forks a new
-worker, or, with server.workers > 1, the master restarts the engine host (rank 0's home).
+The engine thread places and starts the group (group.py), loads rank 0's share (load.py)
+and runs a Rank0Batch (lockstep.py). When the group is lost the model turns unhealthy
+(`/health` 503, new requests get `unavailable`), requests in flight end with an error
+event, and the process exits shortly after so that a fresh one places the model again
+(an mx.distributed group cannot be re-initialised in a process). In a server that
+process is the model's own shard host (server/remote/host.py, `--only`), which the
+gunicorn master restarts; the workers and the other models keep serving.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pipeserve.engine.batching import Batch
 from pipeserve.engine.channel import Courier, start_os_thread
 from pipeserve.engine.mlx_engine import MlxEngine
 from pipeserve.engine.sharding.control import os_sleep
-from pipeserve.engine.sharding.group import RankGroup
+from pipeserve.engine.sharding.group import RankGroup, group_joined
 from pipeserve.engine.sharding.load import load_shard, weight_bytes
 from pipeserve.engine.sharding.lockstep import Rank0Batch
 from pipeserve.engine.stream import EngineStream
@@ -34,8 +35,7 @@ from pipeserve.errors import ApiError
 
 log = logging.getLogger("pipeserve.sharding")
 
-EXIT_DELAY = 1.5  # seconds for the error events to reach the clients before the worker exits
-_GROUP_STARTED = False  # one mx.distributed group per process, ever
+EXIT_DELAY = 1.5  # seconds for the error events to reach the clients before the exit
 RESCUE_AFTER = 1.0  # seconds the engine thread gets to fail its own requests after a loss
 
 
@@ -49,14 +49,12 @@ class ShardedEngine(MlxEngine):
         exit_on_loss: bool = True,
         **kwargs: Any,
     ) -> None:
-        global _GROUP_STARTED
-        if _GROUP_STARTED:
+        if group_joined():
             # mx.distributed keeps one group per process and cannot join another.
             raise RuntimeError(
                 f"model {name}: this process already ran a sharded group; a sharded model"
                 " cannot be replaced in place (restart pipeserve)"
             )
-        _GROUP_STARTED = True
         self.group = RankGroup(name, model_dir, options, self._on_lost)
         self.exit_on_loss = exit_on_loss
         self.shard_report: list[dict[str, Any]] = []
@@ -77,12 +75,13 @@ class ShardedEngine(MlxEngine):
     def _start(self, model_dir: Path, options: EngineOptions) -> Any:
         try:
             group = self.group.start()
-            model = load_shard(model_dir, options, group)
+            model = load_shard(model_dir, self.group.options, group)
             total, layers = weight_bytes(model)
             reports = self.group.wait_ready()
             self.shard_report = [{"rank": 0, "weight_bytes": total, "layer_weight_bytes": layers}]
             self.shard_report += reports
             mx.random.seed(self.group.begin())
+            self._stats["shard_ranks"] = group.size()
         except BaseException:
             self.group.stop()
             raise

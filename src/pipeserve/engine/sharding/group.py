@@ -5,10 +5,18 @@ Ranks 1..N-1 are `python -m pipeserve.engine.sharding.peer` processes: local chi
 (posix_spawn; they die with this process through PR_SET_PDEATHSIG and the control
 channel's EOF) or, from an mlx hosts file, started over `ssh -tt` as mlx.launch does.
 mx.distributed has no timeouts, so a watchdog thread on rank 0 declares the group lost
-when a rank's process ends or one engine step outlasts `step_timeout`; it then kills
-every other rank (which makes a collective blocked on a dead or stopped peer raise on
-the engine thread) and calls `on_lost`. A lost group is never reused: the ring cannot be
-re-initialised in the same process, so the worker exits and gunicorn starts a new one.
+when a rank's process ends, one engine step outlasts `step_timeout`, or a rank's control
+connection stops acknowledging the pings the watchdog sends every second (a cut link,
+found within KEEPALIVE s even while idle); it then kills every other rank (which makes a
+collective blocked on a dead or stopped peer raise on the engine thread) and calls
+`on_lost`. A lost group is never reused: the ring cannot be re-initialised in the same
+process, so the process that holds rank 0 exits and its supervisor starts a fresh one,
+which places the model again (placement.py). The other ranks watch rank 0 too (peer.py):
+without a message from it for too long they exit by themselves.
+
+Ranks are started in a session of their own, so that a Ctrl-C or a service manager's
+SIGTERM to pipeserve's process group does not reach them (or their ssh clients) before
+rank 0 closes the group in order.
 """
 
 from __future__ import annotations
@@ -33,12 +41,28 @@ from typing import Any
 from pipeserve.config.models import EngineOptions, ShardingOptions
 from pipeserve.engine.channel import os_lock, start_os_thread
 from pipeserve.engine.sharding.control import ChannelClosed, Connection, os_sleep, os_socket_class
+from pipeserve.engine.sharding.placement import Placement, place
+from pipeserve.engine.sharding.procs import reap, spawn
 
 log = logging.getLogger("pipeserve.sharding")
 
 WATCH_INTERVAL = 0.1
+PING_INTERVAL = 1.0
+KEEPALIVE = 8.0  # seconds a rank's control connection may leave data unacknowledged
 STOP_GRACE = 5.0
 PEER_MODULE = "pipeserve.engine.sharding.peer"
+# What a remote rank inherits from rank 0's environment (a local rank inherits it all):
+# the BLAS preload (pipeserve.blas), MLX's and OpenBLAS's settings, pipeserve's own.
+REMOTE_ENV_PREFIXES = ("PIPESERVE_", "MLX_", "OPENBLAS_", "OMP_", "LD_PRELOAD", "LD_LIBRARY_PATH")
+SSH_OPTIONS = ["-o", "LogLevel=QUIET", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+               "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"]  # fmt: skip
+REMOTE_KILL_TRIES = 8
+_GROUP_JOINED = False  # this process entered mx.distributed.init: no other group, ever
+
+
+def group_joined() -> bool:
+    """Whether this process has joined an mx.distributed group (it cannot join another)."""
+    return _GROUP_JOINED
 
 
 class GroupLost(RuntimeError):
@@ -52,43 +76,6 @@ class Peer:
     ssh_host: str | None = None
     remote_pid: int | None = None
     conn: Connection | None = None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where each rank runs: ssh host (None: this machine) and its ring address."""
-
-    ssh_hosts: list[str | None]
-    ring: list[list[str]]  # mx.distributed ring hostfile: per rank, its "ip:port"s
-    control_ip: str  # where rank 0 listens for the other ranks
-
-
-def placement(options: ShardingOptions) -> Placement:
-    if options.hostfile:
-        from pipeserve.engine.sharding.hostfile import read_hostfile
-
-        hosts, problem = read_hostfile(Path(options.hostfile))
-        if problem:
-            raise ValueError(problem)
-        first = options.port or 32323
-        ssh = [None] + [str(h["ssh"]) for h in hosts[1:]]
-        ring = [[f"{h['ips'][0]}:{first + r}"] for r, h in enumerate(hosts)]
-        return Placement(ssh, ring, str(hosts[0]["ips"][0]))
-    size = options.size
-    ports = [options.port + r for r in range(size)] if options.port else _free_ports(size)
-    return Placement([None] * size, [[f"127.0.0.1:{p}"] for p in ports], "127.0.0.1")
-
-
-def _free_ports(count: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(count):
-        sock = os_socket_class()()
-        sock.bind(("127.0.0.1", 0))
-        socks.append(sock)
-        ports.append(sock.getsockname()[1])
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 class RankGroup:
@@ -109,6 +96,7 @@ class RankGroup:
         self.step_started: float | None = None
         self._phase = "starting"
         self._in_init = False
+        self._lost = False
         self._lock = os_lock()
         self._token = secrets.token_hex(16)
         self._ring_file: str | None = None
@@ -118,22 +106,30 @@ class RankGroup:
     # -- start ---------------------------------------------------------------------
 
     def start(self) -> Any:
-        """Start the other ranks and join the group; returns the mx.distributed group."""
-        import mlx.core as mx
-
-        place = placement(self.sharding)
-        self._listen(place.control_ip)
-        self._write_ring(place.ring)
-        for rank in range(1, len(place.ring)):
-            self.peers.append(self._spawn(rank, place))
+        """Place the ranks (on the machines that answer), start them and join the group;
+        returns the mx.distributed group. self.options is the placed model's options."""
+        where, self.sharding = place_ranks(self.sharding, self.model_dir)
+        self.options = self.options.model_copy(update={"sharding": self.sharding})
+        self._listen(where.control_ip)
+        self._write_ring(where.ring)
+        for rank in range(1, len(where.ring)):
+            self.peers.append(self._spawn(rank, where))
         start_os_thread(self._watch, name=f"pipeserve-shard-watch-{self.name}")
         self._accept_all()
+        return self._join(len(where.ring))
+
+    def _join(self, size: int) -> Any:
+        """Join the ring as rank 0 (every rank has said hello): the mx.distributed group."""
+        global _GROUP_JOINED
+        import mlx.core as mx
+
         os.environ["MLX_RANK"] = "0"
         os.environ["MLX_HOSTFILE"] = self._ring_file or ""
         self._in_init = True  # blocks for good if a rank dies before joining the ring
+        _GROUP_JOINED = True
         group = mx.distributed.init(strict=True, backend=self.sharding.backend)
         self._in_init = False
-        if group.size() != len(place.ring):
+        if group.size() != size:
             raise GroupLost(f"mx.distributed gave a group of {group.size()} ranks")
         return group
 
@@ -169,9 +165,9 @@ class RankGroup:
             env = {**os.environ, **extra, "PIPESERVE_SHARD_PARENT": str(os.getpid())}
             env["MLX_HOSTFILE"] = self._ring_file or ""
             argv = [sys.executable, "-m", PEER_MODULE, f"--model={self.name}", f"--rank={rank}"]
-            pid = _posix_spawn(sys.executable, argv, env)
+            pid = spawn(sys.executable, argv, env)
         else:
-            pid = self._spawn_ssh(host, extra)
+            pid = self._spawn_ssh(host, {**remote_environment(), **extra})
         log.info("model %s: rank %d started, pid %d%s", self.name, rank, pid,
                  f" (ssh {host})" if host else "")  # fmt: skip
         return Peer(rank, pid, host)
@@ -183,8 +179,8 @@ class RankGroup:
             raise GroupLost("ssh is not installed: remote ranks are started over ssh")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
         command = f"cd {shlex.quote(os.getcwd())} && exec env {env} {shlex.quote(sys.executable)} -m {PEER_MODULE}"
-        argv = [ssh, "-tt", "-o", "LogLevel=QUIET", host, command]
-        return _posix_spawn(ssh, argv, dict(os.environ))
+        argv = [ssh, "-tt", *SSH_OPTIONS, host, command]
+        return spawn(ssh, argv, dict(os.environ))
 
     def _accept_all(self) -> None:
         """Each rank connects and says hello (rank, pid, token) before joining the ring."""
@@ -214,7 +210,7 @@ class RankGroup:
                 conn.close()
                 continue
             peer.conn, peer.remote_pid = conn, int(hello.get("pid", 0)) or None
-            sock.settimeout(None)
+            _keepalive(sock)
             del waiting[peer.rank]
 
     def wait_ready(self) -> list[dict[str, Any]]:
@@ -237,6 +233,9 @@ class RankGroup:
     def begin(self) -> int:
         """The group is up: send every rank the shared random seed; returns it."""
         seed = random.getrandbits(32)
+        for peer in self.peers:  # from now on a send that cannot finish is a lost rank
+            assert peer.conn is not None
+            peer.conn.sock.settimeout(self.sharding.step_timeout)
         self.broadcast(("start", seed))
         self._phase = "running"
         self.healthy = True
@@ -258,12 +257,29 @@ class RankGroup:
         return [p.pid for p in self.peers]
 
     def _watch(self) -> None:
+        next_ping = time.monotonic()
         while self._phase in ("starting", "running"):
             os_sleep(WATCH_INTERVAL)
             problem = self._problem()
+            if problem is None and self._phase == "running" and time.monotonic() >= next_ping:
+                next_ping = time.monotonic() + PING_INTERVAL
+                problem = self._ping()
             if problem:
                 self.lose(problem)
         self._reap()
+
+    def _ping(self) -> str | None:
+        """Keep every rank's control connection busy: a cut link shows up as a send error
+        once KEEPALIVE seconds of data go unacknowledged, even while nothing is decoded."""
+        for peer in self.peers:
+            if peer.conn is None:
+                continue
+            try:
+                peer.conn.send_obj(("ping",))
+            except ChannelClosed as exc:
+                where = f" on {peer.ssh_host}" if peer.ssh_host else ""
+                return f"rank {peer.rank}{where} is unreachable ({exc})"
+        return None
 
     def _problem(self) -> str | None:
         for peer in self.peers:
@@ -284,6 +300,7 @@ class RankGroup:
                 return
             starting = self._phase == "starting"
             self._phase = "lost"
+            self._lost = True
         self.healthy = False
         self.reason = reason
         log.error("model %s: shard group lost: %s", self.name, reason)
@@ -321,8 +338,10 @@ class RankGroup:
             Path(self._ring_file).unlink(missing_ok=True)
 
     def _kill_all(self) -> None:
+        """SIGKILL every other rank; remote ones over ssh too, when the group was lost or
+        their ssh session is still open (a rank that closed normally ends its session)."""
         for peer in self.peers:
-            if peer.ssh_host and peer.remote_pid:
+            if peer.ssh_host and peer.remote_pid and (self._lost or _alive(peer.pid)):
                 _kill_remote(peer.ssh_host, peer.remote_pid)
             try:
                 os.kill(peer.pid, signal.SIGKILL)
@@ -347,27 +366,37 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _unpatched_os(name: str) -> Any:
-    """os.<name> as the OS has it: gevent's versions need the hub of the main thread."""
-    if "gevent.monkey" in sys.modules:
-        from gevent import monkey
-
-        return monkey.get_original("os", name)
-    return getattr(os, name)
-
-
-def _posix_spawn(path: str, argv: list[str], env: dict[str, str]) -> int:
-    return int(_unpatched_os("posix_spawn")(path, argv, env))
-
-
 def _waitpid(pid: int) -> None:
-    try:
-        _unpatched_os("waitpid")(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
+    reap(pid)
 
 
 def _kill_remote(host: str, pid: int) -> None:
+    """SIGKILL a remote rank, retrying for a while from a detached shell (the host may be
+    unreachable now, and this process may exit before it is back). The rank also exits by
+    itself once rank 0 has been silent for too long (peer.py)."""
     ssh = shutil.which("ssh")
-    if ssh:
-        _posix_spawn(ssh, [ssh, "-o", "LogLevel=QUIET", host, f"kill -9 {pid}"], dict(os.environ))
+    if ssh is None:
+        return
+    once = shlex.join([ssh, *SSH_OPTIONS, host, f"kill -9 {pid} 2>/dev/null; true"])
+    script = f"for i in $(seq {REMOTE_KILL_TRIES}); do {once} && exit 0; sleep 3; done"
+    spawn("/bin/sh", ["/bin/sh", "-c", script], dict(os.environ))
+
+
+def remote_environment() -> dict[str, str]:
+    """What a remote rank gets of rank 0's environment, as a local rank would."""
+    return {k: v for k, v in os.environ.items() if k.startswith(REMOTE_ENV_PREFIXES)
+            and not k.startswith("PIPESERVE_SHARD_")}  # fmt: skip
+
+
+def _keepalive(sock: Any) -> None:
+    """Unacknowledged data for KEEPALIVE seconds breaks the connection (Linux)."""
+    import socket
+
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, option, int(KEEPALIVE * 1000))
+    sock.settimeout(None)
+
+
+def place_ranks(options: ShardingOptions, model_dir: Path) -> tuple[Placement, ShardingOptions]:
+    return place(options, model_dir, SSH_OPTIONS)

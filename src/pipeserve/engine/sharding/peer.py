@@ -4,21 +4,28 @@ Started by rank 0 (group.py) with its settings in the environment. It connects t
 0's control channel, joins the mx.distributed group, loads its share of the weights and
 then replays rank 0's batch log step by step (lockstep.py) until rank 0 closes the
 group or goes away. Any error ends the process: rank 0 sees the exit and gives the
-group up.
+group up. A rank on another machine cannot count on seeing rank 0 go (a cut link shows
+no EOF, and a collective blocked on a lost peer never returns), so a watch thread ends
+the rank when rank 0 has been silent too long: rank 0 pings every second, and a step
+longer than step_timeout has already made rank 0 give the group up.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+SILENCE = 15.0  # seconds past the allowed step or start time before a rank gives up
 
 log = logging.getLogger("pipeserve.sharding")
 
@@ -36,6 +43,29 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+class CoordinatorWatch:
+    """Exits this process when rank 0 has been silent for longer than `limit` seconds."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.heard_at = time.monotonic()
+
+    def heard(self, limit: float | None = None) -> None:
+        self.heard_at = time.monotonic()
+        if limit is not None:
+            self.limit = limit
+
+    def run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            silent = time.monotonic() - self.heard_at
+            if silent > self.limit:
+                log.error("rank 0 silent for %.0f s (limit %.0f s): leaving the group",
+                          silent, self.limit)  # fmt: skip
+                logging.shutdown()
+                os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(description=__doc__).parse_known_args(argv)  # labels for ps
     die_with_parent()
@@ -51,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     sock.connect((host, int(port)))
     conn = Connection(sock)
     rank = int(os.environ["MLX_RANK"])
+    options = json.loads(os.environ["PIPESERVE_SHARD_OPTIONS"]).get("sharding") or {}
+    watch = CoordinatorWatch(float(options.get("start_timeout", 300.0)) + SILENCE)
+    threading.Thread(target=watch.run, daemon=True, name="coordinator-watch").start()
     conn.send_json({"rank": rank, "pid": os.getpid(), "token": os.environ["PIPESERVE_SHARD_TOKEN"]})
     try:
-        return serve_rank(conn, rank)
+        return serve_rank(conn, rank, watch)
     except Exception as exc:
         log.exception("rank %d failed", rank)
         try:
@@ -63,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def serve_rank(conn: object, rank: int) -> int:
+def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
     import mlx.core as mx
 
     from pipeserve.config.models import EngineOptions
@@ -87,10 +120,18 @@ def serve_rank(conn: object, rank: int) -> int:
     if kind != "start":
         raise RuntimeError(f"expected start, got {kind!r}")
     mx.random.seed(seed)
+    watch.heard(options.sharding.step_timeout + SILENCE)
     batch = PeerBatch(model, options)
     step = 1
     try:
-        while replay(batch, conn.recv_obj(), step):
+        while True:
+            message = conn.recv_obj()
+            watch.heard()
+            if message[0] == "ping":
+                continue
+            if not replay(batch, message, step):
+                break
+            watch.heard()
             step += 1
     except ChannelClosed:
         log.info("rank %d: rank 0 is gone; exiting", rank)

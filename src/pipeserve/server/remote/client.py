@@ -70,8 +70,9 @@ class RemoteJob:
 class HostClient:
     """This worker's connection to the engine host (made on first use, remade after a loss)."""
 
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, status_wait: float = STATUS_WAIT) -> None:
         self.socket_path = socket_path
+        self.status_wait = status_wait
         self.down_reason = "the engine host is starting"
         self._sock: socket.socket | None = None
         self._jobs: dict[int, RemoteJob] = {}
@@ -79,7 +80,7 @@ class HostClient:
         self._keys = itertools.count(1)
         self._send_lock = gevent.lock.Semaphore()
         self._connect_lock = gevent.lock.Semaphore()
-        self._status: tuple[float, dict[str, Any]] | None = None
+        self._status: tuple[float, dict[str, Any] | None] | None = None
 
     # -- requests -------------------------------------------------------------------
 
@@ -116,8 +117,9 @@ class HostClient:
         try:
             sock = self._connect(0.0)
             key = next(self._keys)
-            answer: dict[str, Any] = self._ask(sock, key, ("status", key), STATUS_WAIT)
+            answer: dict[str, Any] = self._ask(sock, key, ("status", key), self.status_wait)
         except ApiError:
+            self._status = (time.monotonic(), None)  # one wait per /health, not per question
             return None
         self.down_reason = ""
         self._status = (time.monotonic(), answer)

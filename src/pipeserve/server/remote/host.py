@@ -8,6 +8,14 @@ one frame. The models are a Fleet of ManagedEngines, as in a single worker: load
 demand, the memory budget (the whole budget: there is one copy), keep_alive, and
 reloads (SIGHUP: apply the master's config snapshot) work as with one worker.
 
+A sharded model runs in a host of its own (`--only NAME`, a "shard host"; the engine
+host and the workers leave it out): losing its group ends this process (an
+mx.distributed group cannot be joined twice in one), and the master starts a fresh one
+that places the model again, while the workers and the other models keep serving. A
+shard host answers at once and places its model in the background, retrying with
+backoff while it cannot (machines unreachable); meanwhile its model reports itself
+unavailable with the reason, and requests for it get a 503 saying so.
+
 Signals: SIGTERM and SIGINT are ignored (a terminal's Ctrl-C or a service manager
 signals the whole process group, and the workers still draining need the engines);
 the master sends SIGUSR1 to stop the host once its workers have stopped, and the host
@@ -29,6 +37,7 @@ import pickle
 import signal
 import socket
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,6 +63,8 @@ from pipeserve.server.remote.wire import (
 
 log = logging.getLogger("pipeserve.enginehost")
 PARENT_POLL = 1.0
+PLACE_RETRY_FIRST = 2.0
+PLACE_RETRY_MAX = 30.0
 
 
 class HostedModels:
@@ -64,6 +75,7 @@ class HostedModels:
         self.runtimes: dict[str, ModelRuntime] = {}
         self.tokenizers: dict[Path, Any] = {}
         self.applied = gevent.event.Event()  # clear while a reload is being applied
+        self.placing: dict[str, str] = {}  # shard host: model key -> why it is not served yet
 
     def apply(self, loaded: LoadedConfig) -> None:
         from pipeserve.engine.runtime import build_runtime
@@ -97,6 +109,8 @@ class HostedModels:
             self.applied.set()
 
     def submit(self, key: str, job: Any, spec: ConstraintSpec | None) -> TokenStream:
+        if key in self.placing:
+            raise ApiError("unavailable", self.placing[key], retry_after=5)
         runtime = self.runtimes.get(key)
         if runtime is None and not self.applied.is_set():  # a reload is being applied
             self.applied.wait()
@@ -121,7 +135,15 @@ class HostedModels:
                 "describe": engine.describe(),
                 "stats": engine.stats(),
             }
-        return {"models": models, "fleet": self.fleet.view()}
+        for key, reason in self.placing.items():
+            describe = {"state": "loading", "load": "startup", "memory_bytes": 0}
+            models[key] = {"healthy": False, "reason": reason, "describe": describe, "stats": {}}
+        out = {"models": models, "fleet": self.fleet.view()}
+        if "pipeserve.cluster.launch" in sys.modules:  # a model placed on pipeserve nodes
+            from pipeserve.cluster.launch import cluster_view
+
+            out["cluster"] = cluster_view()
+        return out
 
     def reap_gone(self) -> None:
         """Forget retired runtimes once the fleet has unloaded and dropped them."""
@@ -282,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--log-format", default="human")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--only", help="a shard host: serve this sharded model alone")
     args = parser.parse_args(argv)
     from pipeserve.logs import logging_config
 
@@ -291,15 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gevent.signal_handler(signal.SIGUSR1, stop.set)
+    if args.only:
+        return serve_sharded(args, models, stop)
     gevent.signal_handler(signal.SIGHUP, lambda: gevent.spawn(reload, models, args.snapshot))
     log.info("engine host %d: loading models", os.getpid())
     try:
-        loaded = read_snapshot(args.snapshot)
-        if any(entry.options.sharding for entry in loaded.config.models):
-            from pipeserve.engine.sharding import engine as sharded
-
-            sharded.exit_process = exit_now  # a lost group: the master restarts the host
-        models.apply(loaded)
+        models.apply(read_snapshot(args.snapshot))
     except Exception:
         log.exception("engine host: loading the models failed")
         return 1
@@ -310,6 +330,54 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def serve_sharded(args: argparse.Namespace, models: HostedModels, stop: gevent.event.Event) -> int:
+    """A shard host: answer at once, place the model in the background (see the top)."""
+    from pipeserve.engine.sharding import engine as sharded
+
+    sharded.exit_process = exit_now  # a lost group: the master starts a fresh host
+    gevent.signal_handler(signal.SIGHUP, lambda: log.info(
+        "shard host: a sharded model's config changes apply when pipeserve restarts"))  # fmt: skip
+    try:
+        loaded = read_snapshot(args.snapshot, only=args.only)
+    except Exception:
+        log.exception("shard host: reading the config failed")
+        return 1
+    key = model_key(loaded.config.models[0])
+    models.placing[key] = f"model {args.only} is unavailable: it is being placed on its machines"
+    gevent.spawn(place_until_served, models, loaded, key, stop)
+    gevent.spawn(watch, args.parent, stop, models)
+    serve(args.socket, models, stop)
+    log.info("shard host %d: stopping", os.getpid())
+    models.fleet.close()
+    return 0
+
+
+def place_until_served(
+    models: HostedModels, loaded: LoadedConfig, key: str, stop: gevent.event.Event
+) -> None:
+    """Load (place) the sharded model, retrying with backoff while it cannot be placed; a
+    failure after its ranks joined a group ends the process (the master starts another)."""
+    from pipeserve.engine.sharding.group import group_joined
+
+    name = loaded.config.models[0].name
+    wait = PLACE_RETRY_FIRST
+    while not stop.is_set():
+        try:
+            models.apply(loaded)
+        except Exception as exc:
+            if group_joined():
+                log.error("shard host: model %s lost its group while starting; restarting", name)
+                exit_now()
+            reason = str(getattr(exc, "message", exc))
+            models.placing[key] = f"model {name} is unavailable: {reason}; next try in {wait:.0f} s"
+            log.warning("%s", models.placing[key])
+            stop.wait(wait)
+            wait = min(PLACE_RETRY_MAX, wait * 2)
+            continue
+        models.placing.pop(key, None)
+        return
+
+
 def exit_now() -> None:
     """Leave at once (a sharded model's engine thread may be stuck in a collective, so no
     orderly close); the workers fail what is left in flight and the master restarts us."""
@@ -317,9 +385,16 @@ def exit_now() -> None:
     os._exit(3)
 
 
-def read_snapshot(path: Path) -> LoadedConfig:
+def read_snapshot(path: Path, only: str | None = None) -> LoadedConfig:
+    """The master's config; `only`: that model alone, else every model but the sharded
+    ones (each runs in a shard host of its own)."""
     loaded: LoadedConfig = pickle.loads(path.read_bytes())
-    return loaded
+    models = [
+        e for e in loaded.config.models if (e.name == only if only else e.options.sharding is None)
+    ]
+    if only and not models:
+        raise ValueError(f"model {only} is not in the config")
+    return replace(loaded, config=loaded.config.model_copy(update={"models": models}))
 
 
 def reload(models: HostedModels, snapshot: Path) -> None:

@@ -24,7 +24,18 @@ MAX_BACKOFF = 30.0
 
 
 class EngineHostProcess:
-    def __init__(self, snapshot: Path, socket_path: Path, log_format: str, log_level: str) -> None:
+    """The engine host, or with `only` a sharded model's shard host (host.py)."""
+
+    def __init__(
+        self,
+        snapshot: Path,
+        socket_path: Path,
+        log_format: str,
+        log_level: str,
+        only: str | None = None,
+    ) -> None:
+        self.only = only
+        self.what = f"shard host of model {only}" if only else "engine host"
         self.snapshot = snapshot
         self.socket_path = socket_path
         self.log_format = log_format
@@ -42,10 +53,12 @@ class EngineHostProcess:
                    "--snapshot", str(self.snapshot), "--socket", str(self.socket_path),
                    "--parent", str(os.getpid()), "--log-format", self.log_format,
                    "--log-level", self.log_level]  # fmt: skip
+        if self.only:
+            command += ["--only", self.only]
         self.proc = subprocess.Popen(command)
         self._started_at = time.monotonic()
-        log.info("engine host started (pid %d): one copy of each model for all workers",
-                 self.proc.pid)  # fmt: skip
+        log.info("%s started (pid %d)%s", self.what, self.proc.pid,
+                 "" if self.only else ": one copy of each model for all workers")  # fmt: skip
 
     def wait_ready(self) -> bool:
         """At start-up: True once the host listens (its startup models are loaded), False
@@ -64,7 +77,7 @@ class EngineHostProcess:
         if now < self._next_start:
             return
         # (no exit status: gunicorn's master may have reaped it first)
-        log.error("engine host (pid %d) stopped; restarting it", self.proc.pid)
+        log.warning("%s (pid %d) stopped; restarting it", self.what, self.proc.pid)
         if now - self._started_at > MAX_BACKOFF:  # it ran a while: not a crash loop
             self._backoff = 1.0
         self._next_start = now + self._backoff
@@ -86,6 +99,6 @@ class EngineHostProcess:
         try:
             proc.wait(STOP_WAIT)
         except subprocess.TimeoutExpired:
-            log.error("engine host (pid %d) did not stop; killing it", proc.pid)
+            log.error("%s (pid %d) did not stop; killing it", self.what, proc.pid)
             proc.kill()
             proc.wait()

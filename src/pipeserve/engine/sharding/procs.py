@@ -1,0 +1,52 @@
+"""Processes of a sharded model's group, started and reaped with the OS's own calls.
+
+Rank 0's side runs on OS threads of a process gevent may have patched; gevent's `os` and
+`subprocess` need the hub of the main thread, so these use the unpatched originals.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from pipeserve.engine.sharding.control import os_sleep
+
+
+def unpatched_os(name: str) -> Any:
+    """os.<name> as the OS has it: gevent's versions need the hub of the main thread."""
+    if "gevent.monkey" in sys.modules:
+        from gevent import monkey
+
+        return monkey.get_original("os", name)
+    return getattr(os, name)
+
+
+def spawn(path: str, argv: list[str], env: dict[str, str]) -> int:
+    """Start a process in a session of its own (a signal to pipeserve's process group,
+    a Ctrl-C or a service manager's SIGTERM, does not reach it)."""
+    return int(unpatched_os("posix_spawn")(path, argv, env, setsid=True))
+
+
+def reap(pid: int) -> int | None:
+    """The exit code of a child that has ended (reaping it), else None."""
+    try:
+        done, status = unpatched_os("waitpid")(pid, os.WNOHANG)
+    except ChildProcessError:
+        return -1
+    return os.waitstatus_to_exitcode(status) if done else None
+
+
+def exit_codes(pids: list[int], timeout: float) -> list[int | None]:
+    """Wait up to `timeout` for the children to end; None for those still running (killed)."""
+    codes: dict[int, int | None] = dict.fromkeys(pids)
+    deadline = time.monotonic() + timeout
+    while any(c is None for c in codes.values()) and time.monotonic() < deadline:
+        os_sleep(0.05)
+        for pid in [p for p, c in codes.items() if c is None]:
+            codes[pid] = reap(pid)
+    for pid in [p for p, c in codes.items() if c is None]:
+        os.kill(pid, 9)
+        reap(pid)
+    return [codes[pid] for pid in pids]
