@@ -53,25 +53,41 @@ def test_converted_model_matches_numpy_reference(
     reference = NumpyLlama(gguf).forward(TOKENS)
     quantized, _ = mlx_lm.load(str(folder))  # mlx-lm's own loader, weights as stored
     float32 = load_model(folder, "float32")  # pipeserve's CPU layout (dequantized)
+    kernels = load_model(folder, "auto")  # the CPU kernels on the blocks as stored
     scale = np.abs(reference).max()
-    # float32: the same arithmetic up to summation order. Quantized as stored: MLX's
-    # kernels dequantize with the float16 scales (about 1% off on these random weights).
+    # float32 and the CPU kernels: the same arithmetic up to summation order. Quantized
+    # as stored: MLX's kernels dequantize with the float16 scales (about 1% off on these
+    # random weights).
     for logits, tolerance in (
         (_mlx_logits(float32, TOKENS), 2e-5),
+        (_mlx_logits(kernels, TOKENS), 2e-5),
         (_mlx_logits(quantized, TOKENS), 3e-2),
     ):
         assert np.abs(logits - reference).max() < tolerance * scale
         assert (logits.argmax(-1) == reference.argmax(-1)).all()
 
 
-def test_auto_layout_dequantizes_on_the_cpu_and_quantized_keeps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_auto_layout_on_the_cpu_and_quantized_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    """auto: the CPU kernels on the blocks as stored, or (PIPESERVE_CPU_KERNELS=off, no
+    compiler) dequantized float32; `quantized` keeps MLX's own quantized layers."""
     from mlx import nn
 
+    from pipeserve.engine import cpu_kernels
+    from pipeserve.engine.cpu_kernels.build import missing_tools
+    from pipeserve.engine.cpu_kernels.layers import KernelLinear
+
+    if kernels == "on" and (missing_tools() or cpu_kernels.forced_off()):
+        pytest.skip("the CPU kernels cannot be built here or are switched off")
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, kernels)
     folder = ensure_converted(write_tiny_gguf(tmp_path / "m.gguf"), tmp_path / "home")
     auto = load_model(folder, "auto")
     kept = load_model(folder, "quantized")
     kinds = {type(m) for _, m in auto.named_modules()}
-    assert nn.QuantizedLinear not in kinds and nn.Linear in kinds
+    assert nn.QuantizedLinear not in kinds
+    assert (KernelLinear if kernels == "on" else nn.Linear) in kinds
     assert nn.QuantizedLinear in {type(m) for _, m in kept.named_modules()}
     ref = NumpyLlama(tmp_path / "m.gguf").forward(TOKENS)
     assert (_mlx_logits(auto, TOKENS).argmax(-1) == ref.argmax(-1)).all()

@@ -139,3 +139,33 @@ def test_greedy_tokens_match_numpy_reference(smollm2: tuple[Path, Path]) -> None
         # Logits at the picked positions: numpy's float32 vs MLX's float32 (OpenBLAS).
         assert np.all(np.isfinite(logits))
     assert "Paris" in tokenizer.decode(generated[0])
+
+
+LOGIT_TOLERANCE = 1e-3  # absolute, on logits up to ~40: measured differences ~1e-4
+
+
+def test_cpu_kernel_logits_match_the_float32_layout(smollm2: tuple[Path, Path]) -> None:
+    """The CPU kernels (blocks as stored) against the dequantized float32 layout: every
+    reference prompt's logits, prefill and 8 greedy steps, within LOGIT_TOLERANCE."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pipeserve.engine import cpu_kernels
+    from pipeserve.engine.cpu_kernels.layers import KernelLinear
+    from pipeserve.engine.loader import load_model
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU kernels are unavailable or switched off here")
+    _gguf, folder = smollm2
+    fast, dense = load_model(folder, "auto", True), load_model(folder, "float32", True)
+    assert any(isinstance(m, KernelLinear) for _, m in fast.named_modules())
+    tokenizer = load_tokenizer(folder)
+    for prompt in PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True)  # fmt: skip
+        caches = make_prompt_cache(fast), make_prompt_cache(dense)
+        tokens = mx.array([ids])
+        for _ in range(9):
+            ours, theirs = (m(tokens, cache=c)[:, -1] for m, c in zip((fast, dense), caches))
+            assert mx.abs(ours - theirs).max().item() <= LOGIT_TOLERANCE, prompt
+            tokens = mx.argmax(theirs, axis=-1, keepdims=True)

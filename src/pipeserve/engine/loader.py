@@ -99,6 +99,8 @@ def _apply_layout(model: Any, name: str, dtype: str) -> None:
         if quantized:
             log.info("%s: quantized weights kept as stored (dtype %s)", name, dtype)
         return
+    if quantized and dtype == "auto" and _kernel_layout(model, name):
+        return
     if quantized:
         started = time.monotonic()
         count = weight_layout.dequantize(model, getattr(mx, target))
@@ -107,6 +109,29 @@ def _apply_layout(model: Any, name: str, dtype: str) -> None:
                  name, count, target, why, time.monotonic() - started)  # fmt: skip
     model.set_dtype(getattr(mx, target))
     mx.eval(model.parameters())
+
+
+def _kernel_layout(model: Any, name: str) -> bool:
+    """On the CPU: quantized layers kept as stored and multiplied by the native kernels
+    (engine/cpu_kernels), any other quantized layer dequantized, the rest float32.
+    False (nothing changed) where the kernels are unavailable."""
+    import mlx.core as mx
+
+    from pipeserve.engine import weight_layout
+    from pipeserve.engine.cpu_kernels import kernels
+    from pipeserve.engine.cpu_kernels.layers import cast_dense, use_kernels
+
+    ext = kernels()
+    if ext is None:
+        return False
+    started = time.monotonic()
+    count = use_kernels(model, ext)
+    others = weight_layout.dequantize(model, mx.float32)
+    cast_dense(model, mx.float32)
+    mx.eval(model.parameters())
+    log.info("%s: %d quantized layers kept quantized for the CPU kernels, %d dequantized "
+             "to float32 (%.1f s)", name, count, others, time.monotonic() - started)  # fmt: skip
+    return True
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

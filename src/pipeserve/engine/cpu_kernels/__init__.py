@@ -1,0 +1,92 @@
+"""Native CPU kernels for quantized models: the weights stay quantized in memory.
+
+MLX's own quantized matmul on x86 is a scalar single-threaded loop, so without these
+kernels quantized weights are dequantized to float32 at load (engine/weight_layout.py)
+and every token reads four to eight times the bytes. `affine_qmm(x, w, scales, biases,
+group_size, bits)` multiplies MLX's affine layout (4, 5 or 8 bits, any group size that
+is a multiple of 32, float16 or float32 scales and biases) with SIMD (AVX-512 or
+AVX2/FMA) and float32 accumulation, output rows split across threads.
+
+    ext = kernels()          # None: unavailable here; the float32 path runs instead
+
+The extension is built once per MLX version and CPU (build.py) and checked against
+MLX's dequantize + matmul on every load (`self_test`); it is skipped, with one log
+line saying why, when there is no compiler, the build or the check fails, the device
+is not the CPU, or PIPESERVE_CPU_KERNELS=off forces the float32 path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("pipeserve.engine")
+
+ENV_SWITCH = "PIPESERVE_CPU_KERNELS"  # "off" forces the float32 path
+ENV_THREADS = "PIPESERVE_CPU_THREADS"  # threads the kernels split rows over
+BITS = (4, 5, 8)
+SELF_TEST_TOLERANCE = 1e-4  # relative to the output's scale; float32 sums differ ~1e-6
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def forced_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def kernels() -> ModuleType | None:
+    """The checked extension, or None (logged once per process) where it cannot run."""
+    with _lock:
+        if forced_off():
+            if "off" not in _loaded:
+                log.info("CPU kernels off (%s=off): quantized weights run as float32", ENV_SWITCH)
+                _loaded["off"] = None
+            return None
+        if "ext" not in _loaded:
+            _loaded["ext"] = _load()
+        return _loaded["ext"]
+
+
+def _load() -> ModuleType | None:
+    from pipeserve.engine.cpu_kernels.build import BuildError, built_module, import_module
+    from pipeserve.engine.demo import pipeserve_home
+
+    try:
+        ext = import_module(built_module(pipeserve_home()))
+        ext.set_threads(thread_count())
+        self_test(ext)
+    except (BuildError, OSError, ImportError, AssertionError, ValueError) as exc:
+        log.warning("CPU kernels unavailable (%s): quantized weights run as float32", exc)
+        return None
+    log.info("CPU kernels ready (%s, %d threads)", ext.simd(), ext.threads())
+    return ext
+
+
+def thread_count() -> int:
+    configured = os.environ.get(ENV_THREADS, "").strip()
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def self_test(ext: Any) -> None:
+    """Every bit width against MLX's dequantize + matmul on random data; AssertionError
+    when any differs by more than SELF_TEST_TOLERANCE of the output's magnitude."""
+    import mlx.core as mx
+
+    key = mx.random.key(7)
+    x = mx.random.normal((3, 128), key=key)
+    weights = mx.random.normal((37, 128), key=mx.random.split(key)[1])
+    for bits in BITS:
+        w, scales, biases = mx.quantize(weights, group_size=32, bits=bits)
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
+        expected = x @ dense.T
+        got = ext.affine_qmm(x, w, scales, biases, 32, bits)
+        error = mx.abs(got - expected).max().item()
+        scale = mx.abs(expected).max().item()
+        assert error <= SELF_TEST_TOLERANCE * scale, f"self-test: {bits}-bit error {error:.3g}"

@@ -1,0 +1,622 @@
+// pipeserve's CPU kernel: y = x @ dequantize(w).T for MLX's affine quantized layout,
+// without ever expanding w. An MLX extension: a Primitive whose eval_cpu queues the
+// kernel on the stream's CPU command encoder; Python binding through nanobind.
+//
+// Layout (MLX affine, the layout GGUF conversions already produce): w is uint32
+// (N, K * bits / 32), value i of a row at bits i * bits.. of the row's little-endian
+// bit stream; scales and biases (N, K / group_size) in float16 or float32; weight
+// (n, k) = scale * q + bias. The product per output is
+//     sum_g scale[n, g] * (q[n, g] . x[m, g]) + sum_g bias[n, g] * sum(x[m, g])
+// with the group sums of x computed once per call. Float32 accumulation throughout.
+//
+// SIMD: AVX-512 (16 lanes) or AVX2/FMA (8 lanes), picked by the compiler flags the
+// build chose from this CPU's features (the build cache is keyed by them), with a
+// scalar form for anything else. Output rows are split across a small thread pool.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace pipeserve {
+
+// ---------------------------------------------------------------------------
+// Thread pool. A call is cut into chunks that threads claim one at a time (one
+// atomic word: the call's generation and the next chunk), the calling thread
+// included: on a busy machine where a worker is not scheduled, the caller simply
+// does every chunk itself instead of waiting for it. Workers spin briefly between
+// calls (a decode step issues its matmuls microseconds apart), then sleep.
+// ---------------------------------------------------------------------------
+
+class Pool {
+ public:
+  explicit Pool(int threads) : threads_(std::max(1, threads)) {
+    for (int i = 1; i < threads_; ++i) {
+      workers_.emplace_back([this] { work(); });
+    }
+  }
+  ~Pool() {
+    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_.fetch_add(uint64_t{1} << 32);
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int threads() const {
+    return threads_;
+  }
+
+  // Runs job(0) .. job(chunks - 1), each exactly once, on any of the threads.
+  void run(int chunks, const std::function<void(int)>& job) {
+    if (chunks <= 1 || threads_ == 1) {
+      for (int i = 0; i < chunks; ++i) job(i);
+      return;
+    }
+    job_.store(&job);
+    chunks_.store(chunks);
+    done_.store(0);
+    uint64_t generation = (state_.load() >> 32) + 1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_.store(generation << 32);
+    }
+    if (sleeping_.load() > 0) wake_.notify_all();
+    int mine = drain(generation, job, chunks);
+    done_.fetch_add(mine);
+    for (int spin = 0; done_.load(std::memory_order_acquire) != chunks; ++spin) {
+      if (spin < 64) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();  // a preempted worker holds a chunk
+      }
+    }
+  }
+
+ private:
+  // Claims and runs chunks of `generation` until none is left; returns how many.
+  int drain(uint64_t generation, const std::function<void(int)>& job, int chunks) {
+    int count = 0;
+    uint64_t state = state_.load();
+    while ((state >> 32) == generation && static_cast<int>(state & 0xffffffffu) < chunks) {
+      if (state_.compare_exchange_weak(state, state + 1)) {
+        job(static_cast<int>(state & 0xffffffffu));
+        ++count;
+        state = state_.load();
+      }
+    }
+    return count;
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    while (!stop_.load()) {
+      uint64_t state = state_.load(std::memory_order_acquire);
+      for (int spin = 0; (state >> 32) == seen && spin < 4000; ++spin) {
+        _mm_pause();
+        state = state_.load(std::memory_order_acquire);
+      }
+      if ((state >> 32) == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleeping_.fetch_add(1);
+        wake_.wait(lock, [&] { return (state_.load() >> 32) != seen || stop_.load(); });
+        sleeping_.fetch_sub(1);
+        continue;
+      }
+      seen = state >> 32;
+      const auto* job = job_.load();
+      const int chunks = chunks_.load();
+      // The generation may have moved on meanwhile: drain() then claims nothing.
+      const int count = drain(seen, *job, chunks);
+      if (count > 0) done_.fetch_add(count, std::memory_order_release);
+    }
+  }
+
+  int threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk
+  std::atomic<const std::function<void(int)>*> job_{nullptr};
+  std::atomic<int> chunks_{0};
+  std::atomic<int> done_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> stop_{false};
+};
+
+static Pool* pool_ = nullptr;
+static std::mutex pool_mu_;
+
+Pool& pool() {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  if (pool_ == nullptr) pool_ = new Pool(1);
+  return *pool_;
+}
+
+void set_threads(int threads) {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  delete pool_;
+  pool_ = new Pool(threads);
+}
+
+// ---------------------------------------------------------------------------
+// Scale types and unpacking of 32 quantized values to floats.
+// ---------------------------------------------------------------------------
+
+inline float to_float(float v) {
+  return v;
+}
+inline float to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal
+      exp = 127 - 15 + 1;
+      while ((man & 0x400) == 0) {
+        man <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// 32 values of a group chunk as unsigned bytes (natural order) in two 16-byte halves.
+template <int BITS>
+inline void unpack_bytes(const uint8_t* p, uint8_t out[32]) {
+  if constexpr (BITS == 8) {
+    std::memcpy(out, p, 32);
+  } else {
+    for (int i = 0; i < 32; ++i) {
+      int bit = i * BITS;
+      uint32_t word = 0;
+      std::memcpy(&word, p + bit / 8, (bit % 8 + BITS + 7) / 8);
+      out[i] = (word >> (bit % 8)) & ((1u << BITS) - 1);
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// Two __m128i of 16 unsigned bytes each: values 0-15 and 16-31 of a 32-value chunk.
+template <int BITS>
+inline void unpack_halves(const uint8_t* p, __m128i& a, __m128i& b) {
+  if constexpr (BITS == 8) {
+    a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  } else if constexpr (BITS == 4) {
+    // byte j holds value 2j (low nibble) and 2j + 1 (high nibble)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(v, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    a = _mm_unpacklo_epi8(lo, hi);
+    b = _mm_unpackhi_epi8(lo, hi);
+  } else {
+#if defined(__BMI2__)
+    // 5 bytes hold 8 values; pdep spreads each 5-bit field into its own byte.
+    uint64_t u[4];
+    for (int k = 0; k < 4; ++k) {
+      uint64_t raw = 0;
+      std::memcpy(&raw, p + 5 * k, 5);
+      u[k] = _pdep_u64(raw, 0x1f1f1f1f1f1f1f1fULL);
+    }
+    a = _mm_set_epi64x(static_cast<long long>(u[1]), static_cast<long long>(u[0]));
+    b = _mm_set_epi64x(static_cast<long long>(u[3]), static_cast<long long>(u[2]));
+#else
+    alignas(16) uint8_t bytes[32];
+    unpack_bytes<BITS>(p, bytes);
+    a = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes));
+    b = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16));
+#endif
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int LANES = 16;
+using Vec = __m512;
+inline Vec vzero() {
+  return _mm512_setzero_ps();
+}
+inline Vec vset1(float v) {
+  return _mm512_set1_ps(v);
+}
+inline Vec vload(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  return _mm512_fmadd_ps(a, b, c);
+}
+inline Vec vmul(Vec a, Vec b) {
+  return _mm512_mul_ps(a, b);
+}
+inline float vsum(Vec v) {
+  return _mm512_reduce_add_ps(v);
+}
+inline Vec bytes_to_floats(__m128i b) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+template <int BITS>
+inline void unpack(const uint8_t* p, Vec q[32 / LANES]) {
+  __m128i a, b;
+  unpack_halves<BITS>(p, a, b);
+  q[0] = bytes_to_floats(a);
+  q[1] = bytes_to_floats(b);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int LANES = 8;
+using Vec = __m256;
+inline Vec vzero() {
+  return _mm256_setzero_ps();
+}
+inline Vec vset1(float v) {
+  return _mm256_set1_ps(v);
+}
+inline Vec vload(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  return _mm256_fmadd_ps(a, b, c);
+}
+inline Vec vmul(Vec a, Vec b) {
+  return _mm256_mul_ps(a, b);
+}
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline Vec bytes_to_floats(__m128i b) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+template <int BITS>
+inline void unpack(const uint8_t* p, Vec q[32 / LANES]) {
+  __m128i a, b;
+  unpack_halves<BITS>(p, a, b);
+  q[0] = bytes_to_floats(a);
+  q[1] = bytes_to_floats(_mm_srli_si128(a, 8));
+  q[2] = bytes_to_floats(b);
+  q[3] = bytes_to_floats(_mm_srli_si128(b, 8));
+}
+#else
+constexpr int LANES = 1;
+using Vec = float;
+inline Vec vzero() {
+  return 0.0f;
+}
+inline Vec vset1(float v) {
+  return v;
+}
+inline Vec vload(const float* p) {
+  return *p;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  return a * b + c;
+}
+inline Vec vmul(Vec a, Vec b) {
+  return a * b;
+}
+inline float vsum(Vec v) {
+  return v;
+}
+template <int BITS>
+inline void unpack(const uint8_t* p, Vec q[32]) {
+  uint8_t bytes[32];
+  unpack_bytes<BITS>(p, bytes);
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(bytes[i]);
+}
+#endif
+
+constexpr int VPC = 32 / LANES;  // vectors per 32-value chunk
+
+// ---------------------------------------------------------------------------
+// The kernel: a tile of MT activation rows x NT weight rows at a time. Each group's
+// q values are unpacked once per tile, scaled by the group's scale (one multiply
+// per weight row), then multiplied into every activation row of the tile.
+// ---------------------------------------------------------------------------
+
+struct Problem {
+  const float* x;  // (M, K)
+  const float* xsum;  // (M, G): sums of x over each group
+  const uint8_t* w;  // (N, K * bits / 8)
+  const void* scales;  // (N, G)
+  const void* biases;  // (N, G)
+  float* out;  // (M, N)
+  int M, N, K, G, group_size;
+};
+
+template <int BITS, typename S, int MT, int NT>
+void tile(const Problem& p, int m0, int n0) {
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const S* scales = static_cast<const S*>(p.scales);
+  const S* biases = static_cast<const S*>(p.biases);
+  Vec acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = vzero();
+  const int chunks = p.group_size / 32;
+  for (int g = 0; g < p.G; ++g) {
+    Vec scale[NT];
+    for (int j = 0; j < NT; ++j) {
+      scale[j] = vset1(to_float(scales[static_cast<size_t>(n0 + j) * p.G + g]));
+    }
+    for (int c = 0; c < chunks; ++c) {
+      const int k0 = g * p.group_size + c * 32;
+      Vec q[NT][VPC];
+      for (int j = 0; j < NT; ++j) {
+        unpack<BITS>(p.w + (n0 + j) * row_bytes + k0 * BITS / 8, q[j]);
+        for (int v = 0; v < VPC; ++v) q[j][v] = vmul(q[j][v], scale[j]);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const float* xr = p.x + static_cast<size_t>(m0 + i) * p.K + k0;
+        for (int v = 0; v < VPC; ++v) {
+          const Vec xv = vload(xr + v * LANES);
+          for (int j = 0; j < NT; ++j) acc[i][j] = vfma(q[j][v], xv, acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    const float* xs = p.xsum + static_cast<size_t>(m0 + i) * p.G;
+    for (int j = 0; j < NT; ++j) {
+      const S* b = biases + static_cast<size_t>(n0 + j) * p.G;
+      float bias_term = 0.0f;
+      for (int g = 0; g < p.G; ++g) bias_term += to_float(b[g]) * xs[g];
+      p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = vsum(acc[i][j]) + bias_term;
+    }
+  }
+}
+
+// Activation-row tiles for a block of NT weight rows.
+template <int BITS, typename S, int NT>
+void rows(const Problem& p, int n0) {
+  int m = 0;
+  for (; m + 4 <= p.M; m += 4) tile<BITS, S, 4, NT>(p, m, n0);
+  switch (p.M - m) {
+    case 3:
+      tile<BITS, S, 3, NT>(p, m, n0);
+      break;
+    case 2:
+      tile<BITS, S, 2, NT>(p, m, n0);
+      break;
+    case 1:
+      tile<BITS, S, 1, NT>(p, m, n0);
+      break;
+    default:
+      break;
+  }
+}
+
+constexpr int NT_MAX = 4;
+
+template <int BITS, typename S>
+void row_range(const Problem& p, int n_begin, int n_end) {
+  int n = n_begin;
+  for (; n + NT_MAX <= n_end; n += NT_MAX) rows<BITS, S, NT_MAX>(p, n);
+  for (; n < n_end; ++n) rows<BITS, S, 1>(p, n);
+}
+
+constexpr size_t CHUNK_WEIGHTS = 1 << 16;  // work per claimed chunk (weights x rows of x)
+
+template <int BITS, typename S>
+void run(const Problem& p) {
+  // Chunks of whole NT_MAX-row blocks, each about CHUNK_WEIGHTS multiply-adds.
+  const int blocks = (p.N + NT_MAX - 1) / NT_MAX;
+  const size_t block_work = static_cast<size_t>(NT_MAX) * p.K * p.M;
+  const int per_chunk = static_cast<int>(std::max<size_t>(1, CHUNK_WEIGHTS / block_work));
+  const int chunks = (blocks + per_chunk - 1) / per_chunk;
+  pool().run(chunks, [&](int chunk) {
+    const int n0 = std::min(p.N, chunk * per_chunk * NT_MAX);
+    const int n1 = std::min(p.N, (chunk + 1) * per_chunk * NT_MAX);
+    row_range<BITS, S>(p, n0, n1);
+  });
+}
+
+void group_sums(const float* x, float* xsum, int M, int K, int group_size) {
+  const int G = K / group_size;
+  for (int m = 0; m < M; ++m) {
+    for (int g = 0; g < G; ++g) {
+      const float* xr = x + static_cast<size_t>(m) * K + g * group_size;
+      float s = 0.0f;
+      for (int k = 0; k < group_size; ++k) s += xr[k];
+      xsum[m * G + g] = s;
+    }
+  }
+}
+
+template <typename S>
+void dispatch_bits(const Problem& p, int bits) {
+  switch (bits) {
+    case 4:
+      return run<4, S>(p);
+    case 5:
+      return run<5, S>(p);
+    case 8:
+      return run<8, S>(p);
+    default:
+      throw std::invalid_argument("affine_qmm: bits must be 4, 5 or 8");
+  }
+}
+
+void compute(Problem p, int bits, bool half_scales) {
+  std::vector<float> xsum(static_cast<size_t>(p.M) * p.G);
+  group_sums(p.x, xsum.data(), p.M, p.K, p.group_size);
+  p.xsum = xsum.data();
+  if (half_scales) {
+    dispatch_bits<uint16_t>(p, bits);
+  } else {
+    dispatch_bits<float>(p, bits);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The MLX primitive and op.
+// ---------------------------------------------------------------------------
+
+class AffineQmm : public mx::Primitive {
+ public:
+  AffineQmm(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& biases = inputs[3];
+    auto& out = outputs[0];
+    for (const auto* a : {&x, &w, &scales, &biases}) {
+      if (!a->flags().row_contiguous) {
+        throw std::runtime_error("affine_qmm: inputs must be row-contiguous");
+      }
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_input_array(scales);
+    encoder.set_input_array(biases);
+    encoder.set_output_array(out);
+    Problem p{};
+    p.x = x.data<float>();
+    p.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+    p.scales = scales.data<void>();
+    p.biases = biases.data<void>();
+    p.out = out.data<float>();
+    p.M = x.shape(0);
+    p.K = x.shape(1);
+    p.N = w.shape(0);
+    p.G = p.K / group_size_;
+    p.group_size = group_size_;
+    const bool half = scales.dtype() == mx::float16;
+    encoder.dispatch([p, bits = bits_, half]() { compute(p, bits, half); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("affine_qmm runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "PipeserveAffineQmm";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AffineQmm&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("affine_qmm: " + message);
+}
+
+mx::array affine_qmm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  check(stream.device == mx::Device::cpu, "runs on the CPU only");
+  check(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
+  check(group_size % 32 == 0 && group_size > 0, "group_size must be a multiple of 32");
+  check(w.ndim() == 2 && w.dtype() == mx::uint32, "w must be a 2-D uint32 array");
+  check(x.ndim() >= 1, "x must have at least one dimension");
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  check(static_cast<int64_t>(w.shape(1)) * 32 == static_cast<int64_t>(K) * bits,
+        "w's packed width does not match x's last dimension");
+  check(K % group_size == 0, "x's last dimension must be a multiple of group_size");
+  check(scales.shape() == mx::Shape({N, K / group_size}), "scales must be (N, K / group_size)");
+  check(biases.shape() == scales.shape(), "biases must have the scales' shape");
+  check(scales.dtype() == biases.dtype() &&
+            (scales.dtype() == mx::float16 || scales.dtype() == mx::float32),
+        "scales and biases must both be float16 or both float32");
+  auto flat = mx::reshape(mx::astype(x, mx::float32, stream), {-1, K}, stream);
+  flat = mx::contiguous(flat, false, stream);
+  const int M = flat.shape(0);
+  auto out = mx::array(
+      {M, N},
+      mx::float32,
+      std::make_shared<AffineQmm>(stream, group_size, bits),
+      {flat, w, scales, biases});
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::reshape(out, shape, stream);
+}
+
+std::string simd_name() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace pipeserve
+
+NB_MODULE(_pipeserve_cpu, m) {
+  m.doc() = "pipeserve's CPU kernels for MLX (quantized matmul on the affine layout)";
+  m.def(
+      "affine_qmm",
+      &pipeserve::affine_qmm,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "x @ dequantize(w, scales, biases).T in float32, w never expanded.");
+  m.def("set_threads", &pipeserve::set_threads, "threads"_a, "Threads the kernel splits rows over.");
+  m.def("threads", [] { return pipeserve::pool().threads(); });
+  m.def("simd", &pipeserve::simd_name, "The instruction set this build uses.");
+}

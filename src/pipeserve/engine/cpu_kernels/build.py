@@ -1,0 +1,128 @@
+"""Building the native CPU kernels (affine_qmm.cpp) once per MLX version and CPU.
+
+The extension is compiled from source with the system compiler through CMake and
+nanobind on first use and cached under `<PIPESERVE_HOME>/cpu-kernels/<key>/`, the key
+naming the MLX version, the instruction sets chosen from this CPU's features and a
+hash of the sources, so an upgraded MLX, another CPU or changed sources build anew.
+Built in a temporary folder and renamed into place: concurrent workers that race keep
+the winner's build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("pipeserve.engine")
+
+SOURCES = Path(__file__).resolve().parent
+SOURCE_FILES = ("affine_qmm.cpp", "CMakeLists.txt")
+MODULE = "_pipeserve_cpu"
+BUILD_SECONDS = 900  # a shared 2-core machine can take minutes
+
+# Compiler flags per instruction set, chosen by the CPU's /proc/cpuinfo flags.
+ISA_FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        "avx512",
+        ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c", "bmi2"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c", "-mbmi2"),
+    ),
+    ("avx2", ("avx2", "fma", "f16c", "bmi2"), ("-mavx2", "-mfma", "-mf16c", "-mbmi2")),
+)
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built here (no toolchain, a compile error)."""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def instruction_set(flags: set[str]) -> tuple[str, tuple[str, ...]]:
+    """(name, compiler flags) of the widest instruction set this CPU has."""
+    for name, needed, compiler_flags in ISA_FLAGS:
+        if set(needed) <= flags:
+            return name, compiler_flags
+    return "scalar", ()
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+
+
+def build_key(isa: str) -> str:
+    import mlx.core as mx
+
+    digest = hashlib.sha256()
+    for name in SOURCE_FILES:
+        digest.update((SOURCES / name).read_bytes())
+    tag = f"{sys.implementation.cache_tag}"
+    return f"mlx{mx.__version__}-{isa}-{tag}-{digest.hexdigest()[:12]}"
+
+
+def built_module(home: Path) -> Path:
+    """The compiled extension for this MLX and CPU, building it first when missing."""
+    isa, flags = instruction_set(cpu_flags())
+    target = home / "cpu-kernels" / build_key(isa)
+    existing = sorted(target.glob(f"{MODULE}*.so"))
+    if existing:
+        return existing[0]
+    missing = missing_tools()
+    if missing:
+        raise BuildError(f"no {' or '.join(missing)} on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-build-"))
+    try:
+        log.info("building pipeserve's CPU kernels (%s) into %s", isa, target)
+        _cmake(tmp / "build", flags)
+        (tmp / "out").mkdir()
+        for so in (tmp / "build").glob(f"{MODULE}*.so"):
+            shutil.copy2(so, tmp / "out" / so.name)
+        try:
+            os.rename(tmp / "out", target)
+        except OSError:
+            if not any(target.glob(f"{MODULE}*.so")):  # not a lost race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(target.glob(f"{MODULE}*.so"))[0]
+
+
+def _cmake(build_dir: Path, flags: tuple[str, ...]) -> None:
+    configure = [
+        "cmake", "-S", str(SOURCES), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+        f"-DPython_EXECUTABLE={sys.executable}", f"-DPIPESERVE_SIMD_FLAGS={' '.join(flags)}",
+    ]  # fmt: skip
+    jobs = str(max(1, len(os.sched_getaffinity(0))))
+    for command in (configure, ["cmake", "--build", str(build_dir), "-j", jobs]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+            raise BuildError(f"{' '.join(command[:2])} failed:\n" + "\n".join(tail))
+
+
+def import_module(path: Path) -> ModuleType:
+    import mlx.core  # noqa: F401  (registers the array type the extension shares)
+
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    if spec is None or spec.loader is None:
+        raise BuildError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,99 @@
+"""Quantized layers that multiply through the native kernels; the rest of the model
+runs in float32.
+
+`use_kernels(model, ext)` swaps each eligible `nn.QuantizedLinear` /
+`nn.QuantizedEmbedding` (affine mode, 4 / 5 / 8 bits, a group size that is a multiple
+of 32) for a twin holding the very same arrays: no copy, no float32 weights. An
+embedding's lookups dequantize only the rows looked up (MLX's own op) and hand float32
+on; its `as_linear` (a tied output projection) runs the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from pipeserve.engine.cpu_kernels import BITS
+
+QUANT_KEYS = ("scales", "biases")  # kept in their stored dtype (float16 for GGUF files)
+
+
+class KernelLinear(nn.Module):
+    def __init__(self, layer: nn.QuantizedLinear, ext: Any) -> None:
+        super().__init__()
+        self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
+        if "bias" in layer:
+            self.bias = layer.bias
+        self.group_size, self.bits = layer.group_size, layer.bits
+        self._ext = ext
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.affine_qmm(
+            x, self.weight, self.scales, self.biases, self.group_size, self.bits
+        )
+        return y + self.bias if "bias" in self else y
+
+
+class KernelEmbedding(nn.Module):
+    def __init__(self, layer: nn.QuantizedEmbedding, ext: Any) -> None:
+        super().__init__()
+        self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
+        self.group_size, self.bits = layer.group_size, layer.bits
+        self._ext = ext
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        # float32 scales: a float16 dequantize would round every looked-up weight
+        scales, biases = self.scales[ids].astype(mx.float32), self.biases[ids].astype(mx.float32)
+        return mx.dequantize(self.weight[ids], scales, biases, self.group_size, self.bits)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.affine_qmm(
+            x, self.weight, self.scales, self.biases, self.group_size, self.bits
+        )
+        return y
+
+
+_TWINS: dict[type, type[nn.Module]] = {
+    nn.QuantizedLinear: KernelLinear,
+    nn.QuantizedEmbedding: KernelEmbedding,
+}
+
+
+def eligible(module: nn.Module) -> bool:
+    return (
+        type(module) in _TWINS
+        and getattr(module, "mode", "affine") == "affine"
+        and module.bits in BITS
+        and module.group_size % 32 == 0
+        and module.get("biases") is not None
+        and module.scales.dtype in (mx.float16, mx.float32)
+    )
+
+
+def use_kernels(model: nn.Module, ext: Any) -> int:
+    """Swap every eligible quantized layer of `model` for its kernel twin; returns how
+    many. Other quantized layers stay as they are (the caller dequantizes them)."""
+    targets = [(name, m) for name, m in model.named_modules() if name and eligible(m)]
+    for name, module in targets:
+        twin = _TWINS[type(module)](module, ext)
+        model.update_modules(tree_unflatten([(name, twin)]))
+    return len(targets)
+
+
+def cast_dense(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast every floating parameter to `dtype` except the kernel layers' scales and
+    biases (the kernels read float16 directly: half the bytes)."""
+    kernel_layers = {
+        name for name, m in model.named_modules() if isinstance(m, (KernelLinear, KernelEmbedding))
+    }
+    updates = []
+    for key, value in tree_flatten(model.parameters()):
+        owner, _, leaf = key.rpartition(".")
+        keep = owner in kernel_layers and leaf in QUANT_KEYS
+        if not keep and mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype:
+            updates.append((key, value.astype(dtype)))
+    if updates:
+        model.update(tree_unflatten(updates))
