@@ -5,6 +5,7 @@ the routes that serve it and, for a sharded model, its ranks, hosts and layers."
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -67,11 +68,16 @@ def state_of(residency: Mapping[str, Any]) -> str:
 
 @cache
 def device_of(engine: str) -> str:
+    """From the installed MLX backend, without importing MLX here (a worker whose models
+    run in the engine host must not open a GPU context of its own)."""
     if engine == "replay":
         return "none (replay: scripted output, no weights)"
-    from pipeserve.backend import describe_device
-
-    return describe_device()
+    kinds = set(installed_backends().values())
+    if "cuda" in kinds:
+        return "gpu (CUDA)"
+    if "metal" in kinds or sys.platform == "darwin":
+        return "gpu (Metal)"
+    return "cpu"
 
 
 def routes_of(
