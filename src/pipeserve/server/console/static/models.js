@@ -12,10 +12,11 @@ export function showModels(root) {
   return every(3000, async () => {
     try {
       const body = await getJson("/console/api/models");
+      const cluster = body.models.some((m) => m.sharding) ? await clusterView() : {};
       notice.textContent = "";
       clear(list);
       if (!body.models.length) list.append(el("p", { class: "muted" }, "No model is visible to this key."));
-      for (const model of body.models) list.append(modelCard(model));
+      for (const model of body.models) list.append(modelCard(model, cluster[model.name]));
     } catch (error) {
       if (error.name !== "AuthError") notice.textContent = error.message;
       throw error;
@@ -23,7 +24,18 @@ export function showModels(root) {
   });
 }
 
-function modelCard(model) {
+// The live placement of node-placed sharded models (GET /v1/cluster; it needs a key
+// without a model limit: without one the configured plan is shown alone).
+async function clusterView() {
+  try {
+    return (await getJson("/v1/cluster")).models ?? {};
+  } catch (error) {
+    if (error.name === "AuthError") throw error;
+    return {};
+  }
+}
+
+function modelCard(model, placed) {
   const stateClass = model.state.replace(/\s/g, "-");
   return el("div", { class: "card model", "data-model": model.name },
     el("div", { class: "model-head" },
@@ -48,7 +60,8 @@ function modelCard(model) {
     chain(model.stages),
     el("h3", {}, "Routes"),
     routes(model.routes),
-    model.sharding ? sharding(model.sharding) : null);
+    model.sharding ? sharding(model.sharding) : null,
+    placed ? placement(placed) : null);
 }
 
 function fact(name, value) {
@@ -89,4 +102,16 @@ function sharding(plan) {
     el("table", {},
       el("tr", {}, el("th", {}, "rank"), el("th", {}, "host"), el("th", {}, "layers")),
       plan.ranks.map((r) => el("tr", {}, el("td", {}, r.rank), el("td", {}, r.host), el("td", {}, r.layers)))));
+}
+
+function placement(view) {
+  return el("div", {},
+    el("h3", {}, "Placement now ",
+      el("span", { class: `badge ${view.healthy ? "ok" : "bad"}` }, view.healthy ? "healthy" : `lost: ${view.reason}`)),
+    el("ul", {}, (view.plan ?? []).map((line) => el("li", {}, line))),
+    view.ranks?.length ? el("table", {},
+      el("tr", {}, el("th", {}, "rank"), el("th", {}, "machine"), el("th", {}, "state"), el("th", {}, "last heartbeat")),
+      view.ranks.map((r) => el("tr", {}, el("td", {}, r.rank), el("td", {}, r.address), el("td", {}, r.state),
+        el("td", {}, `${r.heartbeat_age_s} s ago`)))) : null,
+    view.left_out?.length ? el("p", { class: "muted" }, `left out: ${view.left_out.map((x) => (typeof x === "string" ? x : JSON.stringify(x))).join(", ")}`) : null);
 }
