@@ -28,6 +28,7 @@ from pipeserve.store import (
     StoreBusy,
     StoreError,
     StoreUnavailable,
+    sqlite_store,
     worker_response_store,
 )
 from tests.postgres_cluster import Cluster
@@ -43,6 +44,8 @@ class Backend:
     hold_write_lock: Callable[[], AbstractContextManager[None]]
     set_version: Callable[[int], None]
     responses: str  # the responses table's name
+    module: Any  # the backend's module (SCHEMA_VERSION, MIGRATIONS)
+    version: Callable[[], int]  # the recorded schema version
 
 
 def bounds(given: dict[str, Any]) -> tuple[float, int, float]:
@@ -76,12 +79,25 @@ def sqlite_backend(path: Path) -> Backend:
     def set_version(version: int) -> None:
         execute(f"PRAGMA user_version = {version}")
 
-    return Backend("sqlite", new_store, execute, hold_write_lock, set_version, "responses")
+    def version() -> int:
+        return int(execute("PRAGMA user_version")[0][0])
+
+    return Backend(
+        "sqlite",
+        new_store,
+        execute,
+        hold_write_lock,
+        set_version,
+        "responses",
+        sqlite_store,
+        version,
+    )
 
 
 def postgres_backend(cluster: Cluster) -> Backend:
     import psycopg
 
+    from pipeserve.store import postgres_store
     from pipeserve.store.postgres_store import PostgresStore
 
     cluster.wipe()
@@ -106,8 +122,18 @@ def postgres_backend(cluster: Cluster) -> Backend:
     def set_version(version: int) -> None:
         execute(f"INSERT INTO pipeserve_schema (version) VALUES ({version})")
 
+    def version() -> int:
+        return int(execute("SELECT max(version) FROM pipeserve_schema")[0][0])
+
     return Backend(
-        "postgres", new_store, execute, hold_write_lock, set_version, "pipeserve_responses"
+        "postgres",
+        new_store,
+        execute,
+        hold_write_lock,
+        set_version,
+        "pipeserve_responses",
+        postgres_store,
+        version,
     )
 
 
@@ -206,6 +232,21 @@ def test_the_schema_version_is_recorded_and_a_newer_one_refused(backend: Backend
     backend.set_version(99)
     with pytest.raises(StoreError, match="schema version 99, newer than the 1 this pipeserve"):
         backend.new_store()
+
+
+def test_a_later_version_migrates_the_database_in_place(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A (test-only) migration 2 runs once on a version-1 database; its data stays."""
+    backend.new_store().save(response("resp_m", "kept"), [], None)
+    table = "migrated_extra" if backend.name == "sqlite" else "pipeserve_migrated_extra"
+    steps = {**backend.module.MIGRATIONS, 2: f"CREATE TABLE {table} (x integer)"}
+    monkeypatch.setattr(backend.module, "MIGRATIONS", steps)
+    monkeypatch.setattr(backend.module, "SCHEMA_VERSION", 2)
+    store = backend.new_store()
+    assert backend.version() == 2 and backend.execute(f"SELECT count(*) FROM {table}") == [(0,)]
+    assert store.get("resp_m") == response("resp_m", "kept")
+    backend.new_store()  # version 2 now: nothing to apply again
 
 
 def test_servers_starting_together_on_an_empty_database_do_not_race(backend: Backend) -> None:

@@ -25,16 +25,27 @@ from typing import Any, ClassVar, Literal, TypeVar
 T = TypeVar("T")
 
 # The chain of previous_response_id links from one response back to the first (bounded).
-CHAIN = """
+CHAIN_CTE = """
 WITH RECURSIVE chain (id, depth) AS (
     SELECT id, 0 FROM {responses} WHERE id = ? AND stored_at >= ?
     UNION ALL
     SELECT r.previous_id, c.depth + 1 FROM chain c JOIN {responses} r ON r.id = c.id
     WHERE r.previous_id IS NOT NULL AND c.depth < 100000
 )
-SELECT c.id, c.depth, r.id IS NOT NULL AND r.stored_at >= ?
-FROM chain c LEFT JOIN {responses} r ON r.id = c.id ORDER BY c.depth
 """
+# Each link, and whether it is still there (a gap: deleted or expired).
+CHAIN = (
+    CHAIN_CTE
+    + """SELECT c.id, c.depth, r.id IS NOT NULL AND r.stored_at >= ?
+FROM chain c LEFT JOIN {responses} r ON r.id = c.id ORDER BY c.depth"""
+)
+# The items of the whole chain, oldest turn first: one query, not one per turn.
+CHAIN_ITEMS = (
+    CHAIN_CTE
+    + """SELECT i.body FROM chain c JOIN {items} i ON i.response_id = c.id
+ORDER BY c.depth DESC, i.source = 'output', i.position"""
+)
+ITEMS_PER_QUERY = 200  # item ids looked up per query (SQLite bounds the parameters)
 PRUNE_ROUNDS = 50  # at most this many delete rounds per write (each drops ~10% of rows)
 
 
@@ -187,22 +198,19 @@ class ResponseStore(ABC):
             return self._delete_one(conn, response_id)
 
     def _get(self, conn: Any, response_id: str) -> dict[str, Any] | None:
-        with self._reading(conn):
-            row = conn.execute(
-                self.sql("SELECT body FROM {responses} WHERE id = ? AND stored_at >= ?"),
-                (response_id, self.cutoff()),
-            ).fetchone()
-            if row is None:
-                return None
-            output = conn.execute(
-                self.sql(
-                    "SELECT body FROM {items} WHERE response_id = ? AND source = 'output'"
-                    " ORDER BY position"
-                ),
-                (response_id,),
-            ).fetchall()
-        body: dict[str, Any] = json.loads(row[0])
-        body["output"] = [json.loads(item) for (item,) in output]
+        """One statement (so one snapshot): the body on every row, with each output item."""
+        rows = conn.execute(
+            self.sql(
+                "SELECT r.body, i.body FROM {responses} r LEFT JOIN {items} i"
+                " ON i.response_id = r.id AND i.source = 'output'"
+                " WHERE r.id = ? AND r.stored_at >= ? ORDER BY i.position"
+            ),
+            (response_id, self.cutoff()),
+        ).fetchall()
+        if not rows:
+            return None
+        body: dict[str, Any] = json.loads(rows[0][0])
+        body["output"] = [json.loads(item) for _, item in rows if item is not None]
         return body
 
     def _input_items(
@@ -237,24 +245,22 @@ class ResponseStore(ABC):
         return found is not None
 
     def _items(self, conn: Any, item_ids: list[str]) -> dict[str, dict[str, Any]]:
-        query = self.sql(
-            "SELECT i.body FROM {items} i JOIN {responses} r ON r.id = i.response_id"
-            " WHERE i.item_id = ? AND r.stored_at >= ? ORDER BY r.stored_at DESC LIMIT 1"
-        )
+        wanted = list(dict.fromkeys(item_ids))
         found: dict[str, dict[str, Any]] = {}
         with self._reading(conn):
-            for item_id in dict.fromkeys(item_ids):
-                row = conn.execute(query, (item_id, self.cutoff())).fetchone()
-                if row is not None:
-                    found[item_id] = json.loads(row[0])
+            for start in range(0, len(wanted), ITEMS_PER_QUERY):
+                some = wanted[start : start + ITEMS_PER_QUERY]
+                query = self.sql(
+                    "SELECT i.item_id, i.body FROM {items} i JOIN {responses} r"
+                    f" ON r.id = i.response_id WHERE i.item_id IN ({', '.join('?' * len(some))})"
+                    " AND r.stored_at >= ? ORDER BY r.stored_at"
+                )
+                for item_id, body in conn.execute(query, (*some, self.cutoff())).fetchall():
+                    found[item_id] = json.loads(body)  # the most recently stored one wins
         return found
 
     def _history(self, conn: Any, response_id: str) -> list[dict[str, Any]]:
         cutoff = self.cutoff()
-        query = self.sql(
-            "SELECT body FROM {items} WHERE response_id = ? ORDER BY source = 'output', position"
-        )
-        bodies: list[str] = []
         with self._reading(conn):
             chain = conn.execute(self.sql(CHAIN), (response_id, cutoff, cutoff)).fetchall()
             if not chain:
@@ -262,9 +268,8 @@ class ResponseStore(ABC):
             for chain_id, _, present in chain:
                 if not present:
                     raise MissingResponse(chain_id)
-            for chain_id, _, _ in reversed(chain):
-                bodies += [body for (body,) in conn.execute(query, (chain_id,)).fetchall()]
-        return [json.loads(body) for body in bodies]
+            rows = conn.execute(self.sql(CHAIN_ITEMS), (response_id, cutoff)).fetchall()
+        return [json.loads(body) for (body,) in rows]
 
 
 @cache

@@ -45,7 +45,7 @@ log = logging.getLogger("pipeserve.store")
 
 SCHEMA_VERSION = 1
 MIGRATION_LOCK = 0x70697065_73657276  # "pipeserv": the advisory lock of schema changes
-MIGRATION_LOCK_TIMEOUT_MS = 60_000  # another server migrating: wait this long for it
+MIGRATION_TIMEOUT_MS = 60_000  # another server migrating: wait this long for it
 # Migration N takes the database from version N-1 to N (inside one transaction).
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -152,7 +152,8 @@ class PostgresStore(ResponseStore):
         if version > SCHEMA_VERSION:
             raise schema_too_new(self.where, version, SCHEMA_VERSION)
         with conn.transaction():
-            conn.execute(f"SET LOCAL lock_timeout = {MIGRATION_LOCK_TIMEOUT_MS}")
+            for setting in ("lock_timeout", "statement_timeout"):
+                conn.execute(f"SET LOCAL {setting} = {MIGRATION_TIMEOUT_MS}")
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS pipeserve_schema (version integer PRIMARY KEY,"
@@ -206,19 +207,20 @@ class PostgresStore(ResponseStore):
         body: str, rows: list[Row],
     ) -> int:  # fmt: skip
         size = len(body.encode()) + sum(len(r.body.encode()) for r in rows)
-        replaced = conn.execute(
-            "DELETE FROM pipeserve_responses WHERE id = %s RETURNING size", (response_id,)
-        ).fetchall()
-        conn.execute(
-            "INSERT INTO pipeserve_responses VALUES (%s, %s, %s, %s, %s)",
-            (response_id, time.time(), previous_id, size, body),
-        )
-        with conn.cursor() as cursor:
-            cursor.executemany(
-                "INSERT INTO pipeserve_items VALUES (%s, %s, %s, %s, %s)",
-                [(response_id, r.source, r.position, r.item_id, r.body) for r in rows],
+        with conn.pipeline():  # one round trip for the lot
+            replaced = conn.execute(
+                "DELETE FROM pipeserve_responses WHERE id = %s RETURNING size", (response_id,)
             )
-        return size - sum(int(freed) for (freed,) in replaced)
+            conn.execute(
+                "INSERT INTO pipeserve_responses VALUES (%s, %s, %s, %s, %s)",
+                (response_id, time.time(), previous_id, size, body),
+            )
+            with conn.cursor() as cursor:
+                cursor.executemany(
+                    "INSERT INTO pipeserve_items VALUES (%s, %s, %s, %s, %s)",
+                    [(response_id, r.source, r.position, r.item_id, r.body) for r in rows],
+                )
+        return size - sum(int(freed) for (freed,) in replaced.fetchall())
 
     def _prune(self, conn: psycopg.Connection[Any], added: int) -> None:
         """Rows other transactions hold are skipped (they are being deleted or written);
