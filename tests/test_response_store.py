@@ -364,6 +364,29 @@ def test_postgres_down_is_unavailable_and_the_store_reconnects(postgres: Cluster
     assert store.get("resp_down") is None
 
 
+def test_postgres_size_counter_follows_every_change(postgres: Cluster) -> None:
+    """The total the size bound reads is kept by triggers: right after saves, replaces,
+    deletes, pruning, and an operator's own DELETE and TRUNCATE."""
+    backend = postgres_backend(postgres)
+    store = backend.new_store(max_bytes=1 << 20)
+
+    def counted() -> tuple[int, int]:
+        total = backend.execute("SELECT bytes FROM pipeserve_usage")[0][0]
+        rows = backend.execute("SELECT coalesce(sum(size), 0) FROM pipeserve_responses")[0][0]
+        return int(total), int(rows)
+
+    for i in range(80):
+        store.save(response(f"resp_{i}", "x" * 20_000), [{"id": f"in_{i}"}], None)
+    store.save(response("resp_79", "replaced"), [], None)
+    store.delete("resp_78")
+    total, rows = counted()
+    assert total == rows and 0 < total <= 1 << 20
+    backend.execute("DELETE FROM pipeserve_responses WHERE id = 'resp_77'")
+    assert counted()[0] == counted()[1]
+    backend.execute("TRUNCATE pipeserve_responses CASCADE")
+    assert counted() == (0, 0)
+
+
 def test_postgres_unreachable_at_start_is_unavailable_not_unusable(postgres: Cluster) -> None:
     from pipeserve.store.postgres_store import PostgresStore
 

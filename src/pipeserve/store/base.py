@@ -3,11 +3,11 @@
 A store keeps OpenAI Response objects (without their output) as rows of `responses` and
 their input and output items as rows of `items`, found by their own ids for
 item_reference. A response is written in one transaction with its items, so others see
-it whole or not at all; reads run in one snapshot. Expired rows (older than the age
-bound) are invisible to reads and deleted by later writes.
+it whole or not at all; each read is one statement (one snapshot, one round trip).
+Expired rows (older than the age bound) are invisible to reads and deleted by writes.
 
-Backends (sqlite_store.py, postgres_store.py) supply their connections, transactions,
-table names, placeholder style, the insert and the pruning; they turn their driver's
+Backends (sqlite_store.py, postgres_store.py) supply their connections, write
+transactions, table names, placeholder style, the insert and the pruning; they turn their driver's
 errors into the exceptions below, which are all callers see.
 """
 
@@ -33,17 +33,17 @@ WITH RECURSIVE chain (id, depth) AS (
     WHERE r.previous_id IS NOT NULL AND c.depth < 100000
 )
 """
-# Each link, and whether it is still there (a gap: deleted or expired).
-CHAIN = (
-    CHAIN_CTE
-    + """SELECT c.id, c.depth, r.id IS NOT NULL AND r.stored_at >= ?
-FROM chain c LEFT JOIN {responses} r ON r.id = c.id ORDER BY c.depth"""
-)
-# The items of the whole chain, oldest turn first: one query, not one per turn.
+# Each link of the chain, oldest first, whether it is still there (else a gap: deleted
+# or expired), with its items: one statement, so one snapshot and one round trip.
 CHAIN_ITEMS = (
     CHAIN_CTE
-    + """SELECT i.body FROM chain c JOIN {items} i ON i.response_id = c.id
-ORDER BY c.depth DESC, i.source = 'output', i.position"""
+    + """, links AS (
+    SELECT c.id, c.depth, r.id IS NOT NULL AND r.stored_at >= ? AS present
+    FROM chain c LEFT JOIN {responses} r ON r.id = c.id
+)
+SELECT l.id, l.depth, l.present, i.body FROM links l
+LEFT JOIN {items} i ON i.response_id = l.id AND l.present
+ORDER BY l.depth DESC, i.source = 'output', i.position"""
 )
 ITEMS_PER_QUERY = 200  # item ids looked up per query (SQLite bounds the parameters)
 PRUNE_ROUNDS = 50  # at most this many delete rounds per write (each drops ~10% of rows)
@@ -117,20 +117,16 @@ class ResponseStore(ABC):
         """fn(connection, *args) on a pooled connection, driver errors translated."""
 
     @abstractmethod
-    def _reading(self, conn: Any) -> AbstractContextManager[None]:
-        """One read-only transaction: every read in it sees the same snapshot."""
-
-    @abstractmethod
     def _writing(self, conn: Any) -> AbstractContextManager[None]:
         """One write transaction, waiting at most lock_timeout for locks (StoreBusy)."""
 
     @abstractmethod
     def _insert(self, conn: Any, response_id: str, previous_id: str | None, body: str,
-                rows: list[Row]) -> int:  # fmt: skip
-        """Write (or replace) one response and its item rows; the bytes this adds."""
+                rows: list[Row]) -> None:  # fmt: skip
+        """Write (or replace) one response and its item rows."""
 
     @abstractmethod
-    def _prune(self, conn: Any, added: int) -> None:
+    def _prune(self, conn: Any) -> None:
         """Delete what is older than the age bound, then the oldest beyond the size bound."""
 
     @abstractmethod
@@ -190,8 +186,8 @@ class ResponseStore(ABC):
         rows = [_row("input", i, item) for i, item in enumerate(input_items)]
         rows += [_row("output", i, item) for i, item in enumerate(response.get("output") or [])]
         with self._writing(conn):
-            added = self._insert(conn, response["id"], previous_id, body, rows)
-            self._prune(conn, added)
+            self._insert(conn, response["id"], previous_id, body, rows)
+            self._prune(conn)
 
     def _delete(self, conn: Any, response_id: str) -> bool:
         with self._writing(conn):
@@ -222,54 +218,45 @@ class ResponseStore(ABC):
         order: Literal["asc", "desc"],
     ) -> ItemPage | None:
         direction = "ASC" if order == "asc" else "DESC"
-        with self._reading(conn):
-            if not self._exists(conn, response_id):
-                return None
-            rows = conn.execute(
-                self.sql(
-                    "SELECT item_id, body FROM {items} WHERE response_id = ? AND source = 'input'"
-                    f" ORDER BY position {direction}"
-                ),
-                (response_id,),
-            ).fetchall()
+        rows = conn.execute(
+            self.sql(
+                "SELECT i.item_id, i.body FROM {responses} r LEFT JOIN {items} i"
+                " ON i.response_id = r.id AND i.source = 'input'"
+                f" WHERE r.id = ? AND r.stored_at >= ? ORDER BY i.position {direction}"
+            ),
+            (response_id, self.cutoff()),
+        ).fetchall()
+        if not rows:
+            return None
+        rows = [(item_id, body) for item_id, body in rows if body is not None]
         ids = [item_id for item_id, _ in rows]
         start = ids.index(after) + 1 if after in ids else 0
         chosen = rows[start : start + limit]
         return ItemPage([json.loads(body) for _, body in chosen], start + limit < len(rows))
 
-    def _exists(self, conn: Any, response_id: str) -> bool:
-        found = conn.execute(
-            self.sql("SELECT 1 FROM {responses} WHERE id = ? AND stored_at >= ?"),
-            (response_id, self.cutoff()),
-        ).fetchone()
-        return found is not None
-
     def _items(self, conn: Any, item_ids: list[str]) -> dict[str, dict[str, Any]]:
         wanted = list(dict.fromkeys(item_ids))
         found: dict[str, dict[str, Any]] = {}
-        with self._reading(conn):
-            for start in range(0, len(wanted), ITEMS_PER_QUERY):
-                some = wanted[start : start + ITEMS_PER_QUERY]
-                query = self.sql(
-                    "SELECT i.item_id, i.body FROM {items} i JOIN {responses} r"
-                    f" ON r.id = i.response_id WHERE i.item_id IN ({', '.join('?' * len(some))})"
-                    " AND r.stored_at >= ? ORDER BY r.stored_at"
-                )
-                for item_id, body in conn.execute(query, (*some, self.cutoff())).fetchall():
-                    found[item_id] = json.loads(body)  # the most recently stored one wins
+        for start in range(0, len(wanted), ITEMS_PER_QUERY):
+            some = wanted[start : start + ITEMS_PER_QUERY]
+            query = self.sql(
+                "SELECT i.item_id, i.body FROM {items} i JOIN {responses} r"
+                f" ON r.id = i.response_id WHERE i.item_id IN ({', '.join('?' * len(some))})"
+                " AND r.stored_at >= ? ORDER BY r.stored_at"
+            )
+            for item_id, body in conn.execute(query, (*some, self.cutoff())).fetchall():
+                found[item_id] = json.loads(body)  # the most recently stored one wins
         return found
 
     def _history(self, conn: Any, response_id: str) -> list[dict[str, Any]]:
         cutoff = self.cutoff()
-        with self._reading(conn):
-            chain = conn.execute(self.sql(CHAIN), (response_id, cutoff, cutoff)).fetchall()
-            if not chain:
-                raise MissingResponse(response_id)
-            for chain_id, _, present in chain:
-                if not present:
-                    raise MissingResponse(chain_id)
-            rows = conn.execute(self.sql(CHAIN_ITEMS), (response_id, cutoff)).fetchall()
-        return [json.loads(body) for (body,) in rows]
+        rows = conn.execute(self.sql(CHAIN_ITEMS), (response_id, cutoff, cutoff)).fetchall()
+        if not rows:
+            raise MissingResponse(response_id)
+        gaps = [(depth, link) for link, depth, present, _ in rows if not present]
+        if gaps:
+            raise MissingResponse(min(gaps)[1])  # the gap nearest the response asked for
+        return [json.loads(body) for *_, body in rows if body is not None]
 
 
 @cache

@@ -9,8 +9,10 @@ run on the calling greenlet and the pool's helpers are greenlets too.
   statement (a few times `lock_timeout`) is bounded; then StoreBusy / StoreUnavailable.
 - Faults: the pool checks a connection before handing it out and replaces broken ones in
   the background, so after the database comes back the store works again by itself.
-- Size: each response row records the bytes it and its items hold; one counter row keeps
-  the total, updated last in each write transaction (so it is locked only briefly).
+- Size: each response row records the bytes it and its items hold; triggers keep their
+  total in one counter row, whatever inserts or deletes rows (pruning, DELETE, an
+  operator's own SQL). Writers queue on that row only for their short transaction: a
+  save is one pipelined round trip, then its commit.
 - Schema: the applied versions are rows of pipeserve_schema; migrations run in one
   transaction under an advisory lock, so servers starting together apply each once.
 """
@@ -71,6 +73,30 @@ CREATE TABLE pipeserve_usage (
     bytes bigint NOT NULL
 );
 INSERT INTO pipeserve_usage VALUES (true, 0);
+CREATE FUNCTION pipeserve_count_added() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE pipeserve_usage SET bytes = bytes + (SELECT coalesce(sum(size), 0) FROM added);
+    RETURN NULL;
+END $$;
+CREATE FUNCTION pipeserve_count_removed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM removed) THEN
+        UPDATE pipeserve_usage SET bytes = bytes - (SELECT coalesce(sum(size), 0) FROM removed);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE FUNCTION pipeserve_count_cleared() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE pipeserve_usage SET bytes = 0;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER pipeserve_responses_added AFTER INSERT ON pipeserve_responses
+    REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION pipeserve_count_added();
+CREATE TRIGGER pipeserve_responses_removed AFTER DELETE ON pipeserve_responses
+    REFERENCING OLD TABLE AS removed FOR EACH STATEMENT
+    EXECUTE FUNCTION pipeserve_count_removed();
+CREATE TRIGGER pipeserve_responses_cleared AFTER TRUNCATE ON pipeserve_responses
+    FOR EACH STATEMENT EXECUTE FUNCTION pipeserve_count_cleared();
 """,
 }
 POOL_MAX = 8
@@ -182,18 +208,9 @@ class PostgresStore(ResponseStore):
 
     @contextmanager
     def _writing(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
-        with conn.transaction():
+        """Pipelined: statements go out together, and wait only where a result is read."""
+        with conn.pipeline(), conn.transaction():
             yield
-
-    @contextmanager
-    def _reading(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        try:
-            yield
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
 
     def close(self) -> None:
         if self._pool is not None:
@@ -205,60 +222,45 @@ class PostgresStore(ResponseStore):
     def _insert(
         self, conn: psycopg.Connection[Any], response_id: str, previous_id: str | None,
         body: str, rows: list[Row],
-    ) -> int:  # fmt: skip
+    ) -> None:  # fmt: skip
         size = len(body.encode()) + sum(len(r.body.encode()) for r in rows)
-        with conn.pipeline():  # one round trip for the lot
-            replaced = conn.execute(
-                "DELETE FROM pipeserve_responses WHERE id = %s RETURNING size", (response_id,)
+        conn.execute("DELETE FROM pipeserve_responses WHERE id = %s", (response_id,))
+        conn.execute(
+            "INSERT INTO pipeserve_responses VALUES (%s, %s, %s, %s, %s)",
+            (response_id, time.time(), previous_id, size, body),
+        )
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO pipeserve_items VALUES (%s, %s, %s, %s, %s)",
+                [(response_id, r.source, r.position, r.item_id, r.body) for r in rows],
             )
-            conn.execute(
-                "INSERT INTO pipeserve_responses VALUES (%s, %s, %s, %s, %s)",
-                (response_id, time.time(), previous_id, size, body),
-            )
-            with conn.cursor() as cursor:
-                cursor.executemany(
-                    "INSERT INTO pipeserve_items VALUES (%s, %s, %s, %s, %s)",
-                    [(response_id, r.source, r.position, r.item_id, r.body) for r in rows],
-                )
-        return size - sum(int(freed) for (freed,) in replaced.fetchall())
-
-    def _prune(self, conn: psycopg.Connection[Any], added: int) -> None:
-        """Rows other transactions hold are skipped (they are being deleted or written);
-        the usage counter is updated last, so its row lock is held only to the commit."""
-        delta = added - _freed(
-            conn,
+        conn.execute(
             "DELETE FROM pipeserve_responses WHERE id IN (SELECT id FROM pipeserve_responses"
-            " WHERE stored_at < %s FOR UPDATE SKIP LOCKED) RETURNING size",
+            " WHERE stored_at < %s FOR UPDATE SKIP LOCKED)",
             (self.cutoff(),),
         )
-        total = int(_scalar(conn, "SELECT bytes FROM pipeserve_usage")) + delta
+
+    def _prune(self, conn: psycopg.Connection[Any]) -> None:
+        """The oldest first beyond the size bound; rows other transactions hold are skipped
+        (they are being deleted). Expired rows went with the insert."""
         for _ in range(PRUNE_ROUNDS):
-            if total <= self.max_bytes:
+            if int(_scalar(conn, "SELECT bytes FROM pipeserve_usage")) <= self.max_bytes:
                 break
             count = int(_scalar(conn, "SELECT count(*) FROM pipeserve_responses"))
             if count <= 1:
                 break
-            freed = _freed(
-                conn,
+            conn.execute(
                 "DELETE FROM pipeserve_responses WHERE id IN (SELECT id FROM pipeserve_responses"
-                " ORDER BY stored_at LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING size",
+                " ORDER BY stored_at LIMIT %s FOR UPDATE SKIP LOCKED)",
                 (max(1, count // 10),),
             )
-            total, delta = total - freed, delta - freed
-        conn.execute("UPDATE pipeserve_usage SET bytes = bytes + %s", (delta,))
 
     def _delete_one(self, conn: psycopg.Connection[Any], response_id: str) -> bool:
         deleted = conn.execute(
-            "DELETE FROM pipeserve_responses WHERE id = %s AND stored_at >= %s RETURNING size",
+            "DELETE FROM pipeserve_responses WHERE id = %s AND stored_at >= %s RETURNING 1",
             (response_id, self.cutoff()),
         ).fetchall()
-        if deleted:
-            conn.execute("UPDATE pipeserve_usage SET bytes = bytes - %s", (deleted[0][0],))
         return bool(deleted)
-
-
-def _freed(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> int:
-    return sum(int(size) for (size,) in conn.execute(query, params).fetchall())
 
 
 def _scalar(conn: psycopg.Connection[Any], query: str) -> Any:

@@ -145,15 +145,6 @@ class SqliteStore(ResponseStore):
         conn.execute("COMMIT")
 
     @contextmanager
-    def _reading(self, conn: sqlite3.Connection) -> Iterator[None]:
-        """A deferred transaction: in WAL mode its reads share one snapshot."""
-        conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            conn.execute("COMMIT")
-
-    @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
@@ -190,7 +181,7 @@ class SqliteStore(ResponseStore):
     def _insert(
         self, conn: sqlite3.Connection, response_id: str, previous_id: str | None, body: str,
         rows: list[Row],
-    ) -> int:  # fmt: skip
+    ) -> None:  # fmt: skip
         conn.execute(
             "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
             (response_id, time.time(), previous_id, body),
@@ -199,9 +190,8 @@ class SqliteStore(ResponseStore):
             "INSERT INTO items VALUES (?, ?, ?, ?, ?)",
             [(response_id, r.source, r.position, r.item_id, r.body) for r in rows],
         )
-        return 0  # the size bound counts the file's pages, not the rows' bytes
 
-    def _prune(self, conn: sqlite3.Connection, added: int) -> None:
+    def _prune(self, conn: sqlite3.Connection) -> None:
         conn.execute("DELETE FROM responses WHERE stored_at < ?", (self.cutoff(),))
         for _ in range(PRUNE_ROUNDS):
             if self._used_bytes(conn) <= self.max_bytes:
