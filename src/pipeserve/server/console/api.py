@@ -4,7 +4,7 @@ do: with keys configured each needs one; `models` lists what the key may use, wh
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,3 @@ class ConsoleConfig:
         if not unrestricted(req, resp, self.keys, "the config view"):
             return
         resp.media = config_view(self.source, self.config)
-
-
-API_ROUTES: Sequence[str] = ("/console/api/models", "/console/api/live", "/console/api/config")
