@@ -15,6 +15,7 @@ INNER = Path(__file__).parent / "inner"
 FILES = sorted(p.name for p in INNER.glob("test_*.py"))
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", FILES)
 def test_in_private_network_namespace(name: str) -> None:
     reason = missing()

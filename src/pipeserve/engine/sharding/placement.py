@@ -44,9 +44,10 @@ class Placement:
 
 
 def place(
-    options: ShardingOptions, model_dir: Path, ssh_options: list[str]
+    options: ShardingOptions, model_dir: Path, ssh_options: list[str], quiet: bool = False
 ) -> tuple[Placement, ShardingOptions]:
-    """This placement and the sharding options it runs with (ranks, split)."""
+    """This placement and the sharding options it runs with (ranks, split); `quiet`: a
+    check that logs nothing."""
     if not options.hostfile:
         size = options.size
         ports = [options.port + r for r in range(size)] if options.port else _free_ports(size)
@@ -66,8 +67,10 @@ def place(
     first = options.port or FIRST_PORT
     ring = [[f"{h['ips'][0]}:{first + r}"] for r, h in enumerate(chosen)]
     ssh_hosts: list[str | None] = [None] + [str(h["ssh"]) for h in chosen[1:]]
-    log.info("placement: %d ranks on %s%s", count, ", ".join(str(h["ssh"]) for h in chosen),
-             f"; unreachable: {', '.join(lost)}" if lost else "")  # fmt: skip
+    names = ", ".join(str(h["ssh"]) for h in chosen)
+    unreachable = f"; unreachable: {', '.join(lost)}" if lost else ""
+    log.log(logging.DEBUG if quiet else logging.INFO, "placement: %d ranks on %s%s", count,
+            names, unreachable)  # fmt: skip
     sharding = options.model_copy(update={"ranks": count, "split": split})
     return Placement(ssh_hosts, ring, str(hosts[0]["ips"][0])), sharding
 

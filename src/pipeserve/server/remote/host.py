@@ -64,7 +64,7 @@ from pipeserve.server.remote.wire import (
 log = logging.getLogger("pipeserve.enginehost")
 PARENT_POLL = 1.0
 PLACE_RETRY_FIRST = 2.0
-PLACE_RETRY_MAX = 30.0
+PLACE_RETRY_MAX = 15.0
 
 
 class HostedModels:
@@ -356,26 +356,51 @@ def place_until_served(
     models: HostedModels, loaded: LoadedConfig, key: str, stop: gevent.event.Event
 ) -> None:
     """Load (place) the sharded model, retrying with backoff while it cannot be placed; a
-    failure after its ranks joined a group ends the process (the master starts another)."""
+    failure after its ranks joined a group ends the process (the master starts another).
+    A retry first asks the machines (placeable): while too few answer, no engine is built."""
     from pipeserve.engine.sharding.group import group_joined
 
-    name = loaded.config.models[0].name
+    entry = loaded.config.models[0]
     wait = PLACE_RETRY_FIRST
+    reason = ""
     while not stop.is_set():
         try:
+            if reason:
+                run_off_hub(partial(placeable, entry))
             models.apply(loaded)
         except Exception as exc:
             if group_joined():
-                log.error("shard host: model %s lost its group while starting; restarting", name)
+                log.error("shard host: model %s lost its group while starting; restarting",
+                          entry.name)  # fmt: skip
                 exit_now()
-            reason = str(getattr(exc, "message", exc))
-            models.placing[key] = f"model {name} is unavailable: {reason}; next try in {wait:.0f} s"
-            log.warning("%s", models.placing[key])
+            reason = str(root_cause(exc))
+            text = f"model {entry.name} is unavailable: {reason}; next try in {wait:.0f} s"
+            models.placing[key] = text
+            log.warning("%s", text)
             stop.wait(wait)
             wait = min(PLACE_RETRY_MAX, wait * 2)
             continue
         models.placing.pop(key, None)
         return
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost error (a load failure wraps the placement's own reason twice)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def placeable(entry: Any) -> None:
+    """Raise PlacementError while the model's machines cannot hold it (hosts file only)."""
+    sharding = entry.options.sharding
+    if sharding is None or not sharding.hostfile:
+        return
+    from pipeserve.engine.loader import resolve_source
+    from pipeserve.engine.sharding.group import SSH_OPTIONS
+    from pipeserve.engine.sharding.placement import place
+
+    place(sharding, resolve_source(entry.source, entry.sha256), SSH_OPTIONS, quiet=True)
 
 
 def exit_now() -> None:
