@@ -7,8 +7,9 @@ run on the calling greenlet and the pool's helpers are greenlets too.
 
 - Bounds: every wait for a lock (`lock_timeout`), for a pooled connection, and every
   statement (a few times `lock_timeout`) is bounded; then StoreBusy / StoreUnavailable.
-- Faults: the pool checks a connection before handing it out and replaces broken ones in
-  the background, so after the database comes back the store works again by itself.
+- Faults: the pool checks a connection before handing it out (without a round trip) and
+  replaces broken ones in the background, so after the database comes back the store
+  works again by itself.
 - Size: each response row records the bytes it and its items hold; triggers keep their
   total in one counter row, whatever inserts or deletes rows (pruning, DELETE, an
   operator's own SQL). Writers queue on that row only for their short transaction: a
@@ -20,6 +21,7 @@ run on the calling greenlet and the pool's helpers are greenlets too.
 from __future__ import annotations
 
 import logging
+import select
 import selectors
 import time
 from collections.abc import Callable, Iterator
@@ -163,7 +165,7 @@ class PostgresStore(ResponseStore):
                 max_size=POOL_MAX,
                 open=False,
                 configure=self._configure,
-                check=ConnectionPool.check_connection,
+                check=_unbroken,
                 timeout=self.lock_timeout,
                 reconnect_timeout=RECONNECT_TIMEOUT,
                 name="pipeserve-responses",
@@ -284,6 +286,19 @@ def _translated(exc: psycopg.Error, where: str) -> StoreError:
     if isinstance(exc, psycopg.OperationalError):
         return StoreUnavailable(f"{where}: {detail}")
     return StoreError(f"{where}: {detail}")
+
+
+def _unbroken(conn: psycopg.Connection[Any]) -> None:
+    """The pool's check before handing out a connection, without a round trip: an idle
+    connection has nothing to read, unless the server ended it (a restart, a terminated
+    backend: its goodbye and EOF are waiting). Then it is replaced. A link that died
+    silently fails at its first use instead (one 503) and is dropped."""
+    if conn.closed or conn.broken:
+        raise psycopg.OperationalError("the connection is closed")
+    readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    if readable:
+        conn.close()  # so that the pool drops it rather than taking it back as idle
+        raise psycopg.OperationalError("the server ended the connection")
 
 
 def _check_cooperative() -> None:
