@@ -347,8 +347,9 @@ def test_postgres_down_is_unavailable_and_the_store_reconnects(postgres: Cluster
     try:
         with pytest.raises(StoreUnavailable):
             store.get("resp_up")
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailable) as down:
             store.save(response("resp_down", "x"), [], None)
+        assert "last attempt: connection to server at" in str(down.value)  # libpq's reason
     finally:
         postgres.start()
     deadline = time.monotonic() + 60

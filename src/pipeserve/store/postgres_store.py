@@ -125,6 +125,7 @@ class PostgresStore(ResponseStore):
         self.url = url
         self._pool: ConnectionPool | None = None
         self._schema_ready = False
+        self.connect_failure: str | None = None  # why the pool's last connection attempt failed
 
     @property
     def where(self) -> str:
@@ -160,6 +161,7 @@ class PostgresStore(ResponseStore):
             _check_cooperative()
             self._pool = ConnectionPool(
                 self.url,
+                connection_class=_recording_failures(self),
                 kwargs={"autocommit": True, **self._connect_options()},
                 min_size=1,
                 max_size=POOL_MAX,
@@ -204,6 +206,8 @@ class PostgresStore(ResponseStore):
                 return fn(conn, *args)
         except PoolTimeout as exc:
             message = f"{self.where}: no working connection within {self.lock_timeout:g} s"
+            if self.connect_failure:
+                message += f" (last attempt: {self.connect_failure})"
             raise StoreUnavailable(message) from exc
         except psycopg.Error as exc:
             raise _translated(exc, self.where) from exc
@@ -280,12 +284,36 @@ def _version(conn: psycopg.Connection[Any]) -> int:
 
 def _translated(exc: psycopg.Error, where: str) -> StoreError:
     """Lock waits and timeouts are StoreBusy; lost or refused connections StoreUnavailable."""
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = _detail(exc)
     if isinstance(exc, errors.LockNotAvailable | errors.QueryCanceled | errors.DeadlockDetected):
         return StoreBusy(f"{where}: {detail}")
     if isinstance(exc, psycopg.OperationalError):
         return StoreUnavailable(f"{where}: {detail}")
     return StoreError(f"{where}: {detail}")
+
+
+def _recording_failures(store: PostgresStore) -> type[psycopg.Connection[Any]]:
+    """The pool's connection class, noting in `store` why connecting fails (for the 503)."""
+
+    class Recording(psycopg.Connection[Any]):
+        @classmethod
+        def connect(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                conn = super().connect(*args, **kwargs)
+            except psycopg.Error as exc:
+                store.connect_failure = _detail(exc)
+                raise
+            store.connect_failure = None
+            return conn
+
+    return Recording
+
+
+def _detail(exc: psycopg.Error) -> str:
+    """The first line of the driver's message, without its "connection failed: " frame."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line.removeprefix("connection failed: ")
 
 
 def _unbroken(conn: psycopg.Connection[Any]) -> None:
