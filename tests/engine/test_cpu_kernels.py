@@ -106,3 +106,35 @@ def test_switch_forces_the_float32_path(monkeypatch, caplog):
     assert [r.message for r in caplog.records].count(
         f"CPU kernels off ({cpu_kernels.ENV_SWITCH}=off): quantized weights run as float32"
     ) == 1
+
+
+def numpy_rope(x: np.ndarray, dims: int, traditional: bool, base: float, positions: np.ndarray
+               ) -> np.ndarray:  # fmt: skip
+    """x (B, H, L, D); positions (B, L)."""
+    half = dims // 2
+    angles = positions[:, None, :, None] * base ** (-2.0 * np.arange(half) / dims)  # B,1,L,half
+    cos, sin = np.cos(angles), np.sin(angles)
+    out = x.astype(np.float64).copy()
+    first = (slice(None),) * 3
+    i1 = first + ((slice(0, dims, 2),) if traditional else (slice(0, half),))
+    i2 = first + ((slice(1, dims, 2),) if traditional else (slice(half, dims),))
+    x1, x2 = out[i1].copy(), out[i2].copy()
+    out[i1], out[i2] = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    return out
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_fused_rope_and_rms_norm_match_numpy(ext, traditional):
+    key = mx.random.key(3)
+    x = mx.random.normal((2, 5, 4, 96), key=key)  # B, L, H, D: transposed to B, H, L, D
+    heads = x.transpose(0, 2, 1, 3)
+    offsets = np.array([3, 700])
+    got = ext.rope(heads, 64, traditional, 10000.0, 1.0, mx.array(offsets, dtype=mx.int32))
+    positions = offsets[:, None] + np.arange(5)[None, :]
+    expected = numpy_rope(np.array(heads), 64, traditional, 10000.0, positions)
+    assert np.abs(np.array(got) - expected).max() < 1e-4
+    weight = mx.random.normal((96,), key=mx.random.key(4))
+    norm = np.array(ext.rms_norm(x, weight, 1e-5))
+    xs = np.array(x, dtype=np.float64)
+    want = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + 1e-5) * np.array(weight)
+    assert np.abs(norm - want).max() < 1e-4 * np.abs(want).max()

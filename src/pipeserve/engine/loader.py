@@ -79,6 +79,7 @@ def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = Fa
 
     model, _ = mlx_load_model(model_dir)
     _apply_layout(model, model_dir.name, dtype)
+    _fuse_cpu_ops(model, model_dir.name)
     if cpu_pretranspose and cpu_layout.applies_here():
         started = time.monotonic()
         count = cpu_layout.pretranspose_dense_weights(model)
@@ -132,6 +133,22 @@ def _kernel_layout(model: Any, name: str) -> bool:
     log.info("%s: %d quantized layers kept quantized for the CPU kernels, %d dequantized "
              "to float32 (%.1f s)", name, count, others, time.monotonic() - started)  # fmt: skip
     return True
+
+
+def _fuse_cpu_ops(model: Any, name: str) -> None:
+    """On the CPU with the native kernels: RMSNorm and RoPE as one op each."""
+    import mlx.core as mx
+
+    from pipeserve.engine.cpu_kernels import kernels
+    from pipeserve.engine.cpu_kernels.layers import use_fused_ops
+
+    if mx.default_device() != mx.cpu:
+        return
+    ext = kernels()
+    if ext is not None:
+        log.info(
+            "%s: %d norm / RoPE layers run as one CPU op each", name, use_fused_ops(model, ext)
+        )
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

