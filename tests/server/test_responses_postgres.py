@@ -9,6 +9,8 @@ once over both, and the database stops and comes back while the servers keep run
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from openai.types.responses import Response
 
 from tests.postgres_cluster import PASSWORD, Cluster
 from tests.server.scenarios import QWEN3
-from tests.server.serverproc import running_server
+from tests.server.serverproc import pipeserve_command, running_server
 from tests.server.store_servers import store_config
 from tests.server.test_vercel_ai_sdk import run_the_sdk, serve_recorded_requests
 
@@ -124,6 +126,34 @@ def test_32_concurrent_conversations_lose_nothing(shared: Shared) -> None:
             assert client.responses.retrieve(second).previous_response_id == first
             said = client.responses.input_items.list(first).data[0].content[0].text
             assert said == f"I am user {n}."
+
+
+def test_a_newer_schema_stops_the_start(shared: Shared, tmp_path: Path) -> None:
+    """A database a newer pipeserve wrote (schema version 99): serve refuses to start,
+    naming the store and the versions (checked in a child of the master)."""
+    import psycopg
+
+    cluster = shared.cluster
+    with psycopg.connect(cluster.url_with_password, autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS newer")
+        conn.execute("CREATE DATABASE newer")
+    newer = cluster.url_with_password.rsplit("/", 1)[0] + "/newer"
+    with psycopg.connect(newer, autocommit=True) as conn:
+        conn.execute("CREATE TABLE pipeserve_schema (version integer PRIMARY KEY)")
+        conn.execute("INSERT INTO pipeserve_schema VALUES (99)")
+    url = cluster.url.rsplit("/", 1)[0] + "/newer"
+    config = store_config(tmp_path, workers=1, store=f"{{url: '{url}'}}")
+    result = subprocess.run(
+        [*pipeserve_command(), "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PGPASSWORD": PASSWORD},
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"the response store PostgreSQL {url} cannot be used" in result.stderr
+    assert "schema version 99, newer than the 1 this pipeserve understands" in result.stderr
 
 
 def status_of(base: str, method: str, path: str, **body: Any) -> tuple[int, dict[str, Any]]:
