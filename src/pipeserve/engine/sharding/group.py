@@ -52,8 +52,11 @@ KEEPALIVE = 8.0  # seconds a rank's control connection may leave data unacknowle
 STOP_GRACE = 5.0
 PEER_MODULE = "pipeserve.engine.sharding.peer"
 # What a remote rank inherits from rank 0's environment (a local rank inherits it all):
-# the BLAS preload (pipeserve.blas), MLX's and OpenBLAS's settings, pipeserve's own.
-REMOTE_ENV_PREFIXES = ("PIPESERVE_", "MLX_", "OPENBLAS_", "OMP_", "LD_PRELOAD", "LD_LIBRARY_PATH")
+# the BLAS preload (pipeserve.blas), MLX's and OpenBLAS's settings, pipeserve's home and
+# log level; never secrets (API keys, the cluster token): ssh's command line is public.
+REMOTE_ENV_PREFIXES = ("MLX_", "OPENBLAS_", "OMP_")
+REMOTE_ENV_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PIPESERVE_BLAS_APPLIED",
+                    "PIPESERVE_HOME", "PIPESERVE_LOG_LEVEL")  # fmt: skip
 SSH_OPTIONS = ["-o", "LogLevel=QUIET", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
                "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"]  # fmt: skip
 REMOTE_KILL_TRIES = 8
@@ -384,8 +387,8 @@ def _kill_remote(host: str, pid: int) -> None:
 
 def remote_environment() -> dict[str, str]:
     """What a remote rank gets of rank 0's environment, as a local rank would."""
-    return {k: v for k, v in os.environ.items() if k.startswith(REMOTE_ENV_PREFIXES)
-            and not k.startswith("PIPESERVE_SHARD_")}  # fmt: skip
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(REMOTE_ENV_PREFIXES) or k in REMOTE_ENV_NAMES}  # fmt: skip
 
 
 def _keepalive(sock: Any) -> None:
