@@ -20,6 +20,7 @@ run on the calling greenlet and the pool's helpers are greenlets too.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import select
 import selectors
@@ -103,6 +104,7 @@ CREATE TRIGGER pipeserve_responses_cleared AFTER TRUNCATE ON pipeserve_responses
 }
 POOL_MAX = 8
 RECONNECT_TIMEOUT = 10.0  # then a pool slot gives up; the next request starts a new try
+CLOSE_TIMEOUT = 1.0  # seconds the pool's helpers get to stop at close
 STATEMENT_TIMEOUT_FACTOR = 5  # a statement may run this many times lock_timeout
 
 
@@ -173,6 +175,9 @@ class PostgresStore(ResponseStore):
                 name="pipeserve-responses",
             )
             self._pool.open(wait=False)
+            # Closed while the process still runs its hub: a pool left to the interpreter's
+            # finalization trips over its already finalized greenlets (a traceback per exit).
+            atexit.register(self.close)
         return self._pool
 
     def _migrate(self, conn: psycopg.Connection[Any]) -> None:
@@ -220,8 +225,8 @@ class PostgresStore(ResponseStore):
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+            pool, self._pool = self._pool, None
+            pool.close(timeout=CLOSE_TIMEOUT)
 
     # ---------------------------------------------------------------- writes
 
