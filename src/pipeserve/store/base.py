@@ -7,8 +7,8 @@ it whole or not at all; each read is one statement (one snapshot, one round trip
 Expired rows (older than the age bound) are invisible to reads and deleted by writes.
 
 Backends (sqlite_store.py, postgres_store.py) supply their connections, write
-transactions, table names, placeholder style, the insert and the pruning; they turn their driver's
-errors into the exceptions below, which are all callers see.
+transactions, table names, placeholder style, the insert and the pruning; they turn
+their driver's errors into the exceptions below, which are all callers see.
 """
 
 from __future__ import annotations
