@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 
 from pipeserve.config.models import EngineOptions
-from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.batching import Batch
 from pipeserve.engine.channel import Courier, start_os_thread
 from pipeserve.engine.mlx_engine import MlxEngine
@@ -30,7 +29,6 @@ from pipeserve.engine.sharding.control import os_sleep
 from pipeserve.engine.sharding.group import RankGroup, group_joined
 from pipeserve.engine.sharding.load import load_shard, weight_bytes
 from pipeserve.engine.sharding.lockstep import Rank0Batch
-from pipeserve.engine.stream import EngineStream
 from pipeserve.errors import ApiError
 
 log = logging.getLogger("pipeserve.sharding")
@@ -92,19 +90,6 @@ class ShardedEngine(MlxEngine):
     def _new_batch(self, model: Any) -> Batch:
         self._batch = Rank0Batch(model, self.options, self._stats, self.group)
         return self._batch
-
-    def submit(self, job: GenerationJob) -> EngineStream:
-        if job.constraint is not None and job.constraint.optional:
-            job.constraint = None  # a forced tool call: its prefill still forces the call
-        if job.constraint is not None:
-            # Every rank samples for itself, and a grammar matcher lives on rank 0 only.
-            raise ApiError(
-                "invalid_request",
-                f"model {self.name} is sharded: structured output (response_format) is not"
-                " available for it",
-                param="response_format",
-            )
-        return super().submit(job)
 
     def _admit(self) -> None:
         if not self.group.healthy:

@@ -7,6 +7,11 @@ with its prompt token ids and a resolved sampling seed, a cancel, a removal afte
 delivery fault. Rank 0 detokenises and emits events; the other ranks drop them
 (`PeerSequence`). A step counter in every message is checked on every rank.
 
+Structured output: every rank samples for itself, so every rank masks for itself. A
+request's grammar travels as text with its submit (a matcher cannot be pickled) and each
+rank compiles its own matcher from it with the same tokenizer; as every rank samples the
+same tokens, the matchers advance alike and the masks stay equal.
+
 The prefix cache is off in sharded mode: a hit must be the same on every rank, and
 byte-bounded eviction differs when ranks hold different layer counts.
 """
@@ -48,6 +53,18 @@ def resolve_seed(job: GenerationJob, vocab_size: int | None) -> None:
     job.sampling = dataclasses.replace(job.sampling, seed=random.getrandbits(63))
 
 
+ConstraintSpec = tuple[str, str, bool]  # grammar, forced text, optional
+
+
+def outbound(job: GenerationJob) -> tuple[GenerationJob, ConstraintSpec | None]:
+    """The job as the other ranks get it: its constraint as text (see the module doc)."""
+    constraint = job.constraint
+    if constraint is None:
+        return job, None
+    spec = (constraint.grammar, constraint.forced, constraint.optional)
+    return dataclasses.replace(job, constraint=None), spec
+
+
 class Rank0Batch(Batch):
     """Rank 0's batch: applies each change locally and logs it for the next step."""
 
@@ -65,7 +82,7 @@ class Rank0Batch(Batch):
             self._count_finished("requests_failed")
             return
         resolve_seed(seq.job, self.vocab_size)
-        self._log.append(("submit", key, seq.job))
+        self._log.append(("submit", key, *outbound(seq.job)))
         super().add(key, seq, courier)
 
     def cancel(self, key: int, courier: Courier) -> None:
@@ -138,8 +155,17 @@ class PeerSequence:
 class PeerBatch(Batch):
     """The batch of a rank other than 0: a fault ends the rank (rank 0 sees it)."""
 
-    def __init__(self, model: Any, options: EngineOptions) -> None:
+    def __init__(self, model: Any, options: EngineOptions, grammar: Any = None) -> None:
         super().__init__(model, lockstep_options(options), {})
+        self.grammar = grammar  # a GrammarCompiler for this model's tokenizer
+
+    def constrained(self, job: GenerationJob, spec: ConstraintSpec | None) -> GenerationJob:
+        """The job with its own matcher, compiled here from rank 0's grammar text."""
+        if spec is None:
+            return job
+        if self.grammar is None:
+            raise ProtocolError("a constrained request, but this rank has no grammar compiler")
+        return dataclasses.replace(job, constraint=self.grammar.constraint(*spec))
 
     def fail_all(self, courier: Any, message: str) -> None:
         raise GroupLost(message)
@@ -161,7 +187,10 @@ def replay(batch: Batch, message: tuple[Any, ...], expected_step: int) -> bool:
         raise ProtocolError(f"rank 0 is at step {step}, this rank at {expected_step}")
     for change in changes:
         if change[0] == "submit":
-            batch.add(change[1], PeerSequence(change[2]), None)  # type: ignore[arg-type]
+            job = change[2]
+            if isinstance(batch, PeerBatch):
+                job = batch.constrained(job, change[3] if len(change) > 3 else None)
+            batch.add(change[1], PeerSequence(job), None)  # type: ignore[arg-type]
         elif change[0] == "cancel":
             batch.cancel(change[1], None)  # type: ignore[arg-type]
         else:

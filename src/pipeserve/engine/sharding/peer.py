@@ -115,13 +115,14 @@ def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
     group = mx.distributed.init(strict=True, backend=options.sharding.backend)
     model = load_shard(Path(os.environ["PIPESERVE_SHARD_MODEL_DIR"]), options, group)
     total, layers = weight_bytes(model)
+    grammar = grammar_compiler(Path(os.environ["PIPESERVE_SHARD_MODEL_DIR"]))
     conn.send_json({"rank": rank, "weight_bytes": total, "layer_weight_bytes": layers})
     kind, seed = conn.recv_obj()
     if kind != "start":
         raise RuntimeError(f"expected start, got {kind!r}")
     mx.random.seed(seed)
     watch.heard(options.sharding.step_timeout + SILENCE)
-    batch = PeerBatch(model, options)
+    batch = PeerBatch(model, options, grammar)
     step = 1
     try:
         while True:
@@ -136,6 +137,19 @@ def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
     except ChannelClosed:
         log.info("rank %d: rank 0 is gone; exiting", rank)
     return 0
+
+
+def grammar_compiler(model_dir: Path) -> object:
+    """Structured output's compiler for this model, as rank 0 builds it (engine/runtime.py);
+    its llguidance tokenizer is built in the background from now on."""
+    from pipeserve.engine.grammar import GrammarCompiler
+    from pipeserve.engine.loader import eos_token_ids, load_tokenizer, read_config
+
+    tokenizer = load_tokenizer(model_dir)
+    eos = eos_token_ids(tokenizer, model_dir)
+    compiler = GrammarCompiler(tokenizer, read_config(model_dir).get("vocab_size"), eos)
+    compiler.warm_up()
+    return compiler
 
 
 if __name__ == "__main__":
