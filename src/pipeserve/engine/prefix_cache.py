@@ -17,6 +17,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from pipeserve.config.models import PrefixCacheOptions
 
 _MODEL_KEY = "model"  # one cache per engine, so one key
+UNBOUNDED = 1 << 62
 
 
 @dataclass(slots=True)
@@ -27,10 +28,15 @@ class CacheLookup:
 
 
 class PrefixCache:
-    def __init__(self, options: PrefixCacheOptions) -> None:
+    """bounded=False: nothing is evicted or refused for its size here; the owner calls
+    trim_to_bytes (a sharded model's rank 0, which sends every rank the same trims)."""
+
+    def __init__(self, options: PrefixCacheOptions, bounded: bool = True) -> None:
         self.options = options
         self.enabled = options.enabled and options.max_bytes > 0
-        self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=options.max_bytes)
+        self.bounded = bounded
+        limit = options.max_bytes if bounded else UNBOUNDED
+        self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=limit)
         self.hits = 0
         self.misses = 0
 
@@ -63,6 +69,23 @@ class PrefixCache:
         if not self.enabled or len(tokens) < self.options.min_tokens or not cache:
             return
         nbytes = sum(c.nbytes for c in cache)
-        if nbytes > self.options.max_bytes:
+        if self.bounded and nbytes > self.options.max_bytes:
             return
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
+
+    def trim_to_bytes(self, budget: float, scale: float = 1.0) -> int | None:
+        """Evict in LRU order until nbytes * scale fits `budget`; the entry count left,
+        or None when nothing was evicted (see trim_to_count)."""
+        if self.nbytes * scale <= budget:
+            return None
+        while len(self) and self.nbytes * scale > budget:
+            self._lru.trim_to(n_sequences=len(self) - 1)
+        return len(self)
+
+    def trim_to_count(self, count: int) -> None:
+        """Evict in LRU order down to `count` entries: the same entries as trim_to_bytes
+        evicted on a cache that saw the same stores."""
+        self._lru.trim_to(n_sequences=count)
+
+    def clear(self) -> None:
+        self._lru.trim_to(n_sequences=0)

@@ -12,8 +12,14 @@ request's grammar travels as text with its submit (a matcher cannot be pickled) 
 rank compiles its own matcher from it with the same tokenizer; as every rank samples the
 same tokens, the matchers advance alike and the masks stay equal.
 
-The prefix cache is off in sharded mode: a hit must be the same on every rank, and
-byte-bounded eviction differs when ranks hold different layer counts.
+The prefix cache: every rank stores the same token sequences at the same points (the
+same batch, the same steps), so lookups agree as long as evictions do. Byte-bounded
+eviction would not (ranks hold different layer counts), so the ranks' caches evict
+nothing by themselves: after each step rank 0 measures its own (scaled to the whole
+model's KV bytes) and logs `("prefix", "trim", count)`, which every rank applies in the
+same LRU order. A delivery fault on rank 0 (which skips that request's store there)
+clears every rank's cache at the end of the step. Each submit carries rank 0's cached
+length; a rank that finds another breaks the group rather than decode out of step.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.batching import Batch
 from pipeserve.engine.channel import Courier
+from pipeserve.engine.prefix_cache import PrefixCache
 from pipeserve.engine.sampling import make_sampler
 from pipeserve.engine.sequence import Sequence
 from pipeserve.engine.sharding.group import GroupLost, RankGroup
@@ -35,10 +42,29 @@ from pipeserve.engine.sharding.group import GroupLost, RankGroup
 log = logging.getLogger("pipeserve.sharding")
 
 
-def lockstep_options(options: EngineOptions) -> EngineOptions:
-    """The engine options every rank runs with (prefix cache off, see above)."""
-    cache = options.prefix_cache.model_copy(update={"enabled": False})
-    return options.model_copy(update={"prefix_cache": cache})
+class LockstepBatch(Batch):
+    """What every rank's batch shares: a prefix cache that only trims when told."""
+
+    def __init__(self, model: Any, options: EngineOptions, stats: dict[str, float]) -> None:
+        super().__init__(model, options, stats)
+        self.prefix = PrefixCache(options.prefix_cache, bounded=False)
+
+    def apply_prefix(self, change: tuple[Any, ...]) -> None:
+        if change[1] == "trim":
+            self.prefix.trim_to_count(int(change[2]))
+        elif change[1] == "clear":
+            self.prefix.clear()
+        else:
+            raise ProtocolError(f"unknown prefix cache change {change[1]!r}")
+
+
+def kv_scale(model: Any, sharding: Any) -> float:
+    """Whole-model KV bytes per byte of rank 0's KV cache."""
+    if sharding.strategy == "tensor":
+        return float(sharding.size)
+    total = getattr(getattr(model, "args", None), "num_hidden_layers", None)
+    local = len(getattr(model, "layers", ()) or ())
+    return total / local if isinstance(total, int) and local else float(sharding.size)
 
 
 def resolve_seed(job: GenerationJob, vocab_size: int | None) -> None:
@@ -65,16 +91,18 @@ def outbound(job: GenerationJob) -> tuple[GenerationJob, ConstraintSpec | None]:
     return dataclasses.replace(job, constraint=None), spec
 
 
-class Rank0Batch(Batch):
+class Rank0Batch(LockstepBatch):
     """Rank 0's batch: applies each change locally and logs it for the next step."""
 
     def __init__(self, model: Any, options: EngineOptions, stats: dict[str, float],
                  group: RankGroup) -> None:  # fmt: skip
-        super().__init__(model, lockstep_options(options), stats)
+        super().__init__(model, options, stats)
         self.group = group
         self.steps = 0
         self.lost = False
         self._log: list[tuple[Any, ...]] = []
+        self._kv_scale = kv_scale(model, group.sharding)
+        self._prefix_fault = False
 
     def add(self, key: int, seq: Sequence, courier: Courier) -> None:
         if self.lost:
@@ -82,8 +110,9 @@ class Rank0Batch(Batch):
             self._count_finished("requests_failed")
             return
         resolve_seed(seq.job, self.vocab_size)
-        self._log.append(("submit", key, *outbound(seq.job)))
+        job, spec = outbound(seq.job)
         super().add(key, seq, courier)
+        self._log.append(("submit", key, job, spec, seq.cached_tokens))
 
     def cancel(self, key: int, courier: Courier) -> None:
         if key in self.seqs:
@@ -91,9 +120,23 @@ class Rank0Batch(Batch):
         super().cancel(key, courier)
 
     def _deliver(self, key: int, response: Any, courier: Courier) -> None:
+        failed_before = self.stats.get("requests_failed", 0)
         super()._deliver(key, response, courier)
+        if self.stats.get("requests_failed", 0) != failed_before:
+            self._prefix_fault = True  # this rank skipped a store the others make
         if response.finish_reason is None and key not in self.seqs:
             self._log.append(("cancel", key))  # removed after a delivery fault
+
+    def _after_step(self) -> None:
+        """The prefix cache's changes of this step, for every rank (module doc)."""
+        if self._prefix_fault:
+            self._prefix_fault = False
+            self.prefix.clear()
+            self._log.append(("prefix", "clear"))
+        budget = self.options.prefix_cache.max_bytes
+        count = self.prefix.trim_to_bytes(budget, self._kv_scale)
+        if count is not None:
+            self._log.append(("prefix", "trim", count))
 
     def step(self, courier: Courier) -> None:
         if self.lost:
@@ -110,6 +153,7 @@ class Rank0Batch(Batch):
             super().step(courier)
         finally:
             self.group.step_started = None
+        self._after_step()
 
     def fail_all(self, courier: Courier, message: str) -> None:
         """Any fault breaks lockstep: end every request and give the group up."""
@@ -134,13 +178,19 @@ class Rank0Batch(Batch):
 class PeerSequence:
     """A request on a rank other than 0: the engine's Sequence without events."""
 
-    def __init__(self, job: GenerationJob) -> None:
+    def __init__(self, job: GenerationJob, cached_on_rank0: int | None = None) -> None:
         self.job = job
         self.completion_tokens = 0
         self.submitted_at = time.monotonic()
+        self.cached_on_rank0 = cached_on_rank0
 
     def ready(self, courier: Any, cached_tokens: int = 0) -> None:
-        pass
+        expected = self.cached_on_rank0
+        if expected is not None and cached_tokens != expected:
+            raise ProtocolError(
+                f"prefix cache out of step: rank 0 reused {expected} tokens, this rank"
+                f" {cached_tokens}"
+            )
 
     def token(self, courier: Any, token_id: int, logprobs: Any = None, final: bool = False) -> None:
         self.completion_tokens += 1
@@ -152,11 +202,11 @@ class PeerSequence:
         pass
 
 
-class PeerBatch(Batch):
+class PeerBatch(LockstepBatch):
     """The batch of a rank other than 0: a fault ends the rank (rank 0 sees it)."""
 
     def __init__(self, model: Any, options: EngineOptions, grammar: Any = None) -> None:
-        super().__init__(model, lockstep_options(options), {})
+        super().__init__(model, options, {})
         self.grammar = grammar  # a GrammarCompiler for this model's tokenizer
 
     def constrained(self, job: GenerationJob, spec: ConstraintSpec | None) -> GenerationJob:
@@ -187,12 +237,14 @@ def replay(batch: Batch, message: tuple[Any, ...], expected_step: int) -> bool:
         raise ProtocolError(f"rank 0 is at step {step}, this rank at {expected_step}")
     for change in changes:
         if change[0] == "submit":
-            job = change[2]
+            _, key, job, spec, cached = change
             if isinstance(batch, PeerBatch):
-                job = batch.constrained(job, change[3] if len(change) > 3 else None)
-            batch.add(change[1], PeerSequence(job), None)  # type: ignore[arg-type]
+                job = batch.constrained(job, spec)
+            batch.add(key, PeerSequence(job, cached), None)  # type: ignore[arg-type]
         elif change[0] == "cancel":
             batch.cancel(change[1], None)  # type: ignore[arg-type]
+        elif change[0] == "prefix" and isinstance(batch, LockstepBatch):
+            batch.apply_prefix(change)
         else:
             raise ProtocolError(f"unknown batch change {change[0]!r}")
     batch.step(None)  # type: ignore[arg-type]
