@@ -159,16 +159,13 @@ class NodeAgent:
         with self.lock:
             if job.state != "fetching":  # stopped while fetching
                 return
-            job.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    PEER_MODULE,
-                    f"--model={assignment.model}",
-                    f"--rank={assignment.rank}",
-                ],  # fmt: skip
-                env=self._rank_env(assignment, folder),
-            )
+            argv = [sys.executable, "-m", PEER_MODULE, f"--model={assignment.model}",
+                    f"--rank={assignment.rank}"]  # fmt: skip
+            try:
+                job.process = subprocess.Popen(argv, env=self._rank_env(assignment, folder))
+            except OSError as exc:
+                job.state, job.detail = "failed", f"starting the rank: {exc}"
+                return
             job.state = "running"
         log.info("assignment %s: rank %d started, pid %d", job.id, assignment.rank, job.process.pid)
 
