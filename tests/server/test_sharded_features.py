@@ -1,5 +1,6 @@
-"""Structured output and the prefix cache on a sharded model (2 local ranks, pipeline),
-through the HTTP API (lockstep.py).
+"""Everything on sharded models (2 local ranks each), through the HTTP API: structured
+output and the prefix cache (lockstep.py), several sharded models in one server, and a
+sharded model loaded on demand (each in a shard host of its own, server/remote/host.py).
 
 Structured output: every rank compiles the request's grammar and masks for itself.
 Greedy constrained answers equal the unsharded model's token for token; sampled answers
@@ -15,7 +16,9 @@ unchanged; with a budget of a few entries, rank 0's trims keep every rank's cach
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,8 +26,9 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from tests.server.serverproc import REPO, running_server
+from tests.server.serverproc import REPO, server_process
 from tests.server.structured_cases import SCHEMA, assert_valid, metric, sample_all
+from tests.server.test_sharded import peer_pids
 from tests.server.test_strict_tools import ARGS, ASK, TOOL_CALL, chat_tool
 
 pytestmark = [pytest.mark.sharded, pytest.mark.server, pytest.mark.mlx]
@@ -40,10 +44,25 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
         "  - name: split\n    source: 'demo:qwen3'\n    pipeline: qwen3\n"
         "    options:\n      sharding: {strategy: pipeline, ranks: 2}\n"
         "      prefix_cache: {max_bytes: 400000, min_tokens: 16}\n"
+        "  - name: split2\n    source: 'demo:qwen3'\n    pipeline: qwen3\n"
+        "    options: {sharding: {strategy: tensor, ranks: 2}}\n"
+        "  - name: lazy\n    source: 'demo:qwen3'\n    pipeline: qwen3\n"
+        "    load: on_demand\n    keep_alive: 3\n"
+        "    options: {sharding: {strategy: tensor, ranks: 2}}\n"
         "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
     )
-    with running_server(config, startup_timeout=300) as base:
+    with server_process(config, startup_timeout=300) as (base, proc):
+        SERVER["pid"] = proc.pid
         yield OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0, timeout=300)
+
+
+SERVER: dict[str, int] = {}
+
+
+def ranks_of(model: str) -> list[int]:
+    """The rank processes (other than rank 0) of one sharded model of the server."""
+    pids = peer_pids(SERVER["pid"])
+    return [p for p in pids if f"--model={model}\0" in Path(f"/proc/{p}/cmdline").read_text()]
 
 
 def base_url(client: OpenAI) -> str:
@@ -119,3 +138,38 @@ def test_trims_keep_the_ranks_caches_equal(client: OpenAI) -> None:
     assert 0 < metric(base_url(client), "pipeserve_prefix_cache_bytes", "split") * 2 <= 400_000
     assert metric(base_url(client), "pipeserve_prefix_cache_hits", "split") >= 2
     assert httpx.get(f"{base_url(client)}/health", timeout=10).status_code == 200
+
+
+def test_two_sharded_models_serve_at_once(client: OpenAI) -> None:
+    prompts = [("split", "Say hello"), ("split2", "Say hello"), ("split", "Count to five"),
+               ("split2", "Count to five")]  # fmt: skip
+    answers = sample_all(lambda i: chat(client, prompts[i][0], prompts[i][1])[0], len(prompts))
+    for (_, prompt), got in zip(prompts, answers, strict=True):
+        assert got == chat(client, "plain", prompt)[0]
+    assert ranks_of("split") and ranks_of("split2")
+
+
+def test_a_sharded_model_loads_on_demand_and_again_after_keep_alive(client: OpenAI) -> None:
+    assert ranks_of("lazy") == []  # nothing placed before its first request
+    expected = chat(client, "plain", "Say hello")[0]
+    assert chat(client, "lazy", "Say hello")[0] == expected
+    first = ranks_of("lazy")
+    assert len(first) == 1
+    deadline = time.monotonic() + 90  # keep_alive 3 s, then the shard host is replaced
+    while ranks_of("lazy") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ranks_of("lazy") == []
+    again = wait_for_answer(client, "lazy", "Say hello")
+    assert again == expected and ranks_of("lazy") not in ([], first)
+
+
+def wait_for_answer(client: OpenAI, model: str, prompt: str) -> str:
+    """The answer once the model's (restarted) shard host takes requests again."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return chat(client, model, prompt)[0]
+        except (KeyError, httpx.HTTPError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)

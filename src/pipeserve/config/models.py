@@ -337,8 +337,8 @@ class EngineOptions(Strict):
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
     sharding: ShardingOptions | None = Field(
         None,
-        description="Run this model on several processes / machines (mx.distributed); at most"
-        " one sharded model per server, with one gunicorn worker.",
+        description="Run this model on several processes / machines (mx.distributed), in a"
+        " shard host process of its own (docs/sharding.md).",
     )
 
 

@@ -1,5 +1,4 @@
-"""Checks of `options.sharding` that need more than one model entry: one sharded model per
-server, the installed MLX's backends, the hosts file or the node list, and
+"""Checks of `options.sharding`: the engine, the installed MLX's backends, the hosts file or the node list, and
 whether the model's architecture can be sharded that way (from its config.json; a Hub
 model not downloaded yet is checked when it loads).
 """
@@ -19,20 +18,15 @@ from pipeserve.engine.sharding.hostfile import read_hostfile
 def check_sharding(doc: YamlDoc, config: ServerConfig) -> list[Problem]:
     """Every sharding problem of a parsed config; resolves `hostfile` against its folder."""
     problems: list[Problem] = []
+    # Each sharded model has a shard host of its own (server/remote/host.py), so several
+    # can be served at once and one may load on demand (its host exits when it unloads).
     sharded = [(i, m) for i, m in enumerate(config.models) if m.options.sharding is not None]
-    for count, (index, entry) in enumerate(sharded):
+    for index, entry in sharded:
         options = entry.options.sharding
         assert options is not None
         at: PathKey = ("models", index, "options", "sharding")
-        if count > 0:
-            first = sharded[0][1].name
-            problems.append(doc.problem(at, f"only one sharded model per server ({first!r}"
-                                            " is sharded already): mx.distributed has one group per process"))  # fmt: skip
         if entry.engine != "mlx":
             problems.append(doc.problem(at, f"sharding needs engine: mlx, not {entry.engine!r}"))
-        if entry.load != "startup":
-            message = "a sharded model is loaded at start-up (its group cannot be rejoined later)"
-            problems.append(doc.problem(("models", index, "load"), message))
         problems += _check_options(doc, at, options, entry.source)
     return problems
 

@@ -65,6 +65,7 @@ log = logging.getLogger("pipeserve.enginehost")
 PARENT_POLL = 1.0
 PLACE_RETRY_FIRST = 2.0
 PLACE_RETRY_MAX = 15.0
+SPENT_POLL = 0.5
 
 
 class HostedModels:
@@ -345,6 +346,8 @@ def serve_sharded(args: argparse.Namespace, models: HostedModels, stop: gevent.e
     key = model_key(loaded.config.models[0])
     models.placing[key] = f"model {args.only} is unavailable: it is being placed on its machines"
     gevent.spawn(place_until_served, models, loaded, key, stop)
+    models.fleet.start_reaper()  # keep_alive of a model loaded on demand
+    gevent.spawn(leave_when_spent, models, key, stop)
     gevent.spawn(watch, args.parent, stop, models)
     serve(args.socket, models, stop)
     log.info("shard host %d: stopping", os.getpid())
@@ -401,6 +404,23 @@ def placeable(entry: Any) -> None:
     from pipeserve.engine.sharding.placement import place
 
     place(sharding, resolve_source(entry.source, entry.sha256), SSH_OPTIONS, quiet=True)
+
+
+def leave_when_spent(models: HostedModels, key: str, stop: gevent.event.Event) -> None:
+    """A process joins one mx.distributed group, ever: once the sharded model is unloaded
+    after joining one (keep_alive of `load: on_demand`, or a load that failed after the
+    ranks joined), this host exits and the master starts a fresh one, which places the
+    model again at its next load."""
+    from pipeserve.engine.sharding.group import group_joined
+
+    while not stop.is_set():
+        stop.wait(SPENT_POLL)
+        runtime = models.runtimes.get(key)
+        if runtime is None or stop.is_set():
+            continue
+        if managed(runtime).state == "unloaded" and group_joined():
+            log.info("shard host: model %s was unloaded; a fresh host takes over", runtime.name)
+            exit_now()
 
 
 def exit_now() -> None:
