@@ -89,7 +89,7 @@ class ClusterRankGroup(RankGroup):
             GROUPS[self.name] = self
 
     def start(self) -> Any:
-
+        """Place the model over the nodes there now, assign their ranks, join the group."""
         token = cluster_token()
         try:
             found = plan_cluster(self.model_dir, self.sharding)
