@@ -15,7 +15,8 @@ token ids for every contestant, greedy, end-of-sequence suppressed so each strea
 decodes exactly --tokens tokens. Per round: one stream (TTFT, decode tok/s from the
 first to the last token), then --streams concurrent streams on pipeserve (aggregate
 tok/s; llama-cpp-python decodes one sequence at a time, so its aggregate is its single
-stream). Then resident memory of each worker over its pre-load baseline, and a per-op
+stream). Then resident memory of each worker over its pre-load baseline (libraries
+imported), right after loading and after the runs (caches, buffers), and a per-op
 profile of one pipeserve decode step (each module evaluated on its own: self times).
 """
 
@@ -60,6 +61,7 @@ class LlamaWorker:
         self.baseline = rss_bytes()
         self.llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)  # fmt: skip
+        self.loaded = rss_bytes()
         self.bias = {token: -1e9 for token in eos}
 
     def single(self, ids: list[int], tokens: int) -> dict[str, float]:
@@ -94,6 +96,7 @@ class PipeserveWorker:
         options = EngineOptions(dtype="auto", max_batch=8)
         entry = ModelEntry(name="smollm2", source=gguf, pipeline="chatml", options=options)
         self.runtime = build_runtime(entry)
+        self.loaded = rss_bytes()
         self.gguf = gguf
 
     def _job(self, ids: list[int], tokens: int) -> Any:
@@ -207,7 +210,7 @@ def serve_worker(kind: str, gguf: str, threads: int, eos: list[int]) -> None:
         command = json.loads(line)
         op = command.pop("op")
         if op == "rss":
-            result: Any = {"rss": rss_bytes(), "baseline": worker.baseline}
+            result: Any = {"rss": rss_bytes(), "baseline": worker.baseline, "loaded": worker.loaded}
         else:
             result = getattr(worker, op)(**command)
         print(json.dumps(result), file=out, flush=True)
@@ -308,7 +311,7 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(folder)
     eos = json.dumps(sorted(eos_token_ids(tokenizer, folder)))
     worker_args = [str(gguf), str(args.threads), eos]
-    env = {**bench_environment(home), "PIPESERVE_CPU_THREADS": str(args.threads)}
+    env = {**bench_environment(home, str(args.threads)), "PIPESERVE_CPU_THREADS": str(args.threads)}
     specs = [("pipeserve", sys.executable, env, ["pipeserve", *worker_args]),
              ("llama.cpp", llama_python(home), dict(os.environ), ["llama", *worker_args])]  # fmt: skip
     if not args.no_fallback:
@@ -359,19 +362,20 @@ def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
     size = gguf.stat().st_size
     print(f"\nmedians over {args.rounds} alternating rounds, {args.tokens} tokens per stream, "
           f"{args.threads} threads; ratio = contestant / llama.cpp")  # fmt: skip
-    print("| contestant | TTFT s | decode tok/s | agg tok/s | model RSS MB (x GGUF) |")
-    print("|---|---|---|---|---|")
+    print("| contestant | TTFT s | decode tok/s | agg tok/s | RSS MB loaded (x GGUF) | after |")
+    print("|---|---|---|---|---|---|")
     for c in contestants:
         cell = results[c.name]
         ttft, decode = statistics.median(cell["ttft"]), statistics.median(cell["decode"])
         agg = statistics.median(cell.get("aggregate", cell["decode"]))
         memory = c.ask("rss")
-        model_rss = memory["rss"] - memory["baseline"]
+        loaded = memory["loaded"] - memory["baseline"]  # the model (and its tokenizer)
+        after = memory["rss"] - memory["baseline"]  # plus caches and buffers after the runs
         print(
             f"| {c.name} | {ttft:.3f} ({ttft / statistics.median(base['ttft']):.2f}x) "
             f"| {decode:.1f} ({decode / statistics.median(base['decode']):.2f}x) "
             f"| {agg:.1f} ({agg / statistics.median(base['decode']):.2f}x llama single) "
-            f"| {model_rss / 1e6:.0f} ({model_rss / size:.2f}x) |"
+            f"| {loaded / 1e6:.0f} ({loaded / size:.2f}x) | {after / 1e6:.0f} |"
         )
     print(f"GGUF file: {size / 1e6:.0f} MB")
 

@@ -138,3 +138,21 @@ def test_fused_rope_and_rms_norm_match_numpy(ext, traditional):
     xs = np.array(x, dtype=np.float64)
     want = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + 1e-5) * np.array(weight)
     assert np.abs(norm - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_fused_attention_matches_numpy(ext):
+    k1, k2, k3 = mx.random.split(mx.random.key(5), 3)
+    q = mx.random.normal((2, 6, 1, 64), key=k1)  # 6 query heads over 2 kv heads
+    cache = mx.random.normal((2, 2, 16, 64), key=k2)  # a cache buffer: S = 16 used of it
+    keys, values = cache[:, :, :11], mx.random.normal((2, 2, 11, 64), key=k3)
+    mask = mx.array(np.arange(11)[None, :] >= np.array([[0], [4]]))  # row 1: left padding
+    for m in (None, mask.reshape(2, 1, 1, 11)):
+        got = np.array(ext.sdpa(q, keys, values, 0.125, m))
+        qs, ks, vs = (np.array(a, dtype=np.float64) for a in (q, keys, values))
+        ks, vs = np.repeat(ks, 3, axis=1), np.repeat(vs, 3, axis=1)
+        scores = qs @ ks.transpose(0, 1, 3, 2) * 0.125
+        if m is not None:
+            scores = np.where(np.array(m), scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        expected = weights / weights.sum(-1, keepdims=True) @ vs
+        assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()

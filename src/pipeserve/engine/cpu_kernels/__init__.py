@@ -94,8 +94,8 @@ def self_test(ext: Any) -> None:
 
 
 def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
-    """RMSNorm and RoPE (both layouts, a transposed input, per-row offsets) against
-    mx.fast's own."""
+    """RMSNorm, RoPE (both layouts, a transposed input, per-row offsets) and one-row
+    attention (grouped heads, with and without a mask) against mx.fast's own."""
     import mlx.core as mx
 
     checks = [(ext.rms_norm(x, weights[0], 1e-5), mx.fast.rms_norm(x, weights[0], 1e-5))]
@@ -107,6 +107,13 @@ def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
             want = mx.fast.rope(heads, 64, traditional=traditional, base=10000.0, scale=1.0,
                                 offset=offset if offset.size > 1 else 17)  # fmt: skip
             checks.append((got, want))
+    k1, k2 = mx.random.split(mx.random.key(9))
+    q = mx.random.normal((2, 6, 1, 32), key=k1)  # six query heads over two kv heads
+    keys = mx.random.normal((2, 2, 5, 32), key=k2)
+    mask = mx.array([[True] * 5, [False, False, True, True, True]]).reshape(2, 1, 1, 5)
+    for m in (None, mask):
+        want = mx.fast.scaled_dot_product_attention(q, keys, keys * 2, scale=0.1, mask=m)
+        checks.append((ext.sdpa(q, keys, keys * 2, 0.1, m), want))
     for got, want in checks:
         error = mx.abs(got - want).max().item()
         assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"fused op error {error}"

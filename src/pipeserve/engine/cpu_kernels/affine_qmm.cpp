@@ -64,12 +64,14 @@ class Pool {
     return threads_;
   }
 
-  // Runs job(0) .. job(chunks - 1), each exactly once, on any of the threads.
+  // Runs job(0) .. job(chunks - 1), each exactly once, on any of the threads. Calls
+  // from several threads (MLX has a stream per thread) take turns.
   void run(int chunks, const std::function<void(int)>& job) {
     if (chunks <= 1 || threads_ == 1) {
       for (int i = 0; i < chunks; ++i) job(i);
       return;
     }
+    std::lock_guard<std::mutex> turn(call_mu_);
     job_.store(&job);
     chunks_.store(chunks);
     done_.store(0);
@@ -132,6 +134,7 @@ class Pool {
   int threads_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
+  std::mutex call_mu_;
   std::condition_variable wake_;
   std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk
   std::atomic<const std::function<void(int)>*> job_{nullptr};
@@ -418,9 +421,71 @@ void rows(const Problem& p, int n0) {
 
 constexpr int NT_MAX = 4;
 
+// Many activation rows (a prefill): NT weight rows are dequantized once into a float
+// buffer that stays in cache, then every activation row streams past it, so the
+// unpacking is paid once per weight rather than once per four activation rows.
+constexpr int WIDE_M = 8;
+
+template <int BITS, typename S>
+void dequantize_row(const Problem& p, int n, float* out) {
+  const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
+  const S* scales = static_cast<const S*>(p.scales) + static_cast<size_t>(n) * p.G;
+  const S* biases = static_cast<const S*>(p.biases) + static_cast<size_t>(n) * p.G;
+  for (int g = 0; g < p.G; ++g) {
+    const Vec scale = vset1(to_float(scales[g]));
+    const Vec bias = vset1(to_float(biases[g]));
+    for (int c = 0; c < p.group_size / 32; ++c) {
+      const int k0 = g * p.group_size + c * 32;
+      Vec q[VPC];
+      unpack<BITS>(p.w + n * row_bytes + k0 * BITS / 8, q);
+      for (int v = 0; v < VPC; ++v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        _mm512_storeu_ps(out + k0 + v * LANES, vfma(q[v], scale, bias));
+#elif defined(__AVX2__) && defined(__FMA__)
+        _mm256_storeu_ps(out + k0 + v * LANES, vfma(q[v], scale, bias));
+#else
+        out[k0 + v] = vfma(q[v], scale, bias);
+#endif
+      }
+    }
+  }
+}
+
+template <int MT, int NT>
+void dense_tile(const Problem& p, const float* w, int m0, int n0) {
+  Vec acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = vzero();
+  for (int k = 0; k < p.K; k += LANES) {
+    Vec wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = vload(w + static_cast<size_t>(j) * p.K + k);
+    for (int i = 0; i < MT; ++i) {
+      const Vec xv = vload(p.x + static_cast<size_t>(m0 + i) * p.K + k);
+      for (int j = 0; j < NT; ++j) acc[i][j] = vfma(wv[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = vsum(acc[i][j]);
+}
+
+template <int BITS, typename S, int NT>
+void wide_rows(const Problem& p, int n0, std::vector<float>& buffer) {
+  buffer.resize(static_cast<size_t>(NT) * p.K);
+  for (int j = 0; j < NT; ++j) dequantize_row<BITS, S>(p, n0 + j, buffer.data() + j * p.K);
+  int m = 0;
+  for (; m + 4 <= p.M; m += 4) dense_tile<4, NT>(p, buffer.data(), m, n0);
+  for (; m < p.M; ++m) dense_tile<1, NT>(p, buffer.data(), m, n0);
+}
+
 template <int BITS, typename S>
 void row_range(const Problem& p, int n_begin, int n_end) {
   int n = n_begin;
+  if (p.M >= WIDE_M && p.K % LANES == 0) {
+    thread_local std::vector<float> buffer;
+    for (; n + NT_MAX <= n_end; n += NT_MAX) wide_rows<BITS, S, NT_MAX>(p, n, buffer);
+    for (; n < n_end; ++n) wide_rows<BITS, S, 1>(p, n, buffer);
+    return;
+  }
   for (; n + NT_MAX <= n_end; n += NT_MAX) rows<BITS, S, NT_MAX>(p, n);
   for (; n < n_end; ++n) rows<BITS, S, 1>(p, n);
 }

@@ -1,5 +1,6 @@
 // Python bindings of pipeserve's CPU extension (nanobind, sharing MLX's array type).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
@@ -18,6 +19,9 @@ NB_MODULE(_pipeserve_cpu, m) {
   m.def("rope", &pipeserve::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "offset"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rope in one float32 op (x: B, H, L, D; offset: int32, 1 or B values).");
+  m.def("sdpa", &pipeserve::sdpa, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
+        nb::kw_only(), "stream"_a = nb::none(),
+        "Attention of a few query rows (float32; grouped-query heads; mask optional).");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

@@ -3,7 +3,9 @@
 // dispatch on the stream's thread: in a small model's decode step those dispatches,
 // not the arithmetic, are most of the time. Float32 only (the CPU layouts run float32).
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -151,6 +153,93 @@ class Rope : public mx::Primitive {
   float scale_;
 };
 
+// Attention for a few query rows (a decode step): per (batch, query head) the scores
+// against every key of its kv head (grouped-query), the mask, a float32 softmax and the
+// weighted sum of values, in one pass. Keys and values as the cache slices them (any
+// strides); the mask broadcast to (B, Hq, L, S), boolean or additive.
+class Sdpa : public mx::Primitive {
+ public:
+  Sdpa(mx::Stream stream, float scale, int mask_kind)
+      : mx::Primitive(stream), scale_(scale), mask_kind_(mask_kind) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override {
+    const auto& q = inputs[0];
+    const auto& k = inputs[1];
+    const auto& v = inputs[2];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const mx::array* mask = mask_kind_ == 0 ? nullptr : &inputs[3];
+    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+                      op = out.data<float>(), qs = q.strides(), ks = k.strides(),
+                      vs = v.strides(), shape = q.shape(), S = k.shape(2), Hk = k.shape(1),
+                      mp = mask ? mask->data<void>() : nullptr,
+                      ms = mask ? mask->strides() : mx::Strides{}, kind = mask_kind_,
+                      scale = scale_]() {
+      const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
+      const int group = Hq / Hk;
+      std::vector<float> scores(S);
+      for (int b = 0; b < B; ++b) {
+        for (int h = 0; h < Hq; ++h) {
+          const int kh = h / group;
+          for (int l = 0; l < L; ++l) {
+            const float* qr = qp + b * qs[0] + h * qs[1] + l * qs[2];
+            float top = -INFINITY;
+            for (int s = 0; s < S; ++s) {
+              const float* kr = kp + b * ks[0] + kh * ks[1] + s * ks[2];
+              float dot = 0.0f;
+              for (int d = 0; d < D; ++d) dot += qr[d * qs[3]] * kr[d * ks[3]];
+              float score = dot * scale;
+              if (kind != 0) {
+                const int64_t at = b * ms[0] + h * ms[1] + l * ms[2] + s * ms[3];
+                if (kind == 1) {
+                  if (!static_cast<const bool*>(mp)[at]) score = -INFINITY;
+                } else {
+                  score += static_cast<const float*>(mp)[at];
+                }
+              }
+              scores[s] = score;
+              top = std::max(top, score);
+            }
+            float* o = op + ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
+            for (int d = 0; d < D; ++d) o[d] = 0.0f;
+            if (top == -INFINITY) continue;  // every key masked: zeros
+            float total = 0.0f;
+            for (int s = 0; s < S; ++s) {
+              const float p = std::exp(scores[s] - top);
+              total += p;
+              const float* vr = vp + b * vs[0] + kh * vs[1] + s * vs[2];
+              for (int d = 0; d < D; ++d) o[d] += p * vr[d * vs[3]];
+            }
+            const float inv = 1.0f / total;
+            for (int d = 0; d < D; ++d) o[d] *= inv;
+          }
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("sdpa runs on the CPU only");
+  }
+  const char* name() const override {
+    return "PipeserveSdpa";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Sdpa&>(other);
+    return scale_ == o.scale_ && mask_kind_ == o.mask_kind_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+  int mask_kind_;  // 0 none, 1 boolean (false: masked out), 2 additive float32
+};
+
 }  // namespace
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
@@ -184,6 +273,41 @@ mx::array rope(
       : mx::reshape(mx::astype(offset, mx::int32, stream), {-1}, stream);
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<Rope>(stream, dims, traditional, base, scale), {x, positions});
+}
+
+}  // namespace pipeserve
+
+namespace pipeserve {
+
+mx::array sdpa(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) fail("sdpa runs on the CPU only");
+  for (const auto* a : {&q, &k, &v}) {
+    if (a->dtype() != mx::float32 || a->ndim() != 4) fail("sdpa: float32 (B, H, L, D) inputs");
+  }
+  if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
+      q.shape(1) % k.shape(1) != 0) {
+    fail("sdpa: k and v must be (B, Hk, S, D) with Hq a multiple of Hk");
+  }
+  std::vector<mx::array> inputs = {q, k, v};
+  int kind = 0;
+  if (mask) {
+    mx::Shape full = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+    if (mask->dtype() == mx::bool_) {
+      kind = 1;
+      inputs.push_back(mx::broadcast_to(*mask, full, stream));
+    } else {
+      kind = 2;
+      inputs.push_back(mx::broadcast_to(mx::astype(*mask, mx::float32, stream), full, stream));
+    }
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<Sdpa>(stream, scale, kind), inputs);
 }
 
 }  // namespace pipeserve

@@ -1,6 +1,7 @@
 // The ops pipeserve's CPU extension adds to MLX (bindings.cpp exposes them to Python).
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "mlx/array.h"
@@ -32,6 +33,17 @@ mx::array rope(
     float base,
     float scale,
     const mx::array& offset,
+    mx::StreamOrDevice s = {});
+
+// Attention of a few query rows against a cache (fused.cpp): q (B, Hq, L, D), k and v
+// (B, Hk, S, D), any strides; mask None, boolean or additive, broadcastable to
+// (B, Hq, L, S).
+mx::array sdpa(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    const std::optional<mx::array>& mask,
     mx::StreamOrDevice s = {});
 
 void set_threads(int threads);

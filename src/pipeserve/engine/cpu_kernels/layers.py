@@ -9,11 +9,16 @@ on; its `as_linear` (a tied output projection) runs the kernel.
 
 `use_fused_ops(model, ext)` swaps `nn.RMSNorm` and `nn.RoPE` (exact types: scaled RoPE
 variants are other classes) for twins that run one kernel op on float32 inputs and
-MLX's own op on anything else.
+MLX's own op on anything else, and routes the attention of up to DECODE_ROWS query
+rows (a decode step) through one kernel op: mlx-lm's models call the module-level
+`scaled_dot_product_attention` of their own module, which is wrapped there (once per
+model module; anything else, a prefill, attention sinks, a quantized cache, goes to
+mlx-lm's function unchanged).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -92,14 +97,41 @@ class KernelRoPE(nn.Module):
 
 
 _FUSED: dict[type, type[nn.Module]] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
+DECODE_ROWS = 8  # query rows up to which attention runs as one kernel op
+SDPA_NAME = "scaled_dot_product_attention"
 
 
 def use_fused_ops(model: nn.Module, ext: Any) -> int:
-    """Swap every `nn.RMSNorm` / `nn.RoPE` of `model` for its one-op twin; returns how many."""
+    """Swap every `nn.RMSNorm` / `nn.RoPE` of `model` for its one-op twin and wrap the
+    attention function of its mlx-lm modules; returns how many layers were swapped."""
     targets = [(name, m) for name, m in model.named_modules() if name and type(m) in _FUSED]
     for name, module in targets:
         model.update_modules(tree_unflatten([(name, _FUSED[type(module)](module, ext))]))
+    for _, module in model.named_modules():
+        _wrap_attention(sys.modules.get(type(module).__module__), ext)
     return len(targets)
+
+
+def _wrap_attention(namespace: Any, ext: Any) -> None:
+    original = getattr(namespace, SDPA_NAME, None)
+    if original is None or getattr(original, "pipeserve_fused", False):
+        return
+
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+                  scale: float, mask: Any, sinks: Any = None) -> mx.array:  # fmt: skip
+        if (
+            queries.shape[2] <= DECODE_ROWS
+            and sinks is None
+            and not hasattr(cache, "bits")
+            and (mask is None or isinstance(mask, mx.array))
+            and queries.dtype == keys.dtype == values.dtype == mx.float32
+        ):
+            out: mx.array = ext.sdpa(queries, keys, values, scale, mask)
+            return out
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention.pipeserve_fused = True  # type: ignore[attr-defined]
+    setattr(namespace, SDPA_NAME, attention)
 
 
 _TWINS: dict[type, type[nn.Module]] = {
