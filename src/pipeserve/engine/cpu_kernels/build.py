@@ -111,10 +111,29 @@ def _cmake(build_dir: Path, flags: tuple[str, ...]) -> None:
     ]  # fmt: skip
     jobs = str(max(1, len(os.sched_getaffinity(0))))
     for command in (configure, ["cmake", "--build", str(build_dir), "-j", jobs]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
-        if done.returncode != 0:
-            tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+        code, output = _run(command)
+        if code != 0:
+            tail = output.strip().splitlines()[-15:]
             raise BuildError(f"{' '.join(command[:2])} failed:\n" + "\n".join(tail))
+
+
+def _run(command: list[str]) -> tuple[int, str]:
+    """(exit code, output) of a command. Under gevent (a server's engine thread builds on
+    first use) gevent's subprocess cannot wait off the main thread ("child watchers are
+    only available on the default loop"): there the OS's own spawn and waitpid run it."""
+    if "gevent.monkey" not in sys.modules:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
+        return done.returncode, done.stdout + done.stderr
+    from pipeserve.engine.sharding.procs import exit_codes, unpatched_os
+
+    with tempfile.TemporaryFile() as out:
+        dup2 = os.POSIX_SPAWN_DUP2
+        actions = [(dup2, out.fileno(), 1), (dup2, out.fileno(), 2)]
+        path = shutil.which(command[0]) or command[0]
+        pid = unpatched_os("posix_spawn")(path, command, dict(os.environ), file_actions=actions)
+        (code,) = exit_codes([pid], BUILD_SECONDS)
+        out.seek(0)
+        return (-1 if code is None else code), out.read().decode(errors="replace")
 
 
 def import_module(path: Path) -> ModuleType:
