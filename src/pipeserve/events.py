@@ -86,6 +86,11 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    # Speculative decoding: tokens proposed and accepted, and those of Chat's `prediction`.
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

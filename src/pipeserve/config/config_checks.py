@@ -21,6 +21,7 @@ from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
 from pipeserve.config.sharding_checks import check_sharding
 from pipeserve.config.source_checks import check_sources
+from pipeserve.config.speculative_checks import check_speculative
 
 # Mirrors pipeserve.api's protocol names (a test keeps them equal); a constant here so
 # validation does not import the protocol modules.
@@ -84,6 +85,7 @@ def check_config(
     problems += pipeline_problems
     if parsed is not None:
         problems += check_sharding(doc, parsed)
+        problems += check_speculative(doc, parsed)
     if problems or parsed is None:
         return None, problems
     return LoadedConfig(doc.path, parsed, pipelines, text=doc.text), []

@@ -295,6 +295,42 @@ class ShardingOptions(Strict):
         return len(self.split) if self.split else 2
 
 
+class SpeculativeOptions(Strict):
+    """Speculative decoding inside the batch (docs/speculative.md): proposed tokens are
+    verified in the decode step, so the output is exactly the model's own."""
+
+    method: Literal["prompt_lookup", "draft"] = Field(
+        ...,
+        description="prompt_lookup: the longest recent n-gram found earlier in the prompt or"
+        " output proposes what followed it; draft: a smaller model of the same tokenizer"
+        " (not available yet).",
+    )
+    tokens: int = Field(4, ge=1, le=16, description="Tokens proposed per row and step.")
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest n-gram looked up.")
+    ngram_min: int = Field(2, ge=1, le=16, description="Shortest n-gram looked up.")
+    draft: str | None = Field(None, description="method draft: the draft model's name.")
+    prediction_tokens: int = Field(
+        8, ge=1, le=32, description="Tokens proposed per step from a request's `prediction`."
+    )
+    max_batch: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="Speculate only while at most this many sequences decode (above it the"
+        " verification costs more than it saves; benchmarks/spec_bench.py measures it).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeOptions:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} is above ngram_max {self.ngram_max}")
+        if self.method == "draft" and not self.draft:
+            raise ValueError("method draft needs `draft`: the name of the draft model")
+        if self.method != "draft" and self.draft is not None:
+            raise ValueError("`draft` applies to method: draft only")
+        return self
+
+
 class EngineOptions(Strict):
     max_batch: int = Field(8, ge=1, le=256, description="Sequences decoded together.")
     queue_size: int = Field(
@@ -339,6 +375,11 @@ class EngineOptions(Strict):
         None,
         description="Run this model on several processes / machines (mx.distributed), in a"
         " shard host process of its own (docs/sharding.md).",
+    )
+    speculative: SpeculativeOptions | None = Field(
+        None,
+        description="Speculative decoding: {method: prompt_lookup, tokens: 4} (requests with"
+        " Chat's `prediction` propose from it whether or not this is set).",
     )
 
 

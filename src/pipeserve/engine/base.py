@@ -31,6 +31,8 @@ class GenerationJob:
     mock_completion: str | None = None  # replay engine: the raw completion to stream
     keepalive_interval: float | None = None  # seconds of silence before a KeepAlive event
     constraint: Constraint | None = None  # structured output: the grammar to enforce
+    stop_strings: tuple[str, ...] = ()  # the request's stop strings (speculation stops there)
+    prediction_token_ids: list[int] | None = None  # Chat's `prediction`, tokenized
 
 
 class TokenStream(Protocol):

@@ -17,11 +17,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
-from pipeserve.config.models import EngineOptions
+from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.channel import Courier
 from pipeserve.engine.constraints import ConstraintSet, SamplerFilters
-from pipeserve.engine.lean import LeanBatchGenerator
+from pipeserve.engine.lean import LeanBatchGenerator, Speculation
 from pipeserve.engine.prefix_cache import PrefixCache
+from pipeserve.engine.proposer import RowProposer, stop_cutter
 from pipeserve.engine.sampling import make_processors, make_sampler
 from pipeserve.engine.sequence import Sequence
 
@@ -39,6 +40,11 @@ class Batch:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self.stream = mx.default_stream(mx.default_device())  # this (engine) thread's stream
         self.prefix = PrefixCache(options.prefix_cache)
+        self.speculative = options.speculative or SpeculativeOptions(method="prompt_lookup")
+        # A sharded model's ranks replay rank 0's steps: no speculation there (yet).
+        self.speculation = (
+            Speculation(self.speculative.max_batch) if options.sharding is None else None
+        )
         self.gen = self._new_generator()
         self.seqs: dict[int, Sequence] = {}
         self.uid_of: dict[int, int] = {}
@@ -47,7 +53,8 @@ class Batch:
         self._stops: dict[frozenset[int], StopSequences] = {}
         self._constraints: ConstraintSet | None = None  # made at the first constrained job
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
-                     "requests_cancelled", "requests_failed", "engine_faults"):  # fmt: skip
+                     "requests_cancelled", "requests_failed", "engine_faults",
+                     "speculative_proposed_tokens_total", "speculative_accepted_tokens_total"):  # fmt: skip
             stats.setdefault(name, 0)
         self._update_stats()
 
@@ -59,6 +66,7 @@ class Batch:
             prefill_batch_size=1,
             prefill_step_size=self.options.prefill_step_size,
             stream=self.stream,
+            speculation=self.speculation,
         )
 
     def warm_up(self) -> None:
@@ -115,10 +123,24 @@ class Batch:
             self._count_finished("requests_failed")
             return
         self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
+        self._speculate(uid, seq)
         seq.ready(courier, lookup.cached_tokens)
         self.stats["prompt_tokens_total"] += len(prompt)
         self.stats["cached_tokens_total"] += lookup.cached_tokens
         self._update_stats()
+
+    def _speculate(self, uid: int, seq: Sequence) -> None:
+        """Give the sequence a proposer when the model speculates or it has a prediction."""
+        job = seq.job
+        if self.speculation is None or not (self.options.speculative or job.prediction_token_ids):
+            return
+        row = RowProposer(
+            self.speculative,
+            lookup=self.options.speculative is not None,
+            prediction=job.prediction_token_ids or None,
+            stop_cut=stop_cutter(seq.tokenizer, job.stop_strings) if job.stop_strings else None,
+        )
+        self.speculation.proposers[uid] = seq.proposer = row
 
     def _sampler(self, key: int, job: Any) -> Any:
         sampler = make_sampler(job.sampling, self.vocab_size)
@@ -173,6 +195,8 @@ class Batch:
         try:
             self._plan_prefill()
             self.gen.logprobs_wanted = any(seq.job.logprobs for seq in self.seqs.values())
+            if self.speculation is not None:
+                self.speculation.step += 1
             prompt_responses, responses = self.gen.next()
             self._snapshot_prompts(prompt_responses)
         except Exception as exc:
@@ -250,10 +274,15 @@ class Batch:
     def _forget(self, key: int) -> None:
         if self._constraints is not None:
             self._constraints.release(key)
-        self.seqs.pop(key, None)
+        seq = self.seqs.pop(key, None)
         uid = self.uid_of.pop(key, None)
         if uid is not None:
             self.key_of.pop(uid, None)
+            if self.speculation is not None:
+                self.speculation.proposers.pop(uid, None)
+        if seq is not None and seq.proposer is not None:
+            self.stats["speculative_proposed_tokens_total"] += seq.proposer.proposed
+            self.stats["speculative_accepted_tokens_total"] += seq.proposer.accepted
 
     def _observe_duration(self, seconds: float) -> None:
         """Moving average of how long a completed request took (for Retry-After)."""
@@ -279,6 +308,8 @@ class Batch:
         self.seqs.clear()
         self.uid_of.clear()
         self.key_of.clear()
+        if self.speculation is not None:
+            self.speculation.proposers.clear()
         if self._constraints is not None:
             self._constraints.clear()
         self.gen.close()

@@ -89,6 +89,24 @@ class RowConstraint:
         self.previous, self.mask, self.sampled_at = token, None, self.owner.step
         return token
 
+    def advance_alone(self) -> None:
+        """Consume the token sampled last and compute this row's mask on its own: a
+        speculative step samples a row again at its next position only when the token
+        before was accepted, so the matcher never holds a rejected token."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        if self.previous is not None:
+            token = int(self.previous.reshape(-1).item())
+            self.previous = None
+            if not self.matcher.is_stopped():
+                self.matcher.consume_token(token)
+        mask = np.zeros((1, (self.spec.vocab_size + 31) // 32), dtype=np.int32)
+        fill_next_token_bitmask(self.matcher, mask, 0)
+        self.mask = mask[0]
+        if not self.mask.any():
+            log.warning("grammar matcher failed: %s", self.matcher.get_error()[:200])
+            ConstraintSet._allow_eos(self)
+
     def _draw_among(self, logprobs: mx.array, ids: np.ndarray) -> mx.array:
         width = max(SUBSET_MIN, 1 << (len(ids) - 1).bit_length())
         padded = np.full(width, ids[0], dtype=np.uint32)

@@ -21,6 +21,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from pipeserve.engine.proposer import RowProposer
+from pipeserve.engine.speculative import speculative_next
+
 # mlx-lm's classes as untyped bases (their annotations do not describe their state).
 _mlx_generate: Any = importlib.import_module("mlx_lm.generate")
 GenerationBatch: Any = _mlx_generate.GenerationBatch
@@ -28,8 +31,27 @@ PromptProcessingBatch: Any = _mlx_generate.PromptProcessingBatch
 BatchGenerator: Any = _mlx_generate.BatchGenerator
 
 
+class Speculation:
+    """What a decode step needs to speculate: each row's proposer (by uid), the step
+    number (for back-off) and the largest batch that still speculates."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.proposers: dict[int, RowProposer] = {}
+        self.step = 0
+        self.max_rows = max_rows
+
+
 class LeanGenerationBatch(GenerationBatch):
     logprobs_wanted = True  # set by the generator before each step
+    speculation: Speculation | None = None  # likewise
+
+    def next(self) -> Any:
+        spec = self.speculation
+        if spec is not None and spec.proposers:
+            responses = speculative_next(self, spec.proposers, spec.step, spec.max_rows)
+            if responses is not None:
+                return responses
+        return super().next()
 
     def _lean(self) -> bool:
         if self.logprobs_wanted or any(self.logits_processors):
@@ -93,11 +115,14 @@ class LeanPromptBatch(PromptProcessingBatch):
 
 class LeanBatchGenerator(BatchGenerator):
     """BatchGenerator whose decode step is LeanGenerationBatch's; set `logprobs_wanted`
-    (any request in the batch asked for logprobs) before each `next()`."""
+    (any request in the batch asked for logprobs) before each `next()`. With a
+    `speculation`, rows with proposers verify proposals in the decode step
+    (engine/speculative.py)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, speculation: Speculation | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.logprobs_wanted = True
+        self.speculation = speculation
         self._generation_batch.__class__ = LeanGenerationBatch
         self._prompt_batch.__class__ = LeanPromptBatch
 
@@ -108,5 +133,6 @@ class LeanBatchGenerator(BatchGenerator):
 
     def _next(self) -> Any:
         self._generation_batch.logprobs_wanted = self.logprobs_wanted
+        self._generation_batch.speculation = self.speculation
         self._prompt_batch.logprobs_wanted = self.logprobs_wanted
         return super()._next()

@@ -7,12 +7,14 @@ one Finish and one Usage (after an ErrorEvent on a fault).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.channel import Channel, Courier
 from pipeserve.engine.detokenize import flush
+from pipeserve.engine.proposer import RowProposer
 from pipeserve.events import (
     ErrorEvent,
     Finish,
@@ -42,6 +44,7 @@ class Sequence:
         self.finished = False
         self.started = False  # PromptReady sent
         self.last_token_id: int | None = None
+        self.proposer: RowProposer | None = None  # set when the engine speculates for it
         self.submitted_at = time.monotonic()
 
     def ready(self, courier: Courier, cached_tokens: int = 0) -> None:
@@ -78,8 +81,20 @@ class Sequence:
         self.finished = True
         if error is not None:
             courier.post(self.channel, ErrorEvent("internal", error))
+        courier.post(self.channel, Finish(reason), self._usage())
+
+    def _usage(self) -> Usage:
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-        courier.post(self.channel, Finish(reason), usage)
+        row = self.proposer
+        if row is None:
+            return usage
+        return dataclasses.replace(
+            usage,
+            proposed_tokens=row.proposed,
+            accepted_tokens=row.accepted,
+            accepted_prediction_tokens=row.prediction_accepted,
+            rejected_prediction_tokens=row.prediction_rejected,
+        )
 
     def _logprobs(
         self, token_id: int, logprobs: Any

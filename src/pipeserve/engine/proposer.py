@@ -1,0 +1,169 @@
+"""Where proposed tokens come from: prompt lookup and a request's predicted output.
+
+Prompt lookup: the longest n-gram (ngram_max down to ngram_min tokens) that ends the
+sequence and also occurs earlier in it (prompt or output) proposes the tokens that
+followed its latest such occurrence. A prediction (Chat's `prediction`) is searched the
+same way, down to a single token (preferring the place where the last accepted proposal
+left off), and is tried first. Each row backs off on its own: after MISSES_BEFORE_PAUSE proposals in a
+row of which nothing was accepted it stops proposing for a while, twice as long each
+time it fails again, so open-ended text costs (almost) nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeserve.config.models import SpeculativeOptions
+
+MISSES_BEFORE_PAUSE = 2
+FIRST_PAUSE = 4  # decode steps without proposals after the first run of misses
+LONGEST_PAUSE = 64
+CANDIDATES = 32  # latest occurrences of an n-gram compared per lookup
+
+
+class NgramIndex:
+    """Positions that follow each n-gram of a token list, appended to as it grows."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        n, own = self.n, self.tokens
+        for token in tokens:
+            own.append(token)
+            if len(own) >= n:
+                self.after.setdefault(tuple(own[-n:]), []).append(len(own))
+
+    def lookup(self, history: list[int], longest: int, prefer: int = -1) -> int:
+        """Where the continuation of `history`'s longest suffix n-gram (at most `longest`
+        tokens) starts in this index's tokens; -1 when its last `n` tokens occur nowhere
+        else. Among equally long matches the one at `prefer` wins, else the latest."""
+        n, own = self.n, self.tokens
+        if len(history) < n:
+            return -1
+        positions = self.after.get(tuple(history[-n:]))
+        if not positions:
+            return -1
+        candidates = list(reversed(positions[-CANDIDATES:]))
+        if n <= prefer < len(own) and own[prefer - n : prefer] == history[-n:]:
+            candidates.insert(0, prefer)
+        best, best_len = -1, 0
+        for position in candidates:
+            if position >= len(own):
+                continue  # nothing follows it (or it is the suffix itself)
+            length = n
+            while (
+                length < longest
+                and length < position
+                and length < len(history)
+                and own[position - length - 1] == history[-length - 1]
+            ):
+                length += 1
+            if length > best_len:
+                best, best_len = position, length
+        return best
+
+
+@dataclass
+class RowProposer:
+    """One sequence's proposals, back-off and counters (engine thread only)."""
+
+    options: SpeculativeOptions
+    lookup: bool  # prompt lookup is configured for the model
+    prediction: list[int] | None = None
+    # (tokens before, new tokens) -> how many new tokens to emit, so that none follows
+    # one that completes a stop string (None: all of them).
+    stop_cut: Callable[[list[int], list[int]], int | None] | None = None
+    proposed: int = 0
+    accepted: int = 0
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
+    misses: int = 0
+    paused_until: int = 0
+    pause: int = FIRST_PAUSE
+    from_prediction: bool = False  # the pending proposal came from the prediction
+    _history: NgramIndex | None = None
+    _predicted: NgramIndex | None = None
+    _predicted_at: int = 1  # where the prediction is expected to continue
+    _proposal_at: int = 0  # where the pending proposal starts in the prediction
+
+    def __post_init__(self) -> None:
+        if self.lookup:
+            self._history = NgramIndex(self.options.ngram_min)
+        if self.prediction:
+            self._predicted = NgramIndex(1)
+            self._predicted.extend(self.prediction)
+
+    @property
+    def active(self) -> bool:
+        return self.lookup or bool(self.prediction)
+
+    def propose(self, history: list[int], room: int, step: int) -> list[int]:
+        """Up to `room` tokens that may follow `history` (the sequence so far: prompt,
+        output and the token about to be decoded)."""
+        if room <= 0 or step < self.paused_until:
+            return []
+        index = self._history
+        if index is not None:
+            index.extend(history[len(index.tokens) :])
+        proposal = self._from_prediction(history, room)
+        self.from_prediction = bool(proposal)
+        if not proposal and index is not None:
+            start = index.lookup(index.tokens, self.options.ngram_max)
+            if start >= 0:
+                proposal = index.tokens[start : start + min(room, self.options.tokens)]
+        return proposal
+
+    def _from_prediction(self, history: list[int], room: int) -> list[int]:
+        predicted = self._predicted
+        if predicted is None or self.prediction is None:
+            return []
+        limit = min(room, self.options.prediction_tokens)
+        start = predicted.lookup(history, self.options.ngram_max, self._predicted_at)
+        if start < 0:
+            return []
+        self._proposal_at = start
+        return self.prediction[start : start + limit]
+
+    def record(self, proposal: list[int], accepted: int, step: int) -> None:
+        """`accepted` of `proposal`'s tokens were emitted."""
+        self.proposed += len(proposal)
+        self.accepted += accepted
+        if self.from_prediction:
+            self.prediction_accepted += accepted
+            self.prediction_rejected += len(proposal) - accepted
+            self._predicted_at = self._proposal_at + accepted + 1
+        if accepted:
+            self.misses, self.pause = 0, FIRST_PAUSE
+            return
+        self.misses += 1
+        if self.misses >= MISSES_BEFORE_PAUSE:
+            self.paused_until = step + self.pause
+            self.pause = min(LONGEST_PAUSE, self.pause * 2)
+            self.misses = 0
+
+
+STOP_CONTEXT = 32  # tokens of the text before that a stop string may start in
+
+
+def stop_cutter(
+    tokenizer: Any, stops: tuple[str, ...]
+) -> Callable[[list[int], list[int]], int | None]:
+    """The `stop_cut` of a request with stop strings: decodes the new tokens one by one
+    after the last STOP_CONTEXT tokens before them."""
+    longest = max(len(stop) for stop in stops)
+
+    def cut(before: list[int], new: list[int]) -> int | None:
+        context = before[-STOP_CONTEXT:]
+        start = max(0, len(tokenizer.decode(context)) - longest + 1)
+        for end in range(1, len(new)):
+            text = tokenizer.decode(context + new[:end])
+            if any(text.find(stop, start) >= 0 for stop in stops):
+                return end
+        return None
+
+    return cut
