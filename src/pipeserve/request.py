@@ -138,5 +138,7 @@ class GenerationRequest:
     # safe by the decoder (api/openai_chat/template_kwargs.py); the pipeline's own kwargs
     # come first.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Predicted output (Chat's `prediction`): the engine proposes tokens from it.
+    prediction: str | None = None
     output_format: OutputFormat | None = None  # structured output (None: free text)
     raw_prompt: RawPrompt | None = None  # set instead of messages by completion protocols

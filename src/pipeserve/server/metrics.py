@@ -72,6 +72,18 @@ class Metrics:
         self.completion_tokens = Counter(
             "pipeserve_completion_tokens", "Generated tokens", ["model"], registry=self.registry
         )
+        self.proposed_tokens = Counter(
+            "pipeserve_speculative_proposed_tokens",
+            "Tokens proposed by speculative decoding (prompt lookup, predictions)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.accepted_tokens = Counter(
+            "pipeserve_speculative_accepted_tokens",
+            "Proposed tokens the model accepted",
+            ["model"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pipeserve_time_to_first_token_seconds",
             "Request start to first output",
@@ -113,6 +125,8 @@ class Metrics:
                     self.prompt_tokens.labels(model).inc(event.prompt_tokens)
                     self.cached_tokens.labels(model).inc(event.cached_tokens)
                     self.completion_tokens.labels(model).inc(event.completion_tokens)
+                    self.proposed_tokens.labels(model).inc(event.proposed_tokens)
+                    self.accepted_tokens.labels(model).inc(event.accepted_tokens)
                 yield event
         finally:
             self.recent.end()

@@ -6,7 +6,8 @@ to the server (generation responses, whose bodies are written after Falcon retur
 LoggedBody then writes it when the server closes that body. Fields (the JSON keys with
 `server.log_format: json`): request_id, method, path, protocol, model, key (the key's
 name, never the key), status, stream, prompt_tokens, completion_tokens, cached_tokens,
-ttft_ms, duration_ms, finish_reason, error, client_disconnected.
+proposed_tokens and accepted_tokens (speculative decoding), ttft_ms, duration_ms,
+finish_reason, error, client_disconnected.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    proposed_tokens: int | None = None  # speculative decoding (None: nothing proposed)
+    accepted_tokens: int | None = None
     ttft_ms: float | None = None
     duration_ms: float | None = None
     finish_reason: str | None = None
@@ -65,6 +68,9 @@ class RequestRecord:
                 self.prompt_tokens = event.prompt_tokens
                 self.completion_tokens = event.completion_tokens
                 self.cached_tokens = event.cached_tokens
+                if event.proposed_tokens:
+                    self.proposed_tokens = event.proposed_tokens
+                    self.accepted_tokens = event.accepted_tokens
             elif isinstance(event, Finish):
                 self.finish_reason = event.reason
             elif isinstance(event, ErrorEvent):
@@ -95,6 +101,8 @@ def human_line(fields: dict[str, Any]) -> str:
             f"tokens={fields['prompt_tokens']}+{fields['completion_tokens']}"
             f" cached={fields['cached_tokens']}"
         )
+    if fields["proposed_tokens"] is not None:
+        parts.append(f"speculative={fields['accepted_tokens']}/{fields['proposed_tokens']}")
     if fields["ttft_ms"] is not None:
         parts.append(f"ttft={fields['ttft_ms']}ms")
     parts.append(f"duration={fields['duration_ms']}ms")

@@ -79,6 +79,10 @@ class GenerateStage:
                 self.params.keepalive_interval or ctx.keepalive_interval or DEFAULT_KEEPALIVE
             ),
             constraint=constraint(ctx, runtime),
+            stop_strings=tuple(request.stop),
+            prediction_token_ids=(
+                encode(runtime.tokenizer, request.prediction) if request.prediction else None
+            ),
         )
         if ctx.dry_run:
             return

@@ -157,6 +157,30 @@ def stop_of(raw: Any) -> list[str]:
     return [s for s in values if s]
 
 
+def prediction_of(raw: Any) -> str | None:
+    """Predicted Outputs: `{"type": "content", "content": text or text parts}`; the
+    engine proposes from the text, so a wrong prediction only costs speed."""
+    if raw is None:
+        return None
+    check(isinstance(raw, dict), "prediction", "expected an object")
+    check(raw.get("type") == "content", "prediction.type", "expected 'content'")
+    content = raw.get("content")
+    if isinstance(content, list):
+        check(
+            all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content),
+            "prediction.content",
+            "expected a string or an array of text parts",
+        )  # fmt: skip
+        content = "".join(p["text"] for p in content)
+    check(
+        isinstance(content, str),
+        "prediction.content",
+        "expected a string or an array of text parts",
+    )
+    return content or None
+
+
 def _refuse_unhonoured(req: ChatRequestIn) -> None:
     """Parameters whose silent omission would give a wrong answer are a 400 naming them."""
     if req.modalities is not None:
@@ -206,6 +230,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         parallel_tool_calls=req.parallel_tool_calls is not False,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         output_format=openai_output_format(req.response_format, "response_format", flat=False),
+        prediction=prediction_of(req.prediction),
     )
 
 

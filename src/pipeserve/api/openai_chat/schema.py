@@ -88,9 +88,10 @@ class ChatRequestIn(OpenAISamplingIn):
     parallel_tool_calls: bool | None = None
     mock_response: str | None = None
     chat_template_kwargs: Any = None  # checked by api/template_kwargs
+    prediction: Any = None  # Predicted Outputs: checked by decode.prediction_of
     # Known fields this server cannot honour: refused when set to anything but a no-op
     # (see _refuse_unhonoured). Other known fields -- user, metadata, store, service_tier,
-    # prediction, verbosity, prompt_cache_key, safety_identifier, web_search_options --
+    # verbosity, prompt_cache_key, safety_identifier, web_search_options --
     # only affect billing, storage, latency or hosted tools and are accepted and ignored.
     response_format: Any = None
     modalities: Any = None
