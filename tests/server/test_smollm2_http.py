@@ -80,3 +80,28 @@ def test_model_sampling_defaults_apply_and_request_values_win(server: str) -> No
     shipped = ask()  # configs/default.yaml: temperature 0, repetition_penalty 1.1
     assert shipped == ask(temperature=0, repetition_penalty=1.1)
     assert shipped != ask(temperature=0, repetition_penalty=1.0)
+
+
+def test_prediction_keeps_the_answer_and_reports_accepted_tokens(server: str) -> None:
+    """Chat's Predicted Outputs: a right prediction is accepted (usage says how much), a
+    wrong one is rejected; the answer is the same either way (greedy, with the shipped
+    repetition penalty, so the row takes the processors' path)."""
+    openai = OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+
+    def ask(prediction: str | None) -> tuple[str | None, object]:
+        extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
+        reply = openai.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, extra_body=extra
+        )
+        return reply.choices[0].message.content, reply.usage
+
+    plain, _ = ask(None)
+    assert plain
+    right, usage = ask(plain)
+    wrong, wrong_usage = ask("SELECT name FROM users WHERE id = 1;")
+    assert right == wrong == plain
+    details = usage.completion_tokens_details  # type: ignore[attr-defined]
+    assert details.accepted_prediction_tokens > 0
+    wrong_details = wrong_usage.completion_tokens_details  # type: ignore[attr-defined]
+    assert wrong_details.accepted_prediction_tokens < details.accepted_prediction_tokens

@@ -1,0 +1,72 @@
+"""options.speculative: what validation accepts, and positioned errors for what it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeserve.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp_path: Path, options: str, extra_model: str = "") -> Path:
+    config = tmp_path / "speculative.yaml"
+    config.write_text(
+        f"pipelines_dir: {REPO / 'pipelines'}\n"
+        "models:\n"
+        "  - name: x\n"
+        "    source: demo:qwen3\n"
+        "    pipeline: qwen3\n"
+        f"    options: {options}\n"
+        f"{extra_model}"
+        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
+    )
+    return config
+
+
+def validate(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["validate", str(config)])
+    return code, capsys.readouterr().err
+
+
+def test_prompt_lookup_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    options = "{speculative: {method: prompt_lookup, tokens: 5, ngram_min: 1, ngram_max: 3}}"
+    assert validate(write_config(tmp_path, options), capsys) == (0, "")
+
+
+SMALL = "  - {name: small, source: 'demo:qwen3', pipeline: qwen3}\n"
+
+
+@pytest.mark.parametrize(
+    ("options", "extra", "where", "message"),
+    [
+        ("{speculative: {method: prompt_lookup, ngram_min: 5, ngram_max: 2}}", "",
+         "models[0].options.speculative", "ngram_min 5 is above ngram_max 2"),
+        ("{speculative: {method: lookahead}}", "",
+         "models[0].options.speculative.method", "prompt_lookup"),
+        ("{speculative: {method: prompt_lookup, tokens: 0}}", "",
+         "models[0].options.speculative.tokens", "greater than or equal to 1"),
+        ("{speculative: {method: draft}}", "",
+         "models[0].options.speculative", "needs `draft`"),
+        ("{speculative: {method: draft, draft: nowhere}}", "",
+         "models[0].options.speculative.draft", "'nowhere' is not a model of this config"),
+        ("{speculative: {method: draft, draft: small, tokens: 3}}", SMALL,
+         "models[0].options.speculative.method", "method draft is not available yet"),
+        ("{sharding: {ranks: 2}, speculative: {method: prompt_lookup}}", "",
+         "models[0].options.speculative", "not available for a sharded model"),
+    ],
+)  # fmt: skip
+def test_refused_with_position_and_reason(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    options: str,
+    extra: str,
+    where: str,
+    message: str,
+) -> None:
+    code, err = validate(write_config(tmp_path, options, extra), capsys)
+    assert code != 0
+    line = next(line for line in err.splitlines() if where in line)
+    assert message in line and ":" in line.split(where)[0], err
