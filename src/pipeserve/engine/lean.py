@@ -9,6 +9,9 @@ constant is subtracted from every entry of a row): this step skips the normalisa
 On MLX's CPU backend the logsumexp over 64 x 151k logits cost several times the
 forward pass of a small model. Any other batch runs mlx-lm's own step unchanged.
 
+A batch whose rows have proposers (engine/proposer.py) may instead take a speculative
+step that verifies proposed tokens (engine/speculative.py).
+
 Built by subclassing (mlx-lm 0.32): the generator's empty generation batch, and every
 batch a finished prefill turns into (from its first step on), are `LeanGenerationBatch`.
 """

@@ -98,9 +98,9 @@ class RowProposer:
             self._predicted = NgramIndex(1)
             self._predicted.extend(self.prediction)
 
-    @property
-    def active(self) -> bool:
-        return self.lookup or bool(self.prediction)
+    def ready(self, step: int) -> bool:
+        """Whether it may propose at this step (configured, and not backing off)."""
+        return (self.lookup or bool(self.prediction)) and step >= self.paused_until
 
     def propose(self, history: list[int], room: int, step: int) -> list[int]:
         """Up to `room` tokens that may follow `history` (the sequence so far: prompt,

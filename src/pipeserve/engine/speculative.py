@@ -55,8 +55,8 @@ def speculative_next(
     if not count or count > max_rows or not rollable(batch.prompt_cache):
         return None
     rows = [proposers.get(uid) for uid in batch.uids]
-    if not any(row is not None and row.active for row in rows):
-        return None
+    if not any(row is not None and row.ready(step) for row in rows):
+        return None  # without waiting for the next tokens: the ordinary step overlaps
     mx.eval(batch._next_tokens)
     inputs: list[int] = batch._next_tokens.tolist()
     proposals = [
