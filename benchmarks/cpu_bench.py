@@ -62,6 +62,7 @@ class LlamaWorker:
         self.llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)  # fmt: skip
         self.loaded = rss_bytes()
+        self.arrays = 0
         self.bias = {token: -1e9 for token in eos}
 
     def single(self, ids: list[int], tokens: int) -> dict[str, float]:
@@ -86,7 +87,7 @@ class LlamaWorker:
 class PipeserveWorker:
     def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
         sys.path.insert(0, str(REPO))
-        import mlx.core  # noqa: F401  (libraries loaded before the baseline, as for llama)
+        import mlx.core  # libraries loaded before the baseline, as for llama
         import mlx_lm  # noqa: F401
 
         from pipeserve.config.models import EngineOptions, ModelEntry
@@ -97,6 +98,7 @@ class PipeserveWorker:
         entry = ModelEntry(name="smollm2", source=gguf, pipeline="chatml", options=options)
         self.runtime = build_runtime(entry)
         self.loaded = rss_bytes()
+        self.arrays = mlx.core.get_active_memory()  # the weights as MLX holds them
         self.gguf = gguf
 
     def _job(self, ids: list[int], tokens: int) -> Any:
@@ -210,7 +212,8 @@ def serve_worker(kind: str, gguf: str, threads: int, eos: list[int]) -> None:
         command = json.loads(line)
         op = command.pop("op")
         if op == "rss":
-            result: Any = {"rss": rss_bytes(), "baseline": worker.baseline, "loaded": worker.loaded}
+            result: Any = {"rss": rss_bytes(), "baseline": worker.baseline,
+                           "loaded": worker.loaded, "arrays": worker.arrays}  # fmt: skip
         else:
             result = getattr(worker, op)(**command)
         print(json.dumps(result), file=out, flush=True)
@@ -362,8 +365,9 @@ def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
     size = gguf.stat().st_size
     print(f"\nmedians over {args.rounds} alternating rounds, {args.tokens} tokens per stream, "
           f"{args.threads} threads; ratio = contestant / llama.cpp")  # fmt: skip
-    print("| contestant | TTFT s | decode tok/s | agg tok/s | RSS MB loaded (x GGUF) | after |")
-    print("|---|---|---|---|---|---|")
+    print("| contestant | TTFT s | decode tok/s | agg tok/s | RSS MB loaded (x GGUF) | after "
+          "| MLX arrays MB (x GGUF) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for c in contestants:
         cell = results[c.name]
         ttft, decode = statistics.median(cell["ttft"]), statistics.median(cell["decode"])
@@ -375,7 +379,8 @@ def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
             f"| {c.name} | {ttft:.3f} ({ttft / statistics.median(base['ttft']):.2f}x) "
             f"| {decode:.1f} ({decode / statistics.median(base['decode']):.2f}x) "
             f"| {agg:.1f} ({agg / statistics.median(base['decode']):.2f}x llama single) "
-            f"| {loaded / 1e6:.0f} ({loaded / size:.2f}x) | {after / 1e6:.0f} |"
+            f"| {loaded / 1e6:.0f} ({loaded / size:.2f}x) | {after / 1e6:.0f} "
+            f"| {memory['arrays'] / 1e6:.0f} ({memory['arrays'] / size:.2f}x) |"
         )
     print(f"GGUF file: {size / 1e6:.0f} MB")
 
