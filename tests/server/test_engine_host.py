@@ -224,7 +224,7 @@ def test_reload_adds_a_model_to_the_engine_host(two_workers: Server) -> None:
     base, master, path = two_workers
     echo = (
         "  - {name: echo, source: 'demo:qwen3', pipeline: qwen3, engine: replay,"
-        " load: on_demand, replay: {completion: 'Hello from the engine host'}}\n"
+        " load: on_demand, keep_alive: 2, replay: {completion: 'Hello from the engine host'}}\n"
     )
     path.write_text(path.read_text().replace("endpoints:", echo + "endpoints:"))
     os.kill(master, signal.SIGHUP)
@@ -240,3 +240,6 @@ def test_reload_adds_a_model_to_the_engine_host(two_workers: Server) -> None:
     assert answer.choices[0].message.content == "Hello from the engine host"
     wait_for(lambda: state(base, "echo") == "loaded", "both workers to see it loaded")
     assert chat(base, PROMPTS[0])["finish_reason"] == "length"  # demo kept serving
+    # keep_alive: the host's reaper unloads the idle on_demand model (the demo stays)
+    wait_for(lambda: state(base, "echo") == "not-loaded", "the host to unload idle echo")
+    assert state(base, "demo") == "loaded"

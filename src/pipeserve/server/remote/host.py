@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("engine host: loading the models failed")
         return 1
+    models.fleet.start_reaper()  # keep_alive of the models loaded on demand
     gevent.spawn(watch, args.parent, stop, models)
     serve(args.socket, models, stop)
     log.info("engine host %d: stopping", os.getpid())
