@@ -183,6 +183,7 @@ class PeerSequence:
         self.completion_tokens = 0
         self.submitted_at = time.monotonic()
         self.cached_on_rank0 = cached_on_rank0
+        self.proposer: Any = None  # the batch reads it; ranks never speculate
 
     def ready(self, courier: Any, cached_tokens: int = 0) -> None:
         expected = self.cached_on_rank0
