@@ -101,7 +101,9 @@ def stream_once(
 ) -> dict[str, float]:
     body: dict[str, Any] = {
         "model": "bench",
-        "messages": [{"role": "user", "content": f"[{next(_tags)}] {prompt}"}],
+        # A new tag at the end: the file's prefix is cached (as an agent's resent
+        # context is), each answer decoded afresh.
+        "messages": [{"role": "user", "content": f"{prompt} [{next(_tags)}]"}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -171,7 +173,7 @@ def main() -> int:
     parser.add_argument("--shape", default="smollm2", choices=["small", "qwen3-0.6b", "smollm2"])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--lookup-tokens", type=int, default=4)
+    parser.add_argument("--lookup-tokens", type=int, default=3)
     parser.add_argument("--blas-threads", default="", help="OPENBLAS_NUM_THREADS ('' = default)")
     args = parser.parse_args()
     home = pipeserve_home()
@@ -179,7 +181,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pipeserve-spec-bench-"))
     env = bench_environment(home, args.blas_threads)
     base = {"max_batch": 8, "queue_size": 64}
-    spec = {**base, "speculative": f"{{method: prompt_lookup, tokens: {args.lookup_tokens}}}"}
+    spec = {
+        **base,
+        "speculative": f"{{method: prompt_lookup, tokens: {args.lookup_tokens}, max_batch: 8}}",
+    }
     servers = [
         start_pipeserve(model_dir, work, env, base, pipeline, name="without"),
         start_pipeserve(model_dir, work, env, spec, pipeline, name="with"),

@@ -41,7 +41,9 @@ CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 STOP = "return"
 CANCEL_AFTER = 3  # steps
-PROMPT_LOOKUP = SpeculativeOptions(method="prompt_lookup", tokens=4, prediction_tokens=4)
+PROMPT_LOOKUP = SpeculativeOptions(
+    method="prompt_lookup", tokens=4, prediction_tokens=4, max_batch=8
+)
 
 
 class Model:
