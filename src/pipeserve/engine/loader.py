@@ -136,7 +136,8 @@ def _kernel_layout(model: Any, name: str) -> bool:
 
 
 def _fuse_cpu_ops(model: Any, name: str) -> None:
-    """On the CPU with the native kernels: RMSNorm and RoPE as one op each."""
+    """On the CPU with the native kernels: RMSNorm, RoPE and decode attention as one op
+    each (float32 models too, once the kernels are built)."""
     import mlx.core as mx
 
     from pipeserve.engine.cpu_kernels import kernels
@@ -144,7 +145,7 @@ def _fuse_cpu_ops(model: Any, name: str) -> None:
 
     if mx.default_device() != mx.cpu:
         return
-    ext = kernels()
+    ext = kernels(build=False)  # built by a quantized model's load, or earlier
     if ext is not None:
         log.info(
             "%s: %d norm / RoPE layers run as one CPU op each", name, use_fused_ops(model, ext)

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -37,12 +38,28 @@
 namespace pipeserve {
 
 // ---------------------------------------------------------------------------
-// Thread pool. A call is cut into chunks that threads claim one at a time (one
-// atomic word: the call's generation and the next chunk), the calling thread
-// included: on a busy machine where a worker is not scheduled, the caller simply
-// does every chunk itself instead of waiting for it. Workers spin briefly between
+// Thread pool. A call is cut into chunks that threads claim one at a time (an atomic
+// counter of the call's own), the calling thread included: on a busy machine where a
+// worker is not scheduled, the caller simply does every chunk itself instead of
+// waiting for it. Each call's counters live in their own shared object, so a worker
+// that wakes late can never touch another call's count. Workers spin briefly between
 // calls (a decode step issues its matmuls microseconds apart), then sleep.
 // ---------------------------------------------------------------------------
+
+struct Call {
+  const std::function<void(int)>* job;
+  int chunks;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+};
+
+// Claims and runs chunks of `call` until none is left.
+void drain(Call& call) {
+  for (int i = call.next.fetch_add(1); i < call.chunks; i = call.next.fetch_add(1)) {
+    (*call.job)(i);
+    call.done.fetch_add(1, std::memory_order_release);
+  }
+}
 
 class Pool {
  public:
@@ -52,10 +69,10 @@ class Pool {
     }
   }
   ~Pool() {
-    stop_.store(true);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      state_.fetch_add(uint64_t{1} << 32);
+      stop_ = true;
+      generation_.fetch_add(1);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
@@ -72,76 +89,61 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> turn(call_mu_);
-    job_.store(&job);
-    chunks_.store(chunks);
-    done_.store(0);
-    uint64_t generation = (state_.load() >> 32) + 1;
+    auto call = std::make_shared<Call>();
+    call->job = &job;
+    call->chunks = chunks;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      state_.store(generation << 32);
+      current_ = call;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     if (sleeping_.load() > 0) wake_.notify_all();
-    int mine = drain(generation, job, chunks);
-    done_.fetch_add(mine);
-    for (int spin = 0; done_.load(std::memory_order_acquire) != chunks; ++spin) {
+    drain(*call);
+    for (int spin = 0; call->done.load(std::memory_order_acquire) != chunks; ++spin) {
       if (spin < 64) {
         _mm_pause();
       } else {
         std::this_thread::yield();  // a preempted worker holds a chunk
       }
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    current_.reset();
   }
 
  private:
-  // Claims and runs chunks of `generation` until none is left; returns how many.
-  int drain(uint64_t generation, const std::function<void(int)>& job, int chunks) {
-    int count = 0;
-    uint64_t state = state_.load();
-    while ((state >> 32) == generation && static_cast<int>(state & 0xffffffffu) < chunks) {
-      if (state_.compare_exchange_weak(state, state + 1)) {
-        job(static_cast<int>(state & 0xffffffffu));
-        ++count;
-        state = state_.load();
-      }
-    }
-    return count;
-  }
-
   void work() {
     uint64_t seen = 0;
-    while (!stop_.load()) {
-      uint64_t state = state_.load(std::memory_order_acquire);
-      for (int spin = 0; (state >> 32) == seen && spin < 4000; ++spin) {
+    while (true) {
+      uint64_t now = generation_.load(std::memory_order_acquire);
+      for (int spin = 0; now == seen && spin < 4000; ++spin) {
         _mm_pause();
-        state = state_.load(std::memory_order_acquire);
+        now = generation_.load(std::memory_order_acquire);
       }
-      if ((state >> 32) == seen) {
+      std::shared_ptr<Call> call;
+      {
         std::unique_lock<std::mutex> lock(mu_);
-        sleeping_.fetch_add(1);
-        wake_.wait(lock, [&] { return (state_.load() >> 32) != seen || stop_.load(); });
-        sleeping_.fetch_sub(1);
-        continue;
+        if (generation_.load() == seen) {
+          sleeping_.fetch_add(1);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleeping_.fetch_sub(1);
+        }
+        if (stop_) return;
+        seen = generation_.load();
+        call = current_;
       }
-      seen = state >> 32;
-      const auto* job = job_.load();
-      const int chunks = chunks_.load();
-      // The generation may have moved on meanwhile: drain() then claims nothing.
-      const int count = drain(seen, *job, chunks);
-      if (count > 0) done_.fetch_add(count, std::memory_order_release);
+      if (call) drain(*call);
     }
   }
 
   int threads_;
   std::vector<std::thread> workers_;
-  std::mutex mu_;
+  std::mutex mu_;  // guards current_, stop_ and the sleep
   std::mutex call_mu_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk
-  std::atomic<const std::function<void(int)>*> job_{nullptr};
-  std::atomic<int> chunks_{0};
-  std::atomic<int> done_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::shared_ptr<Call> current_;
   std::atomic<int> sleeping_{0};
-  std::atomic<bool> stop_{false};
+  bool stop_ = false;
 };
 
 static Pool* pool_ = nullptr;
@@ -620,7 +622,7 @@ mx::array affine_qmm(
     int group_size,
     int bits,
     mx::StreamOrDevice s) {
-  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "runs on the CPU only");
   check(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
   check(group_size % 32 == 0 && group_size > 0, "group_size must be a multiple of 32");

@@ -76,13 +76,24 @@ def build_key(isa: str) -> str:
     return f"mlx{mx.__version__}-{isa}-{tag}-{digest.hexdigest()[:12]}"
 
 
+def _target(home: Path) -> tuple[Path, tuple[str, ...]]:
+    isa, flags = instruction_set(cpu_flags())
+    return home / "cpu-kernels" / build_key(isa), flags
+
+
+def cached_module(home: Path) -> Path | None:
+    """The compiled extension for this MLX and CPU if it is built already."""
+    existing = sorted(_target(home)[0].glob(f"{MODULE}*.so"))
+    return existing[0] if existing else None
+
+
 def built_module(home: Path) -> Path:
     """The compiled extension for this MLX and CPU, building it first when missing."""
-    isa, flags = instruction_set(cpu_flags())
-    target = home / "cpu-kernels" / build_key(isa)
-    existing = sorted(target.glob(f"{MODULE}*.so"))
-    if existing:
-        return existing[0]
+    cached = cached_module(home)
+    if cached is not None:
+        return cached
+    target, flags = _target(home)
+    isa = instruction_set(cpu_flags())[0]
     missing = missing_tools()
     if missing:
         raise BuildError(f"no {' or '.join(missing)} on PATH")

@@ -243,7 +243,7 @@ class Sdpa : public mx::Primitive {
 }  // namespace
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
-  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("rms_norm runs on the CPU only");
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32) fail("rms_norm: float32 only");
   if (weight.ndim() != 1 || x.ndim() < 1 || weight.shape(0) != x.shape(-1)) {
@@ -260,7 +260,7 @@ mx::array rope(
     float scale,
     const mx::array& offset,
     mx::StreamOrDevice s) {
-  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("rope runs on the CPU only");
   if (x.dtype() != mx::float32) fail("rope: float32 only");
   if (x.ndim() != 4) fail("rope: x must be (B, H, L, D)");
@@ -286,7 +286,7 @@ mx::array sdpa(
     float scale,
     const std::optional<mx::array>& mask,
     mx::StreamOrDevice s) {
-  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("sdpa runs on the CPU only");
   for (const auto* a : {&q, &k, &v}) {
     if (a->dtype() != mx::float32 || a->ndim() != 4) fail("sdpa: float32 (B, H, L, D) inputs");
