@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pipeserve.config.models import ServerConfig
-from pipeserve.server.console.config_view import REDACTED, redact_keys
+from pipeserve.server.console.config_view import REDACTED, redact_secrets
 from pipeserve.server.console.recent import BUCKET_SECONDS, RecentActivity
 from tests.server.serverproc import REPO, server_process
 
@@ -83,10 +83,31 @@ def test_api_keys_are_redacted_from_the_yaml_shown() -> None:
             "endpoints": [{"route": "/v1/chat/completions", "api": "openai-chat"}],
         }
     )
-    shown = redact_keys(text, config)
+    shown = redact_secrets(text, config)
     assert "sk-" not in shown
     assert shown.count(REDACTED) == 3
     assert shown.startswith("server:\n  api_keys:\n")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://pipeserve:pw%40Secret-1@db.internal:5432/pipeserve",
+        "postgresql://pipeserve@db.internal/pipeserve?sslmode=require&password=pw%40Secret-1",
+    ],
+)
+def test_the_store_password_is_redacted_from_the_yaml_shown(url: str) -> None:
+    text = f"server:\n  responses_store: {{url: '{url}'}}\n"
+    config = ServerConfig.model_validate(
+        {
+            "server": {"responses_store": {"url": url}},
+            "models": [{"name": "r", "source": "x", "pipeline": "p"}],
+            "endpoints": [{"route": "/v1/chat/completions", "api": "openai-chat"}],
+        }
+    )
+    shown = redact_secrets(text, config)
+    assert "Secret" not in shown
+    assert shown.count(REDACTED) == 1 and "db.internal" in shown
 
 
 def test_live_buckets_carry_in_flight_and_give_ttft_percentiles() -> None:

@@ -42,6 +42,9 @@ log = logging.getLogger("pipeserve.cluster")
 PEER_MODULE = "pipeserve.engine.sharding.peer"
 ADDRESS = r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$"
 MAX_BODY = 4 << 20
+# Seconds a connection may stay silent: without a limit every idle connection from
+# anyone on the LAN (no token needed to connect) holds one of the agent's threads forever.
+IDLE_TIMEOUT = 30.0
 STOP_GRACE = 3.0
 REAP_INTERVAL = 0.5
 
@@ -245,6 +248,7 @@ def free_port() -> int:
 class NodeHandler(BaseHTTPRequestHandler):
     agent: NodeAgent  # set on the subclass made by serve_node
     protocol_version = "HTTP/1.0"
+    timeout = IDLE_TIMEOUT
 
     def do_GET(self) -> None:
         if not self._authorized():
@@ -263,7 +267,10 @@ class NodeHandler(BaseHTTPRequestHandler):
         if self.path != "/v1/node/ranks":
             self._answer(404, {"error": "not found"})
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        length = _content_length(self.headers.get("Content-Length"))
+        if length is None:
+            self._answer(400, {"error": "a Content-Length (a whole number) is needed"})
+            return
         if length > MAX_BODY:
             self._answer(413, {"error": "assignment too large"})
             return
@@ -312,6 +319,14 @@ class NodeHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
+
+
+def _content_length(header: str | None) -> int | None:
+    try:
+        length = int(header or "")
+    except ValueError:
+        return None
+    return length if length >= 0 else None
 
 
 @dataclass

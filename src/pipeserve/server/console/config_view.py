@@ -1,5 +1,5 @@
-"""What the console's Config view shows: the YAML the server runs, with API keys
-redacted, and the outcome of the last reload (written by the gunicorn master, which
+"""What the console's Config view shows: the YAML the server runs, with API keys and
+the response store's database password redacted, and the outcome of the last reload (written by the gunicorn master, which
 validates reloads, into a file beside its config snapshot; read by the workers)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pipeserve.config.models import ServerConfig
 
@@ -27,14 +28,24 @@ class ConfigSource:
     reload_status: Path | None = None  # the master's last reload outcome (JSON), if any
 
 
-def redact_keys(text: str, config: ServerConfig) -> str:
-    """The text with every configured API key replaced (keys are never shown)."""
-    secrets = sorted(
-        (entry.key.get_secret_value() for entry in config.server.api_keys), key=len, reverse=True
-    )
-    for secret in secrets:
+def redact_secrets(text: str, config: ServerConfig) -> str:
+    """The text with every configured API key and the store's password replaced."""
+    keys = [entry.key.get_secret_value() for entry in config.server.api_keys]
+    for secret in sorted([*keys, *store_passwords(config)], key=len, reverse=True):
         text = text.replace(secret, REDACTED)
     return "\n".join(_redact_key_lines(text.split("\n"), config))
+
+
+def store_passwords(config: ServerConfig) -> list[str]:
+    """The password of a PostgreSQL `responses_store.url` (`user:pw@` or `?password=`),
+    as written in the URL (the docs advise PGPASSWORD, but a URL may still carry one)."""
+    store = config.server.responses_store
+    url = store.url if store else None
+    if not url:
+        return []
+    parts = urlsplit(url)
+    query = [v for k, _, v in (p.partition("=") for p in parts.query.split("&")) if k == "password"]
+    return [pw for pw in [parts.password, *query] if pw]
 
 
 def _redact_key_lines(lines: list[str], config: ServerConfig) -> Iterable[str]:
@@ -90,7 +101,7 @@ def read_reload_status(path: Path | None) -> dict[str, Any] | None:
 def config_view(source: ConfigSource, config: ServerConfig) -> dict[str, Any]:
     return {
         "path": source.path,
-        "text": redact_keys(source.text, config),
+        "text": redact_secrets(source.text, config),
         "pipelines": [
             {"name": name, "path": path, "text": text} for name, path, text in source.pipelines
         ],
