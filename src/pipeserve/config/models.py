@@ -176,7 +176,7 @@ class PrefixCacheOptions(Strict):
 
 
 class ShardingOptions(Strict):
-    """One model across several processes / machines over mx.distributed (README: Sharding)."""
+    """One model across several processes / machines over mx.distributed (docs/sharding.md)."""
 
     strategy: Literal["tensor", "pipeline"] = Field(
         "tensor",
