@@ -5,15 +5,15 @@ one of the agent's threads forever. Real sockets on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from pipeserve.cluster.node import IDLE_TIMEOUT, NodeAgent, NodeHandler
+from pipeserve.cluster.node import IDLE_TIMEOUT, NodeAgent, NodeHandler, NodeServer
 
 TOKEN = "node-api-test-token-0123456789"
 
@@ -22,8 +22,7 @@ TOKEN = "node-api-test-token-0123456789"
 def node(tmp_path: Path) -> Iterator[int]:
     agent = NodeAgent(TOKEN, "default", None, tmp_path)
     handler = type("Handler", (NodeHandler,), {"agent": agent})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
+    server = NodeServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield int(server.server_address[1])
     server.shutdown()
@@ -69,3 +68,21 @@ def test_an_idle_connection_is_dropped(node: int, monkeypatch: pytest.MonkeyPatc
     with socket.create_connection(("127.0.0.1", node), timeout=30) as sock:
         sock.sendall(b"GET /v1/node HTTP/1.0\r\n")  # then nothing more
         assert sock.recv(65536) == b""  # closed by the agent, no answer
+
+
+def test_a_peer_that_leaves_is_no_traceback(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = NodeServer(("127.0.0.1", 0), NodeHandler)
+    bug = ValueError("a bug")
+    try:
+        for error in (BrokenPipeError(32, "Broken pipe"), bug):
+            try:
+                raise error
+            except Exception:
+                server.handle_error(None, ("192.0.2.7", 40000))
+    finally:
+        server.server_close()
+    assert capsys.readouterr().err == ""
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.exc_info[1] for r in failures if r.exc_info] == [bug]

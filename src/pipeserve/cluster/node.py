@@ -321,6 +321,18 @@ class NodeHandler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.client_address[0], *args)
 
 
+class NodeServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that went away is a debug line: anyone on the LAN may connect and leave
+        (the default printed a traceback to stderr each time); anything else is logged."""
+        if isinstance(sys.exc_info()[1], OSError):
+            log.debug("node API: %s went away: %s", client_address[0], sys.exc_info()[1])
+        else:
+            log.exception("node API: a request from %s failed", client_address[0])
+
+
 def _content_length(header: str | None) -> int | None:
     try:
         length = int(header or "")
@@ -351,8 +363,7 @@ def serve_node(settings: NodeSettings, token: str | None) -> int:
         token = None
     agent = NodeAgent(token, settings.cluster, settings.memory, settings.models)
     handler = type("Handler", (NodeHandler,), {"agent": agent})
-    server = ThreadingHTTPServer((settings.host, settings.port), handler)
-    server.daemon_threads = True
+    server = NodeServer((settings.host, settings.port), handler)
     port = int(server.server_address[1])
     threading.Thread(target=agent.reap_forever, daemon=True).start()
     announcement = None
