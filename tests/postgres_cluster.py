@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests.system import system_missing
 
 USER = "pipeserve"
 PASSWORD = "pipeserve-test-secret"
@@ -125,9 +125,9 @@ def _owner() -> str | None:
     try:
         pwd.getpwnam("postgres")
     except KeyError:
-        pytest.skip("PostgreSQL tests: running as root and there is no `postgres` user")
+        system_missing("PostgreSQL tests: running as root and there is no `postgres` user")
     if shutil.which("runuser") is None:
-        pytest.skip("PostgreSQL tests: running as root without runuser")
+        system_missing("PostgreSQL tests: running as root without runuser")
     return "postgres"
 
 
@@ -135,7 +135,7 @@ def _owner() -> str | None:
 def start_cluster() -> Iterator[Cluster]:
     bindir = pg_bindir()
     if bindir is None:
-        pytest.skip("PostgreSQL tests: initdb not found (install the `postgresql` package)")
+        system_missing("PostgreSQL tests: initdb not found (install the `postgresql` package)")
     owner = _owner()
     folder = Path(tempfile.mkdtemp(prefix="pipeserve-pg-"))
     cluster = Cluster(bindir, folder, free_port(), owner)

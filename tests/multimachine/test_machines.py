@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.multimachine.harness import missing, run_pytest_in_private_netns
+from tests.system import system_missing
 
 pytestmark = [pytest.mark.multimachine]
 INNER = Path(__file__).parent / "inner"
@@ -20,7 +21,7 @@ FILES = sorted(p.name for p in INNER.glob("test_*.py"))
 def test_in_private_network_namespace(name: str) -> None:
     reason = missing()
     if reason:
-        pytest.skip(f"cannot emulate machines: {reason}")
+        system_missing(f"cannot emulate machines: {reason}")
     result = run_pytest_in_private_netns(["-q", "-s", "-rfE", str(INNER / name)], timeout=900)
     print(result.stdout[-20000:], result.stderr[-5000:])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.system import system_missing
 
 CHROMIUM = os.environ.get("PIPESERVE_CHROMIUM", "/usr/bin/chromium")
 ARGS = [
@@ -28,11 +28,11 @@ VIEWPORT = {"width": 1280, "height": 800}
 def browser_or_skip() -> Iterator[Any]:
     """A launched Chromium (closed afterwards), or a skip saying what is missing."""
     if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)")
+        system_missing(f"no Chromium at {CHROMIUM} (apt-get install chromium; .ci/run does)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+        system_missing("playwright is not installed (pip install -e '.[test]')")
     executable = CHROMIUM if Path(CHROMIUM).exists() else str(shutil.which("chromium"))
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, args=ARGS)
