@@ -69,3 +69,18 @@ class ContextLengthError(ApiError):
         )
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+
+
+class LoadRefused(RuntimeError):
+    """A model cannot be loaded now for a reason its message says in full (a sharded
+    model's machines are unreachable or too small): logged as one line, no traceback."""
+
+
+def refused_load(exc: BaseException) -> LoadRefused | None:
+    """The LoadRefused that caused `exc` (a load failure wraps its reason), if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, LoadRefused):
+            return seen
+        seen = seen.__cause__
+    return None

@@ -4,6 +4,7 @@ so the logits must equal the plain model's bit for bit)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,63 @@ def test_placement_takes_the_most_ranks_the_shapes_allow(
 ) -> None:
     from pipeserve.config.models import ShardingOptions
     from pipeserve.engine.demo_families import FAMILIES
-    from pipeserve.engine.sharding.placement import _most_ranks
+    from pipeserve.engine.sharding.placement import Fit
 
     options = ShardingOptions(strategy=strategy, split=split)  # type: ignore[arg-type]
-    count, got_split, _ = _most_ranks(options, dict(FAMILIES["qwen3"].config), usable, 2)
-    assert (count, got_split) == expected
+    fit = Fit(options, dict(FAMILIES["qwen3"].config), None, 2)
+    hosts = [{"ssh": f"m{i + 1}"} for i in range(usable)]
+    chosen, got_split, _ = fit.most_ranks(hosts, [None] * usable)
+    assert (len(chosen), got_split) == expected
+
+
+def test_placement_leaves_out_machines_without_room_for_a_rank() -> None:
+    """Each rank's share (here 100 bytes over the ranks) must fit the machine's
+    MemAvailable; a machine that did not say is not checked."""
+    from pipeserve.config.models import ShardingOptions
+    from pipeserve.engine.demo_families import FAMILIES
+    from pipeserve.engine.sharding.placement import Fit, _available
+
+    fit = Fit(ShardingOptions(strategy="pipeline"), dict(FAMILIES["qwen3"].config),
+              lambda count: 100 // count, 3)  # fmt: skip
+    hosts = [{"ssh": "m1"}, {"ssh": "m2"}, {"ssh": "m3"}]
+    chosen, _, _ = fit.most_ranks(hosts, [1000, 40, 60])  # 2 ranks: 50 bytes each
+    assert [h["ssh"] for h in chosen] == ["m1", "m3"]
+    chosen, _, _ = fit.most_ranks(hosts, [1000, None, 60])
+    assert [h["ssh"] for h in chosen] == ["m1", "m2"]
+    for memory in ([1000, 40, 45], [10, 1000, 1000]):  # too small: the others, rank 0's
+        chosen, _, why = fit.most_ranks(hosts, memory)
+        assert chosen == [] and "not enough memory: 2 ranks need" in why, why
+    assert _available("MemTotal: 9 kB\nMemAvailable:    2048 kB\n") == 2 << 20
+    assert _available("") is None
+
+
+def test_a_failed_placement_ends_its_engine_thread_and_logs_no_traceback(
+    tmp_path: Path, demo_model_dir: Any, demo_tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A placement that cannot happen (host 1 does not answer over ssh: nothing listens
+    for it on loopback, or it refuses a batch-mode login) raises with the reason; the
+    engine thread it started ends instead of parking, and nothing logs a traceback."""
+    import shutil
+    import threading
+
+    from pipeserve.config.models import EngineOptions, ShardingOptions
+    from pipeserve.engine.sharding.engine import ShardedEngine
+    from pipeserve.errors import refused_load
+
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client installed")
+    hosts = tmp_path / "hosts.json"
+    loopback = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2
+    hosts.write_text(json.dumps({"hosts": loopback}))
+    sharding = ShardingOptions(strategy="pipeline", hostfile=str(hosts))
+    options = EngineOptions(sharding=sharding)
+    name = "unplaceable"
+    with pytest.raises(RuntimeError) as caught:
+        ShardedEngine(name, demo_model_dir("qwen3"), demo_tokenizer("qwen3"), options)
+    assert refused_load(caught.value) is not None
+    assert "cannot place the model on 1 of 2 machines" in str(caught.value)
+    engine_threads = [t for t in threading.enumerate() if t.name == f"pipeserve-engine-{name}"]
+    for thread in engine_threads:
+        thread.join(timeout=30)
+    assert not [t for t in engine_threads if t.is_alive()]
+    assert not [r for r in caplog.records if r.exc_info], caplog.text

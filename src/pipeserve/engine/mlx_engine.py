@@ -39,7 +39,7 @@ from pipeserve.engine.channel import (
 from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.sequence import Sequence
 from pipeserve.engine.stream import EngineStream
-from pipeserve.errors import ApiError
+from pipeserve.errors import ApiError, refused_load
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -158,7 +158,8 @@ class MlxEngine(AlwaysHealthy):
         try:
             batch = self._new_batch(self._load_model())
         except BaseException as exc:  # reported to the constructor's caller
-            log.exception("model %s failed to load", self.name)
+            if refused_load(exc) is None:
+                log.exception("model %s failed to load", self.name)
             self._load_error = exc
             self._loaded.set()
             self._stopped.set()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pipeserve.engine.base import Engine, GenerationJob, TokenStream
 from pipeserve.engine.channel import OsThreadHost
-from pipeserve.errors import ApiError
+from pipeserve.errors import ApiError, refused_load
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
 from pipeserve.gevent_support import gevent_patched
 
@@ -158,7 +158,8 @@ class ManagedEngine:
         try:
             self.engine = run_off_hub(start)
         except Exception as exc:  # a model that cannot load: its requests get the reason
-            log.exception("model %s failed to load", self.name)
+            if refused_load(exc) is None:  # else the caller reports the reason (one line)
+                log.exception("model %s failed to load", self.name)
             self.state = "unloaded"
             self.load_error = ApiError("unavailable", f"model {self.name} failed to load: {exc}")
             raise self.load_error from exc

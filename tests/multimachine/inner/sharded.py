@@ -11,6 +11,8 @@ the issue's notes, never asserted.
 from __future__ import annotations
 
 import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +31,7 @@ SHARD_HOST = "pipeserve.server.remote.host"
 PROMPTS = ["Say hello", "Write a haiku about the sea", "Count to ten"]
 STEP_TIMEOUT = 10.0
 WAIT = 240.0  # generous bound of every "eventually" below (not a timing assertion)
+TOKEN_LIKE = re.compile(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")  # the group's token
 
 
 def write_config(tmp: Path, cluster: Cluster, strategy: str) -> Path:
@@ -96,12 +99,12 @@ def health(base: str) -> tuple[int, float]:
     return status, time.monotonic() - started
 
 
-def wait_until(check: Any, message: str, timeout: float = WAIT) -> float:
+def wait_until(check: Any, message: str, timeout: float = WAIT, poll: float = 0.5) -> float:
     """Poll `check` until true; returns when (monotonic) it became true."""
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, message
-        time.sleep(0.5)
+        time.sleep(poll)
     return time.monotonic()
 
 
@@ -128,6 +131,36 @@ def ranks(cluster: Cluster) -> dict[int, Machine]:
             if PEER_MODULE in line and not line.split()[0].endswith("ssh"):
                 found[pid] = machine
     return found
+
+
+def secrets_in_listings(cluster: Cluster) -> list[str]:
+    """Processes on any machine that show the group's secret token: on their command line
+    (what `ps` shows anyone) its name or a word shaped like it (32 hex digits), in their
+    environment (`ps e`) its name."""
+    found = []
+    for machine in cluster.machines:
+        for pid in machine.pids():
+            try:
+                line = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:  # ended meanwhile
+                continue
+            if b"PIPESERVE_SHARD_TOKEN" in line + environ or TOKEN_LIKE.search(line):
+                found.append(f"{machine.name} pid {pid}: {line[:200]!r}")
+    return found
+
+
+def stop_while_placing(cluster: Cluster, base: str, stop: Any) -> None:
+    """Kill the remote rank, stop the server once the next placement has started a rank
+    but not finished (503): nothing is left on any machine, no error is logged."""
+    (victim,) = ranks(cluster)
+    os.kill(victim, signal.SIGKILL)
+
+    def placing() -> bool:
+        return any(p != victim for p in ranks(cluster)) and health(base)[0] == 503
+
+    wait_until(placing, "no placement followed the loss", poll=0.1)
+    stop_cleanly(cluster, base, stop)
 
 
 def rank0(cluster: Cluster) -> int:

@@ -1,6 +1,7 @@
 """A pipeline-sharded model over machines: equal to unsharded, each rank on its own
-machine with the same BLAS, a SIGKILLed and a SIGSTOPped remote rank recovered without
-restarting the server, and a normal stop that leaves nothing and logs no error."""
+machine with the same BLAS, the group's token in no process listing, a SIGKILLed and a
+SIGSTOPped remote rank recovered without restarting the server, and a stop while the
+model is being placed again that leaves nothing on any machine and logs no error."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from tests.multimachine.inner.sharded import (
     measure,
     rank0,
     ranks,
+    secrets_in_listings,
     served_again,
     sharded_server,
-    stop_cleanly,
+    stop_while_placing,
 )
 from tests.server.serverproc import stop
 
@@ -43,13 +45,15 @@ def test_pipeline_over_machines(cluster: Cluster, tmp_path: Path, demo_tokenizer
         assert len(first) == 1 and machine is m2  # m1 + the first machine that answers
         assert cluster.machine_of(rank0(cluster)) is m1 and m1.inode() != m2.inode()
         assert blas_of(peer) == blas_of(rank0(cluster)) == "openblas"
+        assert not secrets_in_listings(cluster), secrets_in_listings(cluster)
         eos = sorted(demo_tokenizer("qwen3").eos_token_ids)
         for how in (signal.SIGKILL, signal.SIGSTOP):
             victim = next(iter(ranks(cluster)))
             lost_rank_recovers(client, base, victim, how, eos, reference)
             assert not alive(victim)
             assert all(m is m2 for m in ranks(cluster).values())  # m2 answers: used again
-        stop_cleanly(cluster, base, lambda: stop(proc))
+        assert not secrets_in_listings(cluster), secrets_in_listings(cluster)
+        stop_while_placing(cluster, base, lambda: stop(proc))
     assert not m3.pids() or m3.pids() == [m3.sshd.pid if m3.sshd else -1]
 
 

@@ -1,7 +1,8 @@
 """A tensor-sharded model over machines: equal to unsharded; a link cut mid-stream ends
 the stream with an error event and the model serves again on the remaining machine; a
 long cut of every other machine leaves the model unavailable (503 with the reason,
-the other model serving) until the links return; no rank of a lost group survives."""
+the other model serving, placement retries logged without tracebacks) until the links
+return; no rank of a lost group survives."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.multimachine.inner.sharded import (
     client_for,
     endless,
     health,
+    log_since,
+    log_size,
     measure,
     ranks,
     served_again,
@@ -68,7 +71,7 @@ def test_tensor_over_machines(cluster: Cluster, tmp_path: Path, demo_tokenizer: 
         ((old, _),) = ranks(cluster).items()
         m2.cut()
         m3.cut()
-        cut = time.monotonic()
+        cut, offset = time.monotonic(), log_size(base)
         slowest = 0.0
         try:
             wait_until(lambda: health(base)[0] == 503, "the loss went unnoticed", 120)
@@ -86,6 +89,8 @@ def test_tensor_over_machines(cluster: Cluster, tmp_path: Path, demo_tokenizer: 
             m2.restore()
             m3.restore()
         back = time.monotonic()
+        retries = log_since(base, offset)  # a failed placement: one line, no traceback
+        assert "is unavailable: cannot place the model" in retries and "Traceback" not in retries
         measure("long cut: slowest /health", slowest)
         measure(
             "long cut: served again after the links returned",

@@ -62,6 +62,14 @@ class ShardedEngine(MlxEngine):
         )
         self._stats["shard_ranks"] = options.sharding.size if options.sharding else 1
 
+    def _run(self) -> None:
+        """A load that failed before this thread joined a group lets the thread end (it ran
+        no MLX, so none of the thread-exit trouble MlxEngine._park avoids): a shard host
+        retrying its placement keeps no thread per failed attempt."""
+        self._serve()
+        if self._load_error is None or group_joined():
+            self._park()
+
     @property
     def healthy(self) -> bool:
         return self.group.healthy

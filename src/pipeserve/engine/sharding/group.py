@@ -43,6 +43,7 @@ from pipeserve.engine.channel import os_lock, start_os_thread
 from pipeserve.engine.sharding.control import ChannelClosed, Connection, os_sleep, os_socket_class
 from pipeserve.engine.sharding.placement import Placement, place
 from pipeserve.engine.sharding.procs import reap, spawn
+from pipeserve.errors import LoadRefused
 
 log = logging.getLogger("pipeserve.sharding")
 
@@ -54,6 +55,8 @@ PEER_MODULE = "pipeserve.engine.sharding.peer"
 # What a remote rank inherits from rank 0's environment (a local rank inherits it all):
 # the BLAS preload (pipeserve.blas), MLX's and OpenBLAS's settings, pipeserve's home and
 # log level; never secrets (API keys, the cluster token): ssh's command line is public.
+# The group's settings and secret token go to every rank as one line on its stdin
+# (`settings_line`), never on a command line or in an environment.
 REMOTE_ENV_PREFIXES = ("MLX_", "OPENBLAS_", "OMP_")
 REMOTE_ENV_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PIPESERVE_BLAS_APPLIED",
                     "PIPESERVE_HOME", "PIPESERVE_LOG_LEVEL")  # fmt: skip
@@ -61,6 +64,7 @@ SSH_OPTIONS = ["-o", "LogLevel=QUIET", "-o", "BatchMode=yes", "-o", "ConnectTime
                "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"]  # fmt: skip
 REMOTE_KILL_TRIES = 8
 _GROUP_JOINED = False  # this process entered mx.distributed.init: no other group, ever
+_STARTED: list[RankGroup] = []  # every group this process started (few: one a placement)
 
 
 def group_joined() -> bool:
@@ -68,7 +72,7 @@ def group_joined() -> bool:
     return _GROUP_JOINED
 
 
-class GroupLost(RuntimeError):
+class GroupLost(LoadRefused):
     """The group cannot go on (a rank died, hung or broke the protocol)."""
 
 
@@ -79,6 +83,7 @@ class Peer:
     ssh_host: str | None = None
     remote_pid: int | None = None
     conn: Connection | None = None
+    stdin: int | None = None  # the write end of the rank's stdin: closing it ends the rank
 
 
 class RankGroup:
@@ -105,6 +110,7 @@ class RankGroup:
         self._ring_file: str | None = None
         self._listener: Any = None
         self._deadline = time.monotonic() + self.sharding.start_timeout
+        _STARTED.append(self)
 
     # -- start ---------------------------------------------------------------------
 
@@ -116,7 +122,7 @@ class RankGroup:
         self._listen(where.control_ip)
         self._write_ring(where.ring)
         for rank in range(1, len(where.ring)):
-            self.peers.append(self._spawn(rank, where))
+            self._spawn(rank, where)
         start_os_thread(self._watch, name=f"pipeserve-shard-watch-{self.name}")
         self._accept_all()
         return self._join(len(where.ring))
@@ -150,9 +156,9 @@ class RankGroup:
             json.dump(ring, f)
         self._ring_file = path
 
-    def _peer_env(self, rank: int, ring: list[list[str]]) -> dict[str, str]:
+    def _settings(self, ring: list[list[str]]) -> dict[str, str]:
+        """What a rank reads from its stdin (peer.py): the token and the group's settings."""
         return {
-            "MLX_RANK": str(rank),
             "PIPESERVE_SHARD_RING": json.dumps(ring),
             "PIPESERVE_SHARD_CONTROL": self._control,
             "PIPESERVE_SHARD_TOKEN": self._token,
@@ -162,28 +168,44 @@ class RankGroup:
         }
 
     def _spawn(self, rank: int, place: Placement) -> Peer:
-        extra = self._peer_env(rank, place.ring)
+        if self._phase != "starting":  # stopped (the shard host is leaving) or lost
+            raise GroupLost(self.reason if self._phase == "lost" else "the group was stopped")
+        labels = [f"--model={self.name}", f"--rank={rank}", "--settings=stdin"]
         host = place.ssh_hosts[rank]
-        if host is None:
-            env = {**os.environ, **extra, "PIPESERVE_SHARD_PARENT": str(os.getpid())}
-            env["MLX_HOSTFILE"] = self._ring_file or ""
-            argv = [sys.executable, "-m", PEER_MODULE, f"--model={self.name}", f"--rank={rank}"]
-            pid = spawn(sys.executable, argv, env)
-        else:
-            pid = self._spawn_ssh(host, {**remote_environment(), **extra})
+        read_end, write_end = os.pipe()
+        try:
+            if host is None:
+                env = {
+                    **os.environ,
+                    "MLX_RANK": str(rank),
+                    "PIPESERVE_SHARD_PARENT": str(os.getpid()),
+                }
+                env["MLX_HOSTFILE"] = self._ring_file or ""
+                argv = [sys.executable, "-m", PEER_MODULE, *labels]
+                pid = spawn(sys.executable, argv, env, stdin=read_end)
+            else:
+                pid = self._spawn_ssh(host, {**remote_environment(), "MLX_RANK": str(rank)},
+                                      labels, read_end)  # fmt: skip
+        finally:
+            os.close(read_end)
+        peer = Peer(rank, pid, host, stdin=write_end)
+        self.peers.append(peer)
+        os.write(write_end, settings_line(self._settings(place.ring)))
         log.info("model %s: rank %d started, pid %d%s", self.name, rank, pid,
                  f" (ssh {host})" if host else "")  # fmt: skip
-        return Peer(rank, pid, host)
+        return peer
 
-    def _spawn_ssh(self, host: str, extra: dict[str, str]) -> int:
-        """As mlx.launch: same Python and working folder on the remote host."""
+    def _spawn_ssh(self, host: str, extra: dict[str, str], labels: list[str], stdin: int) -> int:
+        """As mlx.launch: same Python and working folder on the remote host; no terminal
+        (it would echo the settings line), so the rank ends at its stdin's end instead."""
         ssh = shutil.which("ssh")
         if ssh is None:
             raise GroupLost("ssh is not installed: remote ranks are started over ssh")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
-        command = f"cd {shlex.quote(os.getcwd())} && exec env {env} {shlex.quote(sys.executable)} -m {PEER_MODULE}"
-        argv = [ssh, "-tt", *SSH_OPTIONS, host, command]
-        return spawn(ssh, argv, dict(os.environ))
+        python = shlex.quote(sys.executable)
+        command = f"cd {shlex.quote(os.getcwd())} && exec env {env} {python} -m {PEER_MODULE} {shlex.join(labels)}"
+        argv = [ssh, "-T", *SSH_OPTIONS, host, command]
+        return spawn(ssh, argv, dict(os.environ), stdin=stdin)
 
     def _accept_all(self) -> None:
         """Each rank connects and says hello (rank, pid, token) before joining the ring."""
@@ -335,10 +357,24 @@ class RankGroup:
         for peer in self.peers:
             if peer.conn is not None:
                 peer.conn.close()
+            _close_stdin(peer)
         if self._listener is not None:
             self._listener.close()
         if self._ring_file:
             Path(self._ring_file).unlink(missing_ok=True)
+
+    def abandon(self) -> None:
+        """A group still starting when its process leaves: kill what it started, on every
+        machine, at once (no close: the ranks may not be listening yet)."""
+        with self._lock:
+            if self._phase != "starting":
+                return
+            self._phase = "stopped"
+            self._lost = True  # remote ranks are killed over ssh too
+        log.info("model %s: stopping a placement in progress", self.name)
+        self._kill_all()
+        for peer in self.peers:
+            _close_stdin(peer)
 
     def _kill_all(self) -> None:
         """SIGKILL every other rank; remote ones over ssh too, when the group was lost or
@@ -354,6 +390,25 @@ class RankGroup:
     def _reap(self) -> None:
         for peer in self.peers:
             _waitpid(peer.pid)
+
+
+def abandon_starting_groups() -> None:
+    """Before this process exits: no rank of a placement in progress may outlive it."""
+    for group in list(_STARTED):
+        group.abandon()
+
+
+def settings_line(settings: dict[str, str]) -> bytes:
+    return json.dumps(settings).encode() + b"\n"
+
+
+def _close_stdin(peer: Peer) -> None:
+    if peer.stdin is not None:
+        fd, peer.stdin = peer.stdin, None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _alive(pid: int) -> bool:

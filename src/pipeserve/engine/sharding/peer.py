@@ -1,6 +1,9 @@
 """A rank other than 0 of a sharded model: `python -m pipeserve.engine.sharding.peer`.
 
-Started by rank 0 (group.py) with its settings in the environment. It connects to rank
+Started by rank 0 (group.py) with its settings and the group's secret token as one JSON
+line on its stdin (`--settings=stdin`; a cluster node's ranks get them in their
+environment), never on a command line: `ps` shows those on every machine. It ends when
+its stdin does (rank 0, or the ssh session that started it, is gone). It connects to rank
 0's control channel, joins the mx.distributed group, loads its share of the weights and
 then replays rank 0's batch log step by step (lockstep.py) until rank 0 closes the
 group or goes away. Any error ends the process: rank 0 sees the exit and gives the
@@ -28,6 +31,29 @@ PR_SET_PDEATHSIG = 1
 SILENCE = 15.0  # seconds past the allowed step or start time before a rank gives up
 
 log = logging.getLogger("pipeserve.sharding")
+SETTINGS: dict[str, str] = {}  # PIPESERVE_SHARD_* from stdin
+
+
+def setting(name: str) -> str:
+    """A PIPESERVE_SHARD_* setting: from rank 0's line on stdin, else the environment."""
+    return SETTINGS[name] if name in SETTINGS else os.environ[name]
+
+
+def read_settings() -> None:
+    """Rank 0's settings line; then a thread ends this rank when stdin ends."""
+    line = sys.stdin.buffer.readline()
+    if not line.endswith(b"\n"):
+        os._exit(1)  # rank 0 went away before it sent them
+    SETTINGS.update(json.loads(line))
+    threading.Thread(target=_exit_at_end_of_stdin, daemon=True, name="stdin-watch").start()
+
+
+def _exit_at_end_of_stdin() -> None:
+    while sys.stdin.buffer.read(4096):
+        pass
+    log.info("rank 0 closed this rank's stdin; exiting")
+    logging.shutdown()
+    os._exit(0)
 
 
 def die_with_parent() -> None:
@@ -67,24 +93,28 @@ class CoordinatorWatch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__).parse_known_args(argv)  # labels for ps
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--settings", choices=["stdin", "environment"], default="environment")
+    args, _labels = parser.parse_known_args(argv)  # --model, --rank: labels for ps
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(
         level=os.environ.get("PIPESERVE_LOG_LEVEL", "info").upper(),
         format=f"%(asctime)s %(levelname)s rank {os.environ.get('MLX_RANK')} %(name)s: %(message)s",
     )
+    if args.settings == "stdin":
+        read_settings()
     from pipeserve.engine.sharding.control import Connection, os_socket_class
 
-    host, port = os.environ["PIPESERVE_SHARD_CONTROL"].rsplit(":", 1)
+    host, port = setting("PIPESERVE_SHARD_CONTROL").rsplit(":", 1)
     sock = os_socket_class()()
     sock.connect((host, int(port)))
     conn = Connection(sock)
     rank = int(os.environ["MLX_RANK"])
-    options = json.loads(os.environ["PIPESERVE_SHARD_OPTIONS"]).get("sharding") or {}
+    options = json.loads(setting("PIPESERVE_SHARD_OPTIONS")).get("sharding") or {}
     watch = CoordinatorWatch(float(options.get("start_timeout", 300.0)) + SILENCE)
     threading.Thread(target=watch.run, daemon=True, name="coordinator-watch").start()
-    conn.send_json({"rank": rank, "pid": os.getpid(), "token": os.environ["PIPESERVE_SHARD_TOKEN"]})
+    conn.send_json({"rank": rank, "pid": os.getpid(), "token": setting("PIPESERVE_SHARD_TOKEN")})
     try:
         return serve_rank(conn, rank, watch)
     except Exception as exc:
@@ -105,17 +135,17 @@ def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
     from pipeserve.engine.sharding.lockstep import PeerBatch, replay
 
     assert isinstance(conn, Connection)
-    options = EngineOptions.model_validate_json(os.environ["PIPESERVE_SHARD_OPTIONS"])
+    options = EngineOptions.model_validate_json(setting("PIPESERVE_SHARD_OPTIONS"))
     assert options.sharding is not None
     if not os.environ.get("MLX_HOSTFILE"):
         fd, path = tempfile.mkstemp(prefix="pipeserve-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            f.write(os.environ["PIPESERVE_SHARD_RING"])
+            f.write(setting("PIPESERVE_SHARD_RING"))
         os.environ["MLX_HOSTFILE"] = path
     group = mx.distributed.init(strict=True, backend=options.sharding.backend)
-    model = load_shard(Path(os.environ["PIPESERVE_SHARD_MODEL_DIR"]), options, group)
+    model = load_shard(Path(setting("PIPESERVE_SHARD_MODEL_DIR")), options, group)
     total, layers = weight_bytes(model)
-    grammar = grammar_compiler(Path(os.environ["PIPESERVE_SHARD_MODEL_DIR"]))
+    grammar = grammar_compiler(Path(setting("PIPESERVE_SHARD_MODEL_DIR")))
     conn.send_json({"rank": rank, "weight_bytes": total, "layer_weight_bytes": layers})
     kind, seed = conn.recv_obj()
     if kind != "start":

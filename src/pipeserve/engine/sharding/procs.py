@@ -23,10 +23,19 @@ def unpatched_os(name: str) -> Any:
     return getattr(os, name)
 
 
-def spawn(path: str, argv: list[str], env: dict[str, str]) -> int:
+def spawn(
+    path: str,
+    argv: list[str],
+    env: dict[str, str],
+    stdin: int | None = None,
+    stdout: int | None = None,
+) -> int:
     """Start a process in a session of its own (a signal to pipeserve's process group,
-    a Ctrl-C or a service manager's SIGTERM, does not reach it)."""
-    return int(unpatched_os("posix_spawn")(path, argv, env, setsid=True))
+    a Ctrl-C or a service manager's SIGTERM, does not reach it); `stdin`, `stdout`: file
+    descriptors it gets as those (else this process's)."""
+    actions = [(os.POSIX_SPAWN_DUP2, fd, target)
+               for fd, target in ((stdin, 0), (stdout, 1)) if fd is not None]  # fmt: skip
+    return int(unpatched_os("posix_spawn")(path, argv, env, file_actions=actions, setsid=True))
 
 
 def reap(pid: int) -> int | None:

@@ -353,6 +353,9 @@ def serve_sharded(args: argparse.Namespace, models: HostedModels, stop: gevent.e
     serve(args.socket, models, stop)
     log.info("shard host %d: stopping", os.getpid())
     models.fleet.close()
+    from pipeserve.engine.sharding.group import abandon_starting_groups
+
+    abandon_starting_groups()
     return 0
 
 
