@@ -5,8 +5,12 @@ model is being placed again that leaves nothing on any machine and logs no error
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,3 +80,46 @@ def lost_rank_recovers(
     measure(f"{name}: /health answered 503 in", seconds)
     assert answer(client, "plain", PROMPTS[0]) == reference  # the other model serves
     measure(f"{name}: served again after", served_again(client, reference) - lost)
+
+
+PLACE = """
+import sys
+from pathlib import Path
+from pipeserve.config.models import ShardingOptions
+from pipeserve.engine.sharding.group import SSH_OPTIONS
+from pipeserve.engine.sharding.placement import PlacementError, place
+options = ShardingOptions(strategy="pipeline", hostfile=sys.argv[1])
+try:
+    print("placed", place(options, Path(sys.argv[2]), SSH_OPTIONS)[1].ranks)
+except PlacementError as exc:
+    print("refused", exc)
+"""
+
+
+def test_placement_checks_each_machines_memory(
+    cluster: Cluster, tmp_path: Path, demo_model_dir: Any
+) -> None:
+    """The placement's ssh probe reads every machine's MemAvailable: the demo model fits;
+    one whose layers (safetensors header: 1 PiB each) fit nowhere is refused with the
+    memory each rank needs and what each machine has."""
+    m1 = cluster.machines[0]
+    hosts = cluster.hostfile(cluster.machines, tmp_path / "hosts.json")
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    shutil.copy(demo_model_dir("qwen3") / "config.json", huge / "config.json")
+    header = {f"model.layers.{i}.w": {"dtype": "F32", "shape": [1 << 48],
+              "data_offsets": [i << 50, (i + 1) << 50]} for i in range(2)}  # fmt: skip
+    text = json.dumps(header).encode()
+    (huge / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+
+    def place_in_m1(model_dir: Path) -> str:
+        argv = [sys.executable, "-c", PLACE, str(hosts), str(model_dir)]
+        done = m1.run(argv, env=cluster.env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert place_in_m1(demo_model_dir("qwen3")) == "placed 2"
+    refused = place_in_m1(huge)
+    assert refused.startswith("refused cannot place the model on 3 of 3 machines"), refused
+    assert "not enough memory: 2 ranks need 1073741824 MiB each" in refused, refused
+    assert all(f"{m.name} " in refused.split("available:")[1] for m in cluster.machines)
