@@ -190,7 +190,10 @@ class RankGroup:
             os.close(read_end)
         peer = Peer(rank, pid, host, stdin=write_end)
         self.peers.append(peer)
-        os.write(write_end, settings_line(self._settings(place.ring)))
+        try:
+            os.write(write_end, settings_line(self._settings(place.ring)))
+        except OSError:  # the rank has already exited: the watch reports it
+            pass
         log.info("model %s: rank %d started, pid %d%s", self.name, rank, pid,
                  f" (ssh {host})" if host else "")  # fmt: skip
         return peer
