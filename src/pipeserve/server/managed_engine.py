@@ -23,7 +23,7 @@ from pipeserve.engine.base import Engine, GenerationJob, TokenStream
 from pipeserve.engine.channel import OsThreadHost
 from pipeserve.errors import ApiError, refused_load
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
-from pipeserve.gevent_support import gevent_patched
+from pipeserve.gevent_support import apply_in_pool, gevent_patched
 
 if TYPE_CHECKING:
     from pipeserve.server.fleet import Fleet
@@ -35,11 +35,12 @@ DEFAULT_WAIT_PING = 5.0
 
 def run_off_hub(fn: Callable[[], Any]) -> Any:
     """Run a blocking call (loading weights, joining an engine thread) on a real OS thread,
-    so that under gevent only the calling greenlet waits, not the whole worker."""
+    so that under gevent only the calling greenlet waits, not the whole worker; its
+    exception is raised here only (gevent's pool would also print its traceback)."""
     if gevent_patched():
         import gevent
 
-        return gevent.get_hub().threadpool.apply(fn)
+        return apply_in_pool(gevent.get_hub().threadpool, fn)
     return fn()
 
 
