@@ -175,6 +175,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lookup-tokens", type=int, default=3)
     parser.add_argument("--blas-threads", default="", help="OPENBLAS_NUM_THREADS ('' = default)")
+    parser.add_argument(
+        "--no-pause",
+        action="store_true",
+        help="leave the idle server running instead of SIGSTOPping it (an idle engine sleeps)",
+    )
     args = parser.parse_args()
     home = pipeserve_home()
     model_dir, pipeline = bench_model(args.shape, home)
@@ -200,6 +205,8 @@ def main() -> int:
     try:
         for server in servers:
             stream_once(server.base, CHAT, 8)
+            if args.no_pause:
+                server.pause = server.resume  # type: ignore[method-assign]
             server.pause()
         for r in range(args.rounds):
             for workload in WORKLOADS:

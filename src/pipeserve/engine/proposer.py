@@ -4,9 +4,10 @@ Prompt lookup: the longest n-gram (ngram_max down to ngram_min tokens) that ends
 sequence and also occurs earlier in it (prompt or output) proposes the tokens that
 followed its latest such occurrence. A prediction (Chat's `prediction`) is searched the
 same way, down to a single token (preferring the place where the last accepted proposal
-left off), and is tried first. Each row backs off on its own: after MISSES_BEFORE_PAUSE proposals in a
-row of which nothing was accepted it stops proposing for a while, twice as long each
-time it fails again, so open-ended text costs (almost) nothing.
+left off), and is tried first. Each row backs off on its own: after MISSES_BEFORE_PAUSE
+steps in a row where it had nothing to propose or nothing of its proposal was accepted,
+it stops proposing for a while, twice as long each time it fails again, so open-ended
+text costs (almost) nothing.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class RowProposer:
             start = index.lookup(index.tokens, self.options.ngram_max)
             if start >= 0:
                 proposal = index.tokens[start : start + min(room, self.options.tokens)]
+        if not proposal:
+            # Nothing to propose counts as a miss too: a row that has nothing lets the
+            # batch take the ordinary step, which overlaps the next pass with this one.
+            self._miss(step)
         return proposal
 
     def _from_prediction(self, history: list[int], room: int) -> list[int]:
@@ -140,6 +145,9 @@ class RowProposer:
         if accepted:
             self.misses, self.pause = 0, FIRST_PAUSE
             return
+        self._miss(step)
+
+    def _miss(self, step: int) -> None:
         self.misses += 1
         if self.misses >= MISSES_BEFORE_PAUSE:
             self.paused_until = step + self.pause
