@@ -1,10 +1,12 @@
 """Which weight layout a model runs with (`options.dtype`), chosen at load time.
 
 On the CPU, MLX's quantized matmul is slower than a float32 matmul through OpenBLAS
-(SmolLM2-135M Q4_1 here: about 6 tok/s quantized, 11 tok/s as float32), so `auto`
-dequantizes quantized layers to float32 on the CPU and keeps them quantized on a GPU,
-where quantized kernels are the fast path. `quantized` keeps whatever the folder
-stores; a float type casts every weight (dequantizing first).
+(SmolLM2-135M Q4_1 here: about 6 tok/s quantized, 11 tok/s as float32), so `auto` on
+the CPU keeps quantized layers quantized only for pipeserve's native kernels
+(engine/cpu_kernels, applied by the loader) and otherwise dequantizes them to float32;
+on a GPU, where quantized kernels are the fast path, it keeps them. `quantized` keeps
+whatever the folder stores (MLX's own layers); a float type casts every weight
+(dequantizing first).
 """
 
 from __future__ import annotations
