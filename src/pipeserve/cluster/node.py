@@ -163,34 +163,29 @@ class NodeAgent:
             if job.state != "fetching":  # stopped while fetching
                 return
             argv = [sys.executable, "-m", PEER_MODULE, f"--model={assignment.model}",
-                    f"--rank={assignment.rank}"]  # fmt: skip
+                    f"--rank={assignment.rank}", "--settings=stdin"]  # fmt: skip
             try:
-                job.process = subprocess.Popen(argv, env=self._rank_env(assignment, folder))
+                job.process = subprocess.Popen(argv, env=self._rank_env(assignment),
+                                               stdin=subprocess.PIPE)  # fmt: skip
             except OSError as exc:
                 job.state, job.detail = "failed", f"starting the rank: {exc}"
                 return
+            send_settings(job.process, rank_settings(assignment, folder))
             job.state = "running"
         log.info("assignment %s: rank %d started, pid %d", job.id, assignment.rank, job.process.pid)
 
-    def _rank_env(self, assignment: Assignment, folder: Path) -> dict[str, str]:
+    def _rank_env(self, assignment: Assignment) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         env.pop("MLX_HOSTFILE", None)
-        env.update(
-            MLX_RANK=str(assignment.rank),
-            PIPESERVE_SHARD_RING=json.dumps(assignment.ring),
-            PIPESERVE_SHARD_CONTROL=assignment.control,
-            PIPESERVE_SHARD_TOKEN=assignment.group_token,
-            PIPESERVE_SHARD_MODEL_DIR=str(folder),
-            PIPESERVE_SHARD_OPTIONS=assignment.options.model_dump_json(),
-            PIPESERVE_SHARD_NAME=assignment.model,
-            PIPESERVE_SHARD_PARENT=str(os.getpid()),
-        )
+        env.update(MLX_RANK=str(assignment.rank), PIPESERVE_SHARD_PARENT=str(os.getpid()))
         return env
 
     def _refresh(self, job: RankJob) -> None:
         if job.state == "running" and job.process is not None:
             code = job.process.poll()
             if code is not None:
+                if job.process.stdin is not None:
+                    job.process.stdin.close()
                 job.state, job.detail = "exited", f"exit code {code}"
                 log.info("assignment %s: rank %d exited (%d)", job.id, job.assignment.rank, code)
 
@@ -395,3 +390,26 @@ def _announced(host: str, found: list[str]) -> list[str]:
     if not found:
         raise SystemExit("pipeserve node: no network address to announce (use --advertise)")
     return found
+
+
+def rank_settings(assignment: Assignment, folder: Path) -> dict[str, str]:
+    """What the rank reads from its stdin (peer.py): the group's token and settings, never
+    in its environment or on its command line, where a process listing shows them."""
+    return {
+        "PIPESERVE_SHARD_RING": json.dumps(assignment.ring),
+        "PIPESERVE_SHARD_CONTROL": assignment.control,
+        "PIPESERVE_SHARD_TOKEN": assignment.group_token,
+        "PIPESERVE_SHARD_MODEL_DIR": str(folder),
+        "PIPESERVE_SHARD_OPTIONS": assignment.options.model_dump_json(),
+        "PIPESERVE_SHARD_NAME": assignment.model,
+    }
+
+
+def send_settings(process: subprocess.Popen[bytes], settings: dict[str, str]) -> None:
+    """One line on the rank's stdin, left open: the rank ends when this process does."""
+    assert process.stdin is not None
+    try:
+        process.stdin.write(json.dumps(settings).encode() + b"\n")
+        process.stdin.flush()
+    except OSError:  # the rank exited already: its state says so
+        pass

@@ -27,6 +27,7 @@ import pytest
 from pipeserve.engine.demo import pipeserve_home, write_demo_model
 from pipeserve.engine.demo_families import QWEN3
 from tests.multimachine.harness import Cluster, Machine, wait_port
+from tests.multimachine.inner.sharded import secrets_in_listings
 from tests.server.serverproc import REPO, pipeserve_command, server_process
 
 pytestmark = [pytest.mark.multimachine, pytest.mark.sharded, pytest.mark.server]
@@ -145,6 +146,8 @@ def test_tensor_over_nodes_named_by_address_equals_unsharded(
             # each node lacked the model: it fetched it from m1 and checked every sha256
             assert "model.safetensors" in rank["files"]["fetched"]
             assert rank["files"]["sha256_checked"] is True
+        # the group's token reached each node's rank on its stdin: in no process listing
+        assert not secrets_in_listings(machines), secrets_in_listings(machines)
 
 
 def test_a_node_without_the_token_refuses_and_a_wrong_token_is_refused(
