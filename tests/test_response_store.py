@@ -338,11 +338,17 @@ def test_workers_share_one_store_per_setting(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- PostgreSQL only
 
 
-def test_postgres_down_is_unavailable_and_the_store_reconnects(postgres: Cluster) -> None:
+def test_postgres_down_is_unavailable_and_the_store_reconnects(
+    postgres: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
     """The database stops: calls fail within their bounds (StoreUnavailable, a 503 to
-    clients); once it is back the same store works again without being reopened."""
+    clients that does not say where the database is; the log says it once per outage);
+    once it is back the same store works again without being reopened."""
+    from pipeserve.api.openai_responses.state import store_fault
+
     store = postgres_backend(postgres).new_store(lock_timeout=0.5)
     store.save(response("resp_up", "x"), [], None)
+    caplog.set_level("WARNING", logger="pipeserve.store")
     postgres.stop()
     try:
         with pytest.raises(StoreUnavailable):
@@ -352,6 +358,11 @@ def test_postgres_down_is_unavailable_and_the_store_reconnects(postgres: Cluster
         assert "last attempt: connection to server at" in str(down.value)  # libpq's reason
     finally:
         postgres.start()
+    fault = store_fault(down.value)
+    assert fault.default_status == 503 and fault.retry_after == 1
+    assert fault.message == "the response store is unavailable; retry later"
+    logged = [r.getMessage() for r in caplog.records if r.name == "pipeserve.store"]
+    assert len(logged) == 1 and f"127.0.0.1:{postgres.port}" in logged[0], logged
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -363,6 +374,8 @@ def test_postgres_down_is_unavailable_and_the_store_reconnects(postgres: Cluster
             time.sleep(0.2)
     assert store.get("resp_up") is not None and store.get("resp_back") is not None
     assert store.get("resp_down") is None
+    back = [r.getMessage() for r in caplog.records if "can be reached again" in r.getMessage()]
+    assert len(back) == 1, caplog.records
 
 
 def test_postgres_size_counter_follows_every_change(postgres: Cluster) -> None:

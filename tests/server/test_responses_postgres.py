@@ -27,7 +27,7 @@ from openai.types.responses import Response
 
 from tests.postgres_cluster import PASSWORD, Cluster
 from tests.server.scenarios import QWEN3
-from tests.server.serverproc import pipeserve_command, running_server
+from tests.server.serverproc import pipeserve_command, running_server, server_log
 from tests.server.store_servers import store_config
 from tests.server.test_vercel_ai_sdk import run_the_sdk, serve_recorded_requests
 
@@ -174,7 +174,7 @@ def test_postgres_stopped_mid_run_then_back(shared: Shared, tmp_path: Path) -> N
         with running_server(server_config(tmp_path / "c", shared.cluster), {"PGPASSWORD": PASSWORD}) as c_base:  # fmt: skip
             bases = [*shared.bases, c_base]
             for base in bases:
-                check_outage(base, kept.id)
+                check_outage(base, kept.id, shared.cluster)
             shared.cluster.start()
             for base in bases:
                 wait_until_stored(base)
@@ -182,9 +182,11 @@ def test_postgres_stopped_mid_run_then_back(shared: Shared, tmp_path: Path) -> N
         if not cluster_up(shared.cluster):
             shared.cluster.start()
     assert b.responses.retrieve(kept.id).output_text == kept.output_text
+    for base in bases:
+        check_outage_logged_once(base, shared.cluster)
 
 
-def check_outage(base: str, kept_id: str) -> None:
+def check_outage(base: str, kept_id: str, cluster: Cluster) -> None:
     ask = {"model": MODEL, "mock_response": QWEN3.reasoning}
     for method, path, body in (
         ("GET", f"/v1/responses/{kept_id}", {}),
@@ -195,14 +197,25 @@ def check_outage(base: str, kept_id: str) -> None:
     ):
         status, answer = status_of(base, method, path, **body)
         assert status == 503, (method, path, answer)
-        assert (
-            answer["error"]["type"]
-            and "response store is unavailable" in answer["error"]["message"]
-        )
+        message = answer["error"]["message"]
+        assert answer["error"]["type"] and "response store is unavailable" in message
+        # Where the database is (user, host, port, libpq's reason) stays in the log.
+        assert str(cluster.port) not in message and "127.0.0.1" not in message, message
     status, answer = status_of(base, "POST", "/v1/responses", **ask, input="Hi")
     assert status == 200 and answer["store"] is False and answer["status"] == "completed"
     status, answer = status_of(base, "POST", "/v1/responses", **ask, input="Hi", store=False)
     assert status == 200 and answer["store"] is False
+
+
+def check_outage_logged_once(base: str, cluster: Cluster) -> None:
+    """The server's log names the database and libpq's reason once for the outage (not per
+    request, nor the password), and says once that it is back."""
+    log = server_log(base).read_text()
+    down = [line for line in log.splitlines() if "the response store cannot be reached (" in line]
+    assert len(down) == 1, down
+    assert f"@127.0.0.1:{cluster.port}/" in down[0]
+    assert PASSWORD not in log and "error connecting" not in log  # nor each pool attempt
+    assert log.count("can be reached again") == 1, log[-4000:]
 
 
 def wait_until_stored(base: str, attempts: int = 120) -> None:

@@ -8,7 +8,6 @@ config asks for it, and never in the gunicorn master (see check_store_in_child).
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ from pipeserve.store.base import (
 )
 from pipeserve.store.sqlite_store import SqliteStore
 
-log = logging.getLogger("pipeserve.store")
 DEFAULT_FILE = "responses.sqlite3"
 
 
@@ -75,7 +73,7 @@ def worker_response_store(server: ServerSection, config_dir: Path) -> ResponseSt
         try:
             store.open_checked(deep=False)
         except StoreUnavailable as exc:
-            log.warning("the response store cannot be reached now (%s); retrying by itself", exc)
+            store.note_unavailable(exc)
         _OPENED[key] = store
     return _OPENED[key]
 

@@ -14,6 +14,7 @@ their driver's errors into the exceptions below, which are all callers see.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from functools import cache
 from typing import Any, ClassVar, Literal, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("pipeserve.store")
 
 # The chain of previous_response_id links from one response back to the first (bounded).
 CHAIN_CTE = """
@@ -96,6 +98,7 @@ class ResponseStore(ABC):
         self.max_age = max_age_days * 86400.0
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
+        self._outage = False  # its start is logged, its end not yet
 
     # ------------------------------------------------------------ the backend's part
 
@@ -132,6 +135,33 @@ class ResponseStore(ABC):
     @abstractmethod
     def _delete_one(self, conn: Any, response_id: str) -> bool: ...
 
+    # ------------------------------------------------------------ outages
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`_run`, logging when the database becomes unreachable and when it is back."""
+        try:
+            result = self._run(fn, *args)
+        except StoreBusy:
+            raise
+        except StoreUnavailable as exc:
+            self.note_unavailable(exc)
+            raise
+        if self._outage:
+            self._outage = False
+            log.warning("the response store %s can be reached again", self.where)
+        return result
+
+    def note_unavailable(self, exc: StoreUnavailable) -> None:
+        """Log why the database cannot be reached, once per outage (clients get a bare 503
+        without it: it names the database's user, host and port)."""
+        if not self._outage:
+            self._outage = True
+            log.warning(
+                "the response store cannot be reached (%s); requests that need it get a 503"
+                " until it is back (retried by itself)",
+                exc,
+            )
+
     # ------------------------------------------------------------ public calls
 
     def save(
@@ -141,29 +171,29 @@ class ResponseStore(ABC):
         previous_id: str | None,
     ) -> None:
         """Store a response (its `output` as items) with its own input items."""
-        self._run(self._save, response, list(input_items), previous_id)
+        self._call(self._save, response, list(input_items), previous_id)
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         """The stored Response object with its output, None when unknown or expired."""
-        return self._run(self._get, response_id)
+        return self._call(self._get, response_id)
 
     def delete(self, response_id: str) -> bool:
-        return self._run(self._delete, response_id)
+        return self._call(self._delete, response_id)
 
     def input_items(
         self, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
     ) -> ItemPage | None:
         """One page of a response's input items; None when the response is unknown."""
-        return self._run(self._input_items, response_id, after, limit, order)
+        return self._call(self._input_items, response_id, after, limit, order)
 
     def items(self, item_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Stored items by id (the most recently stored one when ids repeat)."""
-        return self._run(self._items, list(item_ids))
+        return self._call(self._items, list(item_ids))
 
     def history(self, response_id: str) -> list[dict[str, Any]]:
         """Input and output items of the chain ending at `response_id`, oldest first.
         Raises MissingResponse naming the first id of the chain that is gone."""
-        return self._run(self._history, response_id)
+        return self._call(self._history, response_id)
 
     # ------------------------------------------------------------ SQL
 

@@ -108,6 +108,19 @@ CLOSE_TIMEOUT = 1.0  # seconds the pool's helpers get to stop at close
 STATEMENT_TIMEOUT_FACTOR = 5  # a statement may run this many times lock_timeout
 
 
+class _QuietReconnects(logging.Filter):
+    """The pool logs each failed connection attempt (several a second while the database
+    is down); the store logs the outage once instead (ResponseStore.note_unavailable)."""
+
+    PER_ATTEMPT = ("error connecting in ", "reconnection attempt in pool ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PER_ATTEMPT)
+
+
+logging.getLogger("psycopg.pool").addFilter(_QuietReconnects())
+
+
 def display_url(url: str) -> str:
     """The URL without its password (and query), for logs and messages."""
     parts = urlsplit(url)

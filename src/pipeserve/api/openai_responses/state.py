@@ -124,7 +124,10 @@ class ResponsesState:
         try:
             self.store.save(response, record, response.get("previous_response_id"))
         except StoreError as exc:
-            log.warning("response %s is answered unstored: %s", response.get("id"), exc)
+            # An outage is logged once by the store, not with every answer during it.
+            quiet = isinstance(exc, StoreUnavailable) and not isinstance(exc, StoreBusy)
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "response %s is answered unstored: %s", response.get("id"), exc)
             response["store"] = False
 
 
@@ -134,12 +137,13 @@ def is_reference(item: Any) -> bool:
 
 def store_fault(exc: StoreError) -> ApiError:
     """A 503 (with Retry-After) while the store is busy or unreachable; else a 500."""
-    if isinstance(exc, StoreUnavailable):
-        state = "busy" if isinstance(exc, StoreBusy) else "unavailable"
-        message = f"the response store is {state} ({exc}); retry shortly"
+    if isinstance(exc, StoreBusy):
+        return ApiError("unavailable", "the response store is busy; retry shortly", retry_after=1)
+    if isinstance(exc, StoreUnavailable):  # why is logged once per outage (it names the host)
+        message = "the response store is unavailable; retry later"
         return ApiError("unavailable", message, retry_after=1)
     log.error("response store failed: %s", exc)
-    return ApiError("internal", f"the response store failed: {exc}")
+    return ApiError("internal", "the response store failed; the server's log says why")
 
 
 def input_records(items: Any) -> list[dict[str, Any]]:
