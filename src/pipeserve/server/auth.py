@@ -17,9 +17,12 @@ from dataclasses import dataclass
 
 import falcon
 
+from pipeserve.api.openai_common import openai_error_body
 from pipeserve.config.models import ApiKeyEntry
 from pipeserve.errors import ApiError
+from pipeserve.server.request_log import annotate
 
+UNRESTRICTED = "this API key is limited to some models; {what} needs an unrestricted key"
 MISSING_KEY = "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)"
 
 
@@ -94,4 +97,39 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-__all__ = ["MISSING_KEY", "OPEN", "Grant", "KeyRing", "presented_keys"]
+def openai_auth(req: falcon.Request, resp: falcon.Response, keys: KeyRing) -> Grant | None:
+    """The request's grant, or None after answering 401 (OpenAI's shape: these routes are
+    shared by both SDKs, which read `error.message` alike)."""
+    try:
+        grant = keys.authenticate(req)
+    except ApiError as error:
+        resp.status = falcon.HTTP_401
+        resp.media = openai_error_body(error)
+        return None
+    annotate(req, key=grant.key_name)
+    return grant
+
+
+def unrestricted(req: falcon.Request, resp: falcon.Response, keys: KeyRing, what: str) -> bool:
+    """True for a request whose key may see every model (what names every model: /metrics,
+    /v1/cluster, the console's live and config views); else it is answered 401 / 403."""
+    grant = openai_auth(req, resp, keys)
+    if grant is None:
+        return False
+    if grant.models is not None:
+        resp.status = falcon.HTTP_403
+        resp.media = openai_error_body(ApiError("permission", UNRESTRICTED.format(what=what)))
+        return False
+    return True
+
+
+__all__ = [
+    "MISSING_KEY",
+    "OPEN",
+    "UNRESTRICTED",
+    "Grant",
+    "KeyRing",
+    "openai_auth",
+    "presented_keys",
+    "unrestricted",
+]

@@ -12,10 +12,7 @@ from typing import Any
 
 import falcon
 
-from pipeserve.api.openai_common import openai_error_body
-from pipeserve.errors import ApiError
-from pipeserve.server.auth import KeyRing
-from pipeserve.server.misc import openai_auth
+from pipeserve.server.auth import KeyRing, unrestricted
 
 
 class ClusterResource:
@@ -28,15 +25,7 @@ class ClusterResource:
         self.remote = remote or list
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        grant = openai_auth(req, resp, self.keys)
-        if grant is None:
-            return
-        if grant.models is not None:
-            resp.status = falcon.HTTP_403
-            message = (
-                "this API key is limited to some models; /v1/cluster needs an unrestricted key"
-            )
-            resp.media = openai_error_body(ApiError("permission", message))
+        if not unrestricted(req, resp, self.keys, "/v1/cluster"):
             return
         from pipeserve.cluster.launch import cluster_view  # imports MLX: only when asked
 

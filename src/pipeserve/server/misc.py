@@ -11,10 +11,9 @@ import falcon
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeserve.api.base import context_overflow
-from pipeserve.api.openai_common import openai_error_body
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
-from pipeserve.server.auth import Grant, KeyRing
+from pipeserve.server.auth import KeyRing, openai_auth, unrestricted
 from pipeserve.server.body import read_json_body
 from pipeserve.server.generation import ProtocolRoute, request_id, request_meta
 from pipeserve.server.metrics import Metrics
@@ -60,19 +59,6 @@ class RootResource:
 
     def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = falcon.MEDIA_JSON
-
-
-def openai_auth(req: falcon.Request, resp: falcon.Response, keys: KeyRing) -> Grant | None:
-    """The request's grant, or None after answering 401 (OpenAI's shape: these routes are
-    shared by both SDKs, which read `error.message` alike)."""
-    try:
-        grant = keys.authenticate(req)
-    except ApiError as error:
-        resp.status = falcon.HTTP_401
-        resp.media = openai_error_body(error)
-        return None
-    annotate(req, key=grant.key_name)
-    return grant
 
 
 class ModelsResource:
@@ -152,13 +138,7 @@ class MetricsResource:
         self.keys = keys or KeyRing()
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        grant = openai_auth(req, resp, self.keys)
-        if grant is None:
-            return
-        if grant.models is not None:
-            resp.status = falcon.HTTP_403
-            message = "this API key is limited to some models; /metrics needs an unrestricted key"
-            resp.media = openai_error_body(ApiError("permission", message))
+        if not unrestricted(req, resp, self.keys, "/metrics"):
             return
         resp.content_type = CONTENT_TYPE_LATEST
         resp.data = self.metrics.render()

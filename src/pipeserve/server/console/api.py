@@ -11,29 +11,12 @@ from typing import Any
 import falcon
 
 from pipeserve.api.base import WireProtocol
-from pipeserve.api.openai_common import openai_error_body
 from pipeserve.config.models import ServerConfig
-from pipeserve.errors import ApiError
-from pipeserve.server.auth import Grant, KeyRing
+from pipeserve.server.auth import Grant, KeyRing, openai_auth, unrestricted
 from pipeserve.server.console.config_view import ConfigSource, config_view
 from pipeserve.server.console.models_view import describe_model
 from pipeserve.server.console.recent import BUCKET_SECONDS, WINDOW_SECONDS, RecentActivity
-from pipeserve.server.misc import openai_auth
 from pipeserve.server.registry import ModelTable
-
-UNRESTRICTED = "this API key is limited to some models; {what} needs an unrestricted key"
-
-
-def unrestricted(req: falcon.Request, resp: falcon.Response, keys: KeyRing, what: str) -> bool:
-    """True for a request whose key may see every model; else it is answered 401 / 403."""
-    grant = openai_auth(req, resp, keys)
-    if grant is None:
-        return False
-    if grant.models is not None:
-        resp.status = falcon.HTTP_403
-        resp.media = openai_error_body(ApiError("permission", UNRESTRICTED.format(what=what)))
-        return False
-    return True
 
 
 class ConsoleModels:
