@@ -139,7 +139,9 @@ def test_a_scoped_key_sees_other_models_as_not_found(keyed: tuple[str, Path]) ->
     assert [m.id for m in chat(base, YAML_KEY).models.list().data] == ["small", "big"]
 
 
-def test_health_is_open_metrics_needs_an_unrestricted_key(keyed: tuple[str, Path]) -> None:
+def test_health_is_open_metrics_and_cluster_need_an_unrestricted_key(
+    keyed: tuple[str, Path],
+) -> None:
     base = keyed[0]
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
     denied = httpx.get(f"{base}/metrics", timeout=10)
@@ -148,6 +150,12 @@ def test_health_is_open_metrics_needs_an_unrestricted_key(keyed: tuple[str, Path
     assert scoped.status_code == 403
     metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {ENV_KEY}"})
     assert metrics.status_code == 200 and "pipeserve_requests" in metrics.text
+    # /v1/cluster names every sharded model and machine: the same rule.
+    assert httpx.get(f"{base}/v1/cluster", timeout=10).status_code == 401
+    scoped = httpx.get(f"{base}/v1/cluster", headers={"Authorization": f"Bearer {SCOPED_KEY}"})
+    assert scoped.status_code == 403 and "/v1/cluster needs an unrestricted key" in scoped.text
+    cluster = httpx.get(f"{base}/v1/cluster", headers={"Authorization": f"Bearer {ENV_KEY}"})
+    assert cluster.status_code == 200 and cluster.json()["models"] == {}
 
 
 def test_one_json_line_per_request_with_its_facts(keyed: tuple[str, Path]) -> None:
