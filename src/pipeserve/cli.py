@@ -107,7 +107,8 @@ def add_node_parser(commands: Any) -> None:
     node.add_argument(
         "--host",
         default="0.0.0.0",
-        help="bind address (default: every interface; every request needs the token)",
+        help="bind address (default: every interface, so that the serving machine can reach"
+        " it; every request must be signed with the token; give one LAN address to restrict)",
     )
     node.add_argument("--port", type=int, default=7337, help="API port (default: 7337)")
     node.add_argument(
@@ -215,6 +216,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     import logging
 
     from pipeserve import backend, blas
+    from pipeserve.cluster.auth import cluster_token, token_problem
     from pipeserve.config.memory import parse_size
     from pipeserve.engine.demo import pipeserve_home
     from pipeserve.settings import Settings
@@ -223,8 +225,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         memory = parse_size(args.memory) if args.memory else None
     except ValueError as exc:
         raise UsageError(f"--memory: {exc}") from None
-    problem = backend.install_problem()
-    if problem:
+    token = cluster_token()
+    problem = token_problem(token) or backend.install_problem()
+    if problem or token is None:
         print(f"pipeserve node: refusing to start: {problem}", file=sys.stderr)
         return 1
     home = pipeserve_home()
@@ -234,7 +237,6 @@ def cmd_node(args: argparse.Namespace) -> int:
         level=os.environ.get("PIPESERVE_LOG_LEVEL", "info").upper(),
         format="%(asctime)s %(levelname)s node %(name)s: %(message)s",
     )
-    from pipeserve.cluster.auth import cluster_token
     from pipeserve.cluster.node import NodeSettings, serve_node
 
     settings = NodeSettings(
@@ -246,7 +248,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         announce=not args.no_announce,
         models=args.models or home / "cluster-models",
     )
-    return serve_node(settings, cluster_token())
+    return serve_node(settings, token)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """`pipeserve node`'s HTTP API against what anyone on the LAN can send, without MLX:
-the token is required, malformed input is a 4xx, and an idle connection does not hold
+a request signed with the token is required, malformed input is a 4xx, and an idle connection does not hold
 one of the agent's threads forever. Real sockets on 127.0.0.1."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeserve.cluster.auth import sign_request
 from pipeserve.cluster.node import IDLE_TIMEOUT, NodeAgent, NodeHandler, NodeServer
 
 TOKEN = "node-api-test-token-0123456789"
@@ -44,21 +45,26 @@ def post(port: int, body: bytes, headers: str) -> tuple[int, dict[str, object]]:
     return exchange(port, head + body)
 
 
-AUTH = f"Authorization: Bearer {TOKEN}\r\n"
+def signed(body: bytes) -> str:
+    headers, _ = sign_request(TOKEN, "POST", "/v1/node/ranks", body)
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items())
 
 
 def test_requests_need_the_token(node: int) -> None:
     assert exchange(node, b"GET /v1/node HTTP/1.0\r\n\r\n")[0] == 401
     wrong = b"GET /v1/node HTTP/1.0\r\nAuthorization: Bearer not-the-token-0123456\r\n\r\n"
     assert exchange(node, wrong)[0] == 401
+    token_as_bearer = f"GET /v1/node HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    assert exchange(node, token_as_bearer.encode())[0] == 401  # the token itself is no proof
     assert post(node, b'{"command": "id"}', "Content-Length: 17\r\n")[0] == 401
 
 
 def test_malformed_assignments_are_refused(node: int) -> None:
-    status, body = post(node, b"{}", AUTH + "Content-Length: two\r\n")
+    status, body = post(node, b"{}", signed(b"{}") + "Content-Length: two\r\n")
     assert status == 400 and "Content-Length" in str(body["error"])
-    assert post(node, b"{}", AUTH + "Content-Length: -1\r\n")[0] == 400
-    status, body = post(node, b'{"command": "id"}', AUTH + "Content-Length: 17\r\n")
+    assert post(node, b"{}", signed(b"{}") + "Content-Length: -1\r\n")[0] == 400
+    command = b'{"command": "id"}'
+    status, body = post(node, command, signed(command) + "Content-Length: 17\r\n")
     assert status == 400 and "invalid assignment" in str(body["error"])
 
 

@@ -2,10 +2,11 @@
 
 The serving machine lists its model folder (name, size, sha256 and, for safetensors
 files, which layers each holds) and serves those files, and only those, over HTTP to
-holders of the cluster token while a group starts (FileServer). A node keeps its copy
-in a folder of its own named by the list's hash, fetches only the files it lacks that
-hold its layers (plus the small non-weight files), and checks every file's sha256
-before use; a file that does not match is deleted and the assignment fails.
+nodes that sign their requests with the cluster token (auth.py) while a group starts
+(FileServer). A node keeps its copy in a folder of its own named by the list's hash,
+fetches only the files it lacks that hold its layers (plus the small non-weight files),
+and checks every file's sha256 (from the signed assignment) before use; a file that does
+not match is deleted and the assignment fails.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeserve.cluster.auth import authorized
+from pipeserve.cluster.auth import RequestVerifier
 from pipeserve.cluster.placement import LAYER_NAME, tensor_sizes
 from pipeserve.cluster.wire import open_download
 from pipeserve.engine.channel import start_os_thread
@@ -149,10 +150,10 @@ def _download(entry: ModelFile, target: Path, source: tuple[str, int], token: st
 
 
 class FileServer:
-    """The serving machine's model files, for token holders, while a group starts."""
+    """The serving machine's model files, for signed requests only, while a group starts."""
 
     def __init__(self, ip: str, token: str, model_dir: Path, files: list[ModelFile]) -> None:
-        self.token = token
+        self.verifier = RequestVerifier(token)
         self.paths = {f.name: model_dir / f.name for f in files}
         sock = os_socket_class()()
         sock.bind((ip, 0))
@@ -175,7 +176,7 @@ class FileServer:
     def _serve(self, conn: Any, peer: Any) -> None:
         try:
             conn.settimeout(60.0)
-            _FileHandler(conn, peer, self)  # type: ignore[arg-type]  # only .token/.paths are read
+            _FileHandler(conn, peer, self)  # type: ignore[arg-type]  # only .verifier/.paths are read
         except OSError as exc:
             log.warning("model file transfer to %s failed: %s", peer[0], exc)
         finally:
@@ -195,8 +196,10 @@ class _FileHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         owner: FileServer = self.server
-        if not authorized(self.headers.get("Authorization"), owner.token):
-            self.send_error(401, "a cluster token is needed")
+        _, problem = owner.verifier.check(self.headers.get("Authorization"), "GET", self.path, b"")
+        if problem is not None:
+            log.info("refused a model file request from %s: %s", self.client_address[0], problem)
+            self.send_error(401, problem)
             return
         name = self.path.removeprefix("/files/")
         path = owner.paths.get(name)

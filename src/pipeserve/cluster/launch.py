@@ -12,13 +12,14 @@ next start places the model again over the nodes that answer then.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeserve.cluster.auth import cluster_token
+from pipeserve.cluster.auth import cluster_token, group_secret
 from pipeserve.cluster.files import FileServer, manifest
 from pipeserve.cluster.node import Assignment
 from pipeserve.cluster.placement import PlacementError
@@ -103,6 +104,9 @@ class ClusterRankGroup(RankGroup):
         for reason in found.skipped:
             log.warning("model %s: left out %s", self.name, reason)
         self._adopt(found)
+        # the control channel's secret: derived from the token on each side, never sent
+        self._group_nonce = secrets.token_hex(16)
+        self._token = group_secret(token, self._group_nonce)
         local_ip = route_ip(split_address(found.nodes[0][0])[0])
         ring = [[f"{local_ip}:{free_port(local_ip)}"]]
         ring += [[f"{split_address(a)[0]}:{int(r['ring_port'])}"] for a, r in found.nodes]
@@ -137,7 +141,7 @@ class ClusterRankGroup(RankGroup):
                 rank=rank,
                 ring=ring,
                 control=self._control,
-                group_token=self._token,
+                group_nonce=self._group_nonce,
                 options=options,
                 files=files,
                 files_port=self._files.port if self._files else 0,

@@ -1,6 +1,8 @@
 """`pipeserve node`: the agent that lets a machine hold ranks of a sharded model.
 
-It answers a small HTTP API, every call authenticated with the cluster token:
+It answers a small HTTP API. Every request must be signed with the cluster token and
+every answer is signed in turn (auth.py: HMAC, the token never travels); anything else
+is a 401, unsigned:
 
     GET    /v1/node             this machine's report (memory, MLX, versions) and a free port
     POST   /v1/node/ranks       an assignment: fetch the model files, start the rank
@@ -32,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeserve.cluster.auth import TOKEN_ENV, authorized, token_problem
+from pipeserve.cluster.auth import TOKEN_ENV, RequestVerifier, group_secret, sign_response
 from pipeserve.cluster.files import ModelFile, fetch_model, folder_key
 from pipeserve.cluster.report import machine_report
 from pipeserve.config.models import EngineOptions
@@ -58,7 +60,7 @@ class Assignment(BaseModel):
     rank: int = Field(ge=1, le=63)
     ring: list[list[str]] = Field(min_length=2, max_length=64)
     control: str = Field(pattern=ADDRESS)
-    group_token: str = Field(pattern=r"^[0-9a-f]{16,128}$")
+    group_nonce: str = Field(pattern=r"^[0-9a-f]{32}$")  # the group's secret: group_secret()
     options: EngineOptions
     files: list[ModelFile] = Field(min_length=1)
     files_port: int = Field(ge=1, le=65535)
@@ -92,8 +94,9 @@ class RankJob:
 
 
 class NodeAgent:
-    def __init__(self, token: str | None, cluster: str, memory: int | None, models: Path) -> None:
+    def __init__(self, token: str, cluster: str, memory: int | None, models: Path) -> None:
         self.token = token
+        self.verifier = RequestVerifier(token)
         self.cluster = cluster
         self.memory = memory
         self.models = models
@@ -143,7 +146,6 @@ class NodeAgent:
         assignment = job.assignment
         folder = self.models / folder_key(assignment.files)
         try:
-            assert self.token is not None
             fetched = fetch_model(
                 folder,
                 assignment.files,
@@ -170,7 +172,7 @@ class NodeAgent:
             except OSError as exc:
                 job.state, job.detail = "failed", f"starting the rank: {exc}"
                 return
-            send_settings(job.process, rank_settings(assignment, folder))
+            send_settings(job.process, rank_settings(assignment, folder, self.token))
             job.state = "running"
         log.info("assignment %s: rank %d started, pid %d", job.id, assignment.rank, job.process.pid)
 
@@ -246,7 +248,7 @@ class NodeHandler(BaseHTTPRequestHandler):
     timeout = IDLE_TIMEOUT
 
     def do_GET(self) -> None:
-        if not self._authorized():
+        if not self._verified():
             return
         if self.path == "/v1/node":
             self._answer(200, self.agent.report())
@@ -257,20 +259,13 @@ class NodeHandler(BaseHTTPRequestHandler):
             self._answer(404, {"error": "not found"})
 
     def do_POST(self) -> None:
-        if not self._authorized():
+        if not self._verified():
             return
         if self.path != "/v1/node/ranks":
             self._answer(404, {"error": "not found"})
             return
-        length = _content_length(self.headers.get("Content-Length"))
-        if length is None:
-            self._answer(400, {"error": "a Content-Length (a whole number) is needed"})
-            return
-        if length > MAX_BODY:
-            self._answer(413, {"error": "assignment too large"})
-            return
         try:
-            assignment = Assignment.model_validate_json(self.rfile.read(length))
+            assignment = Assignment.model_validate_json(self._body)
         except ValidationError as exc:
             self._answer(400, {"error": f"invalid assignment: {exc.errors()[0]['msg']}"})
             return
@@ -278,7 +273,7 @@ class NodeHandler(BaseHTTPRequestHandler):
         self._answer(202, job.view())
 
     def do_DELETE(self) -> None:
-        if not self._authorized():
+        if not self._verified():
             return
         if not self.path.startswith("/v1/node/ranks/"):
             self._answer(404, {"error": "not found"})
@@ -293,22 +288,39 @@ class NodeHandler(BaseHTTPRequestHandler):
         else:
             self._answer(200, job.view())
 
-    def _authorized(self) -> bool:
-        token = self.agent.token
-        if token is None:
-            message = f"this node was started without {TOKEN_ENV}: it accepts no request"
-            self._answer(403, {"error": message})
+    def _verified(self) -> bool:
+        """Read the body and check the request's signature; answer 4xx when it fails."""
+        self._nonce: str | None = None
+        header = self.headers.get("Content-Length")
+        length = 0 if header is None and self.command != "POST" else _content_length(header)
+        if length is None:
+            self._answer(400, {"error": "a Content-Length (a whole number) is needed"})
             return False
-        if not authorized(self.headers.get("Authorization"), token):
-            self._answer(401, {"error": "wrong or missing cluster token"})
+        if length > MAX_BODY:
+            self._answer(413, {"error": "request too large"})
             return False
+        self._body = self.rfile.read(length)
+        nonce, problem = self.agent.verifier.check(
+            self.headers.get("Authorization"), self.command, self.path, self._body
+        )
+        if nonce is None:
+            log.info("refused %s %s from %s: %s", self.command, self.path,
+                     self.client_address[0], problem)  # fmt: skip
+            self._answer(401, {"error": problem})
+            return False
+        self._nonce = nonce
         return True
 
     def _answer(self, status: int, body: dict[str, Any]) -> None:
+        """The answer, signed for the request's nonce once the request was verified."""
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        nonce = getattr(self, "_nonce", None)
+        if nonce is not None:
+            for name, value in sign_response(self.agent.token, nonce, status, data).items():
+                self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -347,15 +359,11 @@ class NodeSettings:
     models: Path
 
 
-def serve_node(settings: NodeSettings, token: str | None) -> int:
-    """Run the agent until SIGTERM / SIGINT."""
+def serve_node(settings: NodeSettings, token: str) -> int:
+    """Run the agent until SIGTERM / SIGINT (the caller checked the token: token_problem)."""
     from pipeserve import __version__
     from pipeserve.cluster.discovery import Announcement, own_addresses
 
-    problem = token_problem(token)
-    if problem:
-        log.warning("%s; this node refuses every request", problem)
-        token = None
     agent = NodeAgent(token, settings.cluster, settings.memory, settings.models)
     handler = type("Handler", (NodeHandler,), {"agent": agent})
     server = NodeServer((settings.host, settings.port), handler)
@@ -392,13 +400,14 @@ def _announced(host: str, found: list[str]) -> list[str]:
     return found
 
 
-def rank_settings(assignment: Assignment, folder: Path) -> dict[str, str]:
-    """What the rank reads from its stdin (peer.py): the group's token and settings, never
-    in its environment or on its command line, where a process listing shows them."""
+def rank_settings(assignment: Assignment, folder: Path, token: str) -> dict[str, str]:
+    """What the rank reads from its stdin (peer.py): the group's token (derived from the
+    cluster token, which the rank never gets) and settings, never in its environment or
+    on its command line, where a process listing shows them."""
     return {
         "PIPESERVE_SHARD_RING": json.dumps(assignment.ring),
         "PIPESERVE_SHARD_CONTROL": assignment.control,
-        "PIPESERVE_SHARD_TOKEN": assignment.group_token,
+        "PIPESERVE_SHARD_TOKEN": group_secret(token, assignment.group_nonce),
         "PIPESERVE_SHARD_MODEL_DIR": str(folder),
         "PIPESERVE_SHARD_OPTIONS": assignment.options.model_dump_json(),
         "PIPESERVE_SHARD_NAME": assignment.model,

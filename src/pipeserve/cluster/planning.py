@@ -1,5 +1,5 @@
 """From `options.sharding.nodes` to a plan: find the nodes, ask each for its report (with
-the token), place the model. Used by rank 0 at load and by `pipeserve validate --explain`.
+requests signed with the token, answers whose signature is checked), place the model. Used by rank 0 at load and by `pipeserve validate --explain`.
 
 A node that does not answer or refuses is left out and said so (`skipped`): the model
 is placed on the machines that are there, if it fits on them.
@@ -17,7 +17,7 @@ from pipeserve.cluster.auth import cluster_token, token_problem
 from pipeserve.cluster.discovery import discover
 from pipeserve.cluster.placement import PlacementError, Plan, model_sizes, place
 from pipeserve.cluster.report import as_machine, machine_report
-from pipeserve.cluster.wire import NodeRefused, NodeUnreachable, call
+from pipeserve.cluster.wire import NodeRefused, NodeUnreachable, NodeUntrusted, call
 from pipeserve.config.memory import parse_size
 from pipeserve.config.models import ShardingOptions
 
@@ -50,6 +50,8 @@ def ask_nodes(
         try:
             report = call(address, "GET", "/v1/node", token, timeout=5.0)
         except (NodeUnreachable, NodeRefused) as exc:
+            if isinstance(exc, NodeUntrusted):
+                log.warning("left out %s", exc)
             skipped.append(str(exc))
             continue
         if cluster is not None and report.get("cluster") != cluster:

@@ -12,7 +12,7 @@ import json
 import socket
 from typing import Any
 
-from pipeserve.cluster.auth import bearer
+from pipeserve.cluster.auth import SIGNATURE_HEADER, TOKEN_ENV, response_signed, sign_request
 from pipeserve.engine.sharding.control import os_socket_class
 
 DEFAULT_NODE_PORT = 7337
@@ -28,6 +28,10 @@ class NodeRefused(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class NodeUntrusted(NodeRefused):
+    """An answer not signed with the cluster token: whatever it says is not used."""
 
 
 def split_address(address: str, default_port: int = DEFAULT_NODE_PORT) -> tuple[str, int]:
@@ -70,11 +74,13 @@ def call(
     body: dict[str, Any] | None = None,
     timeout: float = 5.0,
 ) -> dict[str, Any]:
-    """One JSON request to a node; the JSON answer, NodeRefused or NodeUnreachable."""
+    """One signed JSON request to a node; its answer once its signature is checked, else
+    NodeUntrusted, NodeRefused (a signed error) or NodeUnreachable."""
     host, port = split_address(address)
     conn = _Connection(host, port, timeout=timeout)
-    headers = {**bearer(token), "Content-Type": "application/json"}
-    data = json.dumps(body).encode() if body is not None else None
+    data = json.dumps(body).encode() if body is not None else b""
+    auth, nonce = sign_request(token, method, path, data)
+    headers = {**auth, "Content-Type": "application/json", "Content-Length": str(len(data))}
     try:
         conn.request(method, path, body=data, headers=headers)
         response = conn.getresponse()
@@ -83,23 +89,37 @@ def call(
         raise NodeUnreachable(f"node {address}: {exc}") from exc
     finally:
         conn.close()
-    try:
-        answer = json.loads(raw or b"{}")
-    except ValueError:
-        answer = {"error": raw[:200].decode(errors="replace")}
+    answer = _json(raw)
+    if not response_signed(
+        token, nonce, response.status, raw, response.getheader(SIGNATURE_HEADER)
+    ):
+        said = f"HTTP {response.status}: {str(answer.get('error', response.reason))[:160]}"
+        raise NodeUntrusted(
+            response.status,
+            f"node {address}: untrusted, its answer is not signed with {TOKEN_ENV} ({said})",
+        )
     if response.status >= 400:
         raise NodeRefused(
             response.status, f"node {address}: {answer.get('error', response.reason)}"
         )
+    return answer
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    try:
+        answer = json.loads(raw or b"{}")
+    except ValueError:
+        return {"error": raw[:200].decode(errors="replace")}
     return answer if isinstance(answer, dict) else {"value": answer}
 
 
 def open_download(
     host: str, port: int, path: str, token: str, timeout: float = 30.0
 ) -> tuple[_Connection, http.client.HTTPResponse]:
-    """A GET whose body the caller streams (model files); raises NodeRefused on 4xx/5xx."""
+    """A signed GET whose body the caller streams (model files, each checked by its sha256
+    from the signed assignment); raises NodeRefused on 4xx/5xx."""
     conn = _Connection(host, port, timeout=timeout)
-    conn.request("GET", path, headers=bearer(token))
+    conn.request("GET", path, headers=sign_request(token, "GET", path)[0])
     response = conn.getresponse()
     if response.status != 200:
         message = response.read()[:200].decode(errors="replace")

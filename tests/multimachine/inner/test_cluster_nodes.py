@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pipeserve.cluster.wire import NodeRefused, NodeUntrusted, call
 from pipeserve.engine.demo import pipeserve_home, write_demo_model
 from pipeserve.engine.demo_families import QWEN3
 from tests.multimachine.harness import Cluster, Machine, wait_port
@@ -124,8 +125,7 @@ def test_discovery_finds_both_nodes_of_the_cluster_only(
 
 
 def rank_pids(machine: Machine) -> list[int]:
-    reply = httpx.get(f"http://{machine.ip}:{NODE_PORT}/v1/node",
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()  # fmt: skip
+    reply = call(f"{machine.ip}:{NODE_PORT}", "GET", "/v1/node", TOKEN, timeout=10)
     return [r["pid"] for r in reply["ranks"] if r["state"] == "running"]
 
 
@@ -150,30 +150,32 @@ def test_tensor_over_nodes_named_by_address_equals_unsharded(
         assert not secrets_in_listings(machines), secrets_in_listings(machines)
 
 
-def test_a_node_without_the_token_refuses_and_a_wrong_token_is_refused(
+def test_a_node_needs_the_token_and_refuses_requests_not_signed_with_it(
     machines: Cluster, nodes: list[Any], tmp_path: Path
 ) -> None:
     m2 = machines.machines[1]
     no_token = {k: v for k, v in os.environ.items() if k != "PIPESERVE_CLUSTER_TOKEN"}
-    proc = start_node(m2, tmp_path / "models", "1GiB", port=7338, node_env=no_token)
-    try:
-        assignment = {"model": "split", "rank": 1}
-        bearer = {"Authorization": f"Bearer {TOKEN}"}
-        refused = httpx.post(f"http://{m2.ip}:7338/v1/node/ranks", json=assignment,
-                             headers=bearer, timeout=10)  # fmt: skip
-        assert refused.status_code == 403
-        assert "without PIPESERVE_CLUSTER_TOKEN" in refused.json()["error"]
-        wrong = {"Authorization": f"Bearer {TOKEN[:-1]}x"}
-        denied = httpx.post(f"http://{m2.ip}:{NODE_PORT}/v1/node/ranks", json=assignment,
-                            headers=wrong, timeout=10)  # fmt: skip
-        assert denied.status_code == 401
-        command = {**assignment, "command": "touch /tmp/pwned"}
-        invalid = httpx.post(f"http://{m2.ip}:{NODE_PORT}/v1/node/ranks", json=command,
-                             headers=bearer, timeout=10)  # fmt: skip
-        assert invalid.status_code == 400
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    argv = [*pipeserve_command(), "node", "--port", "7338", "--models", str(tmp_path)]
+    refused = m2.run(argv, env=no_token, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith("pipeserve node: refusing to start: PIPESERVE_CLUSTER_TOKEN is not set")
+    )
+    address = f"{m2.ip}:{NODE_PORT}"
+    assignment = {"model": "split", "rank": 1}
+    with pytest.raises(NodeUntrusted, match="HTTP 401: wrong signature"):
+        call(address, "POST", "/v1/node/ranks", TOKEN[:-1] + "x", assignment, timeout=10)
+    bearer = {"Authorization": f"Bearer {TOKEN}"}  # the token itself proves nothing
+    sent = httpx.post(
+        f"http://{address}/v1/node/ranks", json=assignment, headers=bearer, timeout=10
+    )
+    assert sent.status_code == 401
+    command = {**assignment, "command": "touch /tmp/pwned"}
+    with pytest.raises(NodeRefused, match="invalid assignment") as invalid:
+        call(address, "POST", "/v1/node/ranks", TOKEN, command, timeout=10)
+    assert invalid.value.status == 400 and not isinstance(invalid.value, NodeUntrusted)
 
 
 def wait_for_ranks(base: str, count: int, timeout: float) -> list[dict[str, Any]]:
