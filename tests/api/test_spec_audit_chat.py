@@ -195,6 +195,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"n": 2}, "n"),
+    ({"prediction": {"type": "content", "content": "x", "extra": 1}}, "prediction.extra"),
     (
         {
             "tools": [{"type": "custom", "custom": {"name": "patch"}}],

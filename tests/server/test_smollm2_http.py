@@ -105,3 +105,7 @@ def test_prediction_keeps_the_answer_and_reports_accepted_tokens(server: str) ->
     assert details.accepted_prediction_tokens > 0
     wrong_details = wrong_usage.completion_tokens_details  # type: ignore[attr-defined]
     assert wrong_details.accepted_prediction_tokens < details.accepted_prediction_tokens
+    # OpenAI's rejected: the prediction's tokens absent from the completion. The right
+    # one is the answer itself; the SQL line shares (nearly) nothing with it.
+    assert details.rejected_prediction_tokens < wrong_details.rejected_prediction_tokens
+    assert wrong_details.rejected_prediction_tokens >= 5

@@ -12,8 +12,9 @@ text costs (almost) nothing.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.config.models import SpeculativeOptions
@@ -82,7 +83,6 @@ class RowProposer:
     proposed: int = 0
     accepted: int = 0
     prediction_accepted: int = 0
-    prediction_rejected: int = 0
     misses: int = 0
     paused_until: int = 0
     pause: int = FIRST_PAUSE
@@ -91,6 +91,7 @@ class RowProposer:
     _predicted: NgramIndex | None = None
     _predicted_at: int = 1  # where the prediction is expected to continue
     _proposal_at: int = 0  # where the pending proposal starts in the prediction
+    _unmatched: Counter[int] = field(default_factory=Counter)  # prediction less output
 
     def __post_init__(self) -> None:
         if self.lookup:
@@ -98,6 +99,18 @@ class RowProposer:
         if self.prediction:
             self._predicted = NgramIndex(1)
             self._predicted.extend(self.prediction)
+            self._unmatched = Counter(self.prediction)
+
+    def emitted(self, token_id: int) -> None:
+        """A token of the completion: it matches one occurrence in the prediction."""
+        if self._unmatched[token_id] > 0:
+            self._unmatched[token_id] -= 1
+
+    @property
+    def prediction_rejected(self) -> int:
+        """OpenAI's definition: the prediction's tokens that did not appear in the
+        completion (not merely those proposed and refused)."""
+        return sum(self._unmatched.values())
 
     def ready(self, step: int) -> bool:
         """Whether it may propose at this step (configured, and not backing off)."""
@@ -140,7 +153,6 @@ class RowProposer:
         self.accepted += accepted
         if self.from_prediction:
             self.prediction_accepted += accepted
-            self.prediction_rejected += len(proposal) - accepted
             self._predicted_at = self._proposal_at + accepted + 1
         if accepted:
             self.misses, self.pause = 0, FIRST_PAUSE

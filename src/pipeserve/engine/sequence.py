@@ -61,6 +61,8 @@ class Sequence:
         self.ready(courier)
         self.completion_tokens += 1
         self.last_token_id = token_id
+        if self.proposer is not None:
+            self.proposer.emitted(token_id)
         self.detokenizer.add_token(token_id)
         text = flush(self.detokenizer) if final else self.detokenizer.last_segment
         logprob, tops = self._logprobs(token_id, logprobs)

@@ -163,6 +163,8 @@ def prediction_of(raw: Any) -> str | None:
     if raw is None:
         return None
     check(isinstance(raw, dict), "prediction", "expected an object")
+    for key in raw:
+        check(key in ("type", "content"), f"prediction.{key}", "unknown field")
     check(raw.get("type") == "content", "prediction.type", "expected 'content'")
     content = raw.get("content")
     if isinstance(content, list):
