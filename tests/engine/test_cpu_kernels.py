@@ -1,11 +1,18 @@
 """The native CPU kernels (engine/cpu_kernels): built here with the system compiler,
 checked against a numpy reference that unpacks MLX's affine layout on its own, for
-every supported bit width, both scale types and batch sizes 1, 2, 7 and 64; and the
-switch that forces the float32 path."""
+every supported bit width, both scale types and batch sizes 1, 2, 7 and 64; the switch that forces the float32 path; and the thread
+pool under concurrent streams with SIGSTOP/SIGCONT, and across fork()."""
 
 from __future__ import annotations
 
 import logging
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -156,3 +163,190 @@ def test_fused_attention_matches_numpy(ext):
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         expected = weights / weights.sum(-1, keepdims=True) @ vs
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
+
+
+# The stress child: three threads, each on its own MLX stream, issue small affine_qmm
+# calls through a 2-thread pool (several chunks per call) and check every result against
+# the numpy reference the parent saved. They print "ready" once each has one call done,
+# keep calling until the parent creates the stop file (or STRESS_MAX_CALLS each), then
+# print "ok <calls per thread>".
+STRESS_CHILD = """
+import os, sys, threading
+import mlx.core as mx, numpy as np
+from pipeserve.engine import cpu_kernels
+ext = cpu_kernels.kernels()
+assert ext is not None, "kernels unavailable in the child"
+ext.set_threads(2)
+data = np.load(sys.argv[1])
+stop, max_calls, tolerance = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+w, scales, biases = (mx.array(data[name]) for name in ("w", "scales", "biases"))
+started = threading.Barrier(4)
+failures, counts = [], []
+
+def issue(index):
+    x, expected = mx.array(data[f"x{index}"]), data[f"expected{index}"]
+    limit = tolerance * np.abs(expected).max()
+    with mx.stream(mx.new_stream(mx.cpu)):
+        for call in range(max_calls):
+            got = np.array(ext.affine_qmm(x, w, scales, biases, 32, 4))
+            if np.abs(got - expected).max() > limit:
+                failures.append(index)
+            if call == 0:
+                started.wait()
+            if call % 50 == 0 and os.path.exists(stop):
+                break
+    counts.append(call + 1)
+
+threads = [threading.Thread(target=issue, args=(i,)) for i in range(3)]
+for t in threads: t.start()
+started.wait()
+print("ready", flush=True)
+for t in threads: t.join()
+assert not failures, f"wrong results on threads {failures}"
+print("ok", *counts, flush=True)
+"""
+STRESS_MAX_CALLS = 50_000  # per thread: a bound, should the stop file never be seen
+STRESS_PAUSES = 60  # SIGSTOP/SIGCONT pairs while the child's threads are calling
+HANG_SECONDS = 240  # generous: a shared, loaded 2-core machine; a hang never ends
+
+
+def thread_states(pid: int) -> str:
+    """Each thread's state and kernel wait channel, from /proc (no debugger needed)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            wchan = (task / "wchan").read_text()
+            lines.append(f"tid {task.name}: state {stat[0]} utime {stat[11]} wchan {wchan}")
+        except OSError:
+            continue
+    return "\n".join(lines)
+
+
+def test_pool_survives_concurrent_streams_and_sigstop(ext, tmp_path):
+    """Regression guard for the pool's wait loop (a server once hung with its stream
+    thread spinning on `done == chunks`, after a SIGSTOP/SIGCONT): the child must finish
+    every call, correctly, however often it is stopped and continued."""
+    n, k = 1024, 256  # four pool chunks per one-row call
+    w, scales, biases = mx.quantize(mx.random.normal((n, k), key=mx.random.key(3)), 32, 4)
+    arrays = {"w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
+    for index, batch in enumerate((1, 1, 2)):
+        x = mx.random.normal((batch, k), key=mx.random.key(40 + index))
+        arrays[f"x{index}"] = np.array(x)
+        arrays[f"expected{index}"] = reference(x, w, scales, biases, 32, 4)
+    np.savez(tmp_path / "stress.npz", **arrays)  # type: ignore[arg-type]
+    stop = tmp_path / "stop"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            STRESS_CHILD,
+            str(tmp_path / "stress.npz"),
+            str(stop),
+            str(STRESS_MAX_CALLS),
+            str(TOLERANCE),
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    if select.select([child.stdout], [], [], HANG_SECONDS)[0]:
+        assert child.stdout.readline() == "ready\n", (
+            child.stderr.read()[-3000:] if child.stderr else ""
+        )
+    rng = random.Random(5)
+    for _ in range(STRESS_PAUSES):
+        time.sleep(rng.uniform(0.01, 0.08))
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(rng.uniform(0.001, 0.02))
+        child.send_signal(signal.SIGCONT)
+    stop.touch()
+    try:
+        out, err = child.communicate(timeout=HANG_SECONDS)
+    except subprocess.TimeoutExpired:
+        states = thread_states(child.pid)
+        child.kill()
+        child.communicate()
+        pytest.fail(f"the stress child hung; its threads:\n{states}")
+    assert child.returncode == 0, err[-3000:]
+    assert out.split()[0] == "ok", out
+    assert all(0 < int(calls) <= STRESS_MAX_CALLS for calls in out.split()[1:]), out
+
+
+# The fork child: one thread keeps the pool busy on its own stream while the main thread
+# forks; each forked process runs the kernel on a new stream of its own and exits 0 when
+# the result is right. A pool carried over a fork holds the parent's half-done call and
+# locks; the kernels must build a fresh one in the forked process instead.
+FORK_CHILD = """
+import os, sys, threading, time
+import mlx.core as mx, numpy as np
+from pipeserve.engine import cpu_kernels
+ext = cpu_kernels.kernels()
+ext.set_threads(2)
+data = np.load(sys.argv[1])
+forks, hang_seconds = int(sys.argv[2]), float(sys.argv[3])
+w, scales, biases, x = (mx.array(data[name]) for name in ("w", "scales", "biases", "x0"))
+expected = data["expected0"]
+stop = threading.Event()
+
+def busy():
+    with mx.stream(mx.new_stream(mx.cpu)):
+        while not stop.is_set():
+            mx.eval(ext.affine_qmm(x, w, scales, biases, 32, 4))
+
+def forked():
+    with mx.stream(mx.new_stream(mx.cpu)):
+        got = np.array(ext.affine_qmm(x, w, scales, biases, 32, 4))
+    os._exit(0 if np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max() else 3)
+
+thread = threading.Thread(target=busy)
+thread.start()
+hung, wrong = 0, 0
+for _ in range(forks):
+    time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:
+        forked()
+    deadline = time.monotonic() + hang_seconds
+    while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            hung += 1
+            break
+        time.sleep(0.01)
+    else:
+        wrong += status[1] != 0
+stop.set()
+thread.join()
+print("hung", hung, "wrong", wrong, flush=True)
+"""
+FORKS = 20
+FORK_HANG_SECONDS = 30  # per forked process; it needs milliseconds
+
+
+def test_pool_is_rebuilt_in_a_forked_process(ext, tmp_path):
+    n, k = 1024, 256
+    w, scales, biases = mx.quantize(mx.random.normal((n, k), key=mx.random.key(4)), 32, 4)
+    x = mx.random.normal((1, k), key=mx.random.key(41))
+    arrays = {"w": w, "scales": scales, "biases": biases, "x0": x}
+    saved = {name: np.array(value) for name, value in arrays.items()}
+    saved["expected0"] = reference(x, w, scales, biases, 32, 4)
+    np.savez(tmp_path / "fork.npz", **saved)  # type: ignore[arg-type]
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FORK_CHILD,
+            str(tmp_path / "fork.npz"),
+            str(FORKS),
+            str(FORK_HANG_SECONDS),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=FORKS * FORK_HANG_SECONDS + 120,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split() == ["hung", "0", "wrong", "0"], child.stdout

@@ -14,12 +14,15 @@
 // scalar form for anything else. Output rows are split across a small thread pool.
 
 #include <immintrin.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -44,6 +47,12 @@ namespace pipeserve {
 // waiting for it. Each call's counters live in their own shared object, so a worker
 // that wakes late can never touch another call's count. Workers spin briefly between
 // calls (a decode step issues its matmuls microseconds apart), then sleep.
+//
+// Every claimed chunk is counted done even when its job throws (the first exception is
+// kept and rethrown by the caller once no thread can still be inside the job), so the
+// caller's wait always ends and a worker never lets an exception escape (terminate).
+// A pool belongs to the process that made it: after a fork (gunicorn's workers) its
+// threads do not exist in the child, so pool() builds a new one there.
 // ---------------------------------------------------------------------------
 
 struct Call {
@@ -51,19 +60,33 @@ struct Call {
   int chunks;
   std::atomic<int> next{0};
   std::atomic<int> done{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mu;
+  std::exception_ptr error;  // the first job exception, guarded by error_mu
 };
+
+void run_chunk(Call& call, int chunk) {
+  if (call.failed.load(std::memory_order_relaxed)) return;  // the call is lost anyway
+  try {
+    (*call.job)(chunk);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(call.error_mu);
+    if (!call.error) call.error = std::current_exception();
+    call.failed.store(true, std::memory_order_relaxed);
+  }
+}
 
 // Claims and runs chunks of `call` until none is left.
 void drain(Call& call) {
   for (int i = call.next.fetch_add(1); i < call.chunks; i = call.next.fetch_add(1)) {
-    (*call.job)(i);
+    run_chunk(call, i);
     call.done.fetch_add(1, std::memory_order_release);
   }
 }
 
 class Pool {
  public:
-  explicit Pool(int threads) : threads_(std::max(1, threads)) {
+  explicit Pool(int threads) : threads_(std::max(1, threads)), owner_(getpid()) {
     for (int i = 1; i < threads_; ++i) {
       workers_.emplace_back([this] { work(); });
     }
@@ -80,9 +103,13 @@ class Pool {
   int threads() const {
     return threads_;
   }
+  pid_t owner() const {
+    return owner_;
+  }
 
-  // Runs job(0) .. job(chunks - 1), each exactly once, on any of the threads. Calls
-  // from several threads (MLX has a stream per thread) take turns.
+  // Runs job(0) .. job(chunks - 1), each exactly once, on any of the threads, and
+  // rethrows the first exception a job threw. Calls from several threads (MLX has a
+  // stream per thread) take turns.
   void run(int chunks, const std::function<void(int)>& job) {
     if (chunks <= 1 || threads_ == 1) {
       for (int i = 0; i < chunks; ++i) job(i);
@@ -92,11 +119,7 @@ class Pool {
     auto call = std::make_shared<Call>();
     call->job = &job;
     call->chunks = chunks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      current_ = call;
-      generation_.fetch_add(1, std::memory_order_release);
-    }
+    publish(call);
     if (sleeping_.load() > 0) wake_.notify_all();
     drain(*call);
     for (int spin = 0; call->done.load(std::memory_order_acquire) != chunks; ++spin) {
@@ -106,11 +129,17 @@ class Pool {
         std::this_thread::yield();  // a preempted worker holds a chunk
       }
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    current_.reset();
+    publish(nullptr);  // no late worker may reach `job`, which dies with this frame
+    if (call->error) std::rethrow_exception(call->error);
   }
 
  private:
+  void publish(std::shared_ptr<Call> call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    current_ = std::move(call);
+    if (current_) generation_.fetch_add(1, std::memory_order_release);
+  }
+
   void work() {
     uint64_t seen = 0;
     while (true) {
@@ -136,6 +165,7 @@ class Pool {
   }
 
   int threads_;
+  pid_t owner_;  // the process whose threads these are
   std::vector<std::thread> workers_;
   std::mutex mu_;  // guards current_, stop_ and the sleep
   std::mutex call_mu_;
@@ -146,19 +176,43 @@ class Pool {
   bool stop_ = false;
 };
 
-static Pool* pool_ = nullptr;
+// Shared so that set_threads replacing the pool cannot free one another thread is in.
+static std::shared_ptr<Pool> pool_;
+static int pool_threads_ = 1;
 static std::mutex pool_mu_;
 
-Pool& pool() {
+// Held across fork() so that the child never inherits pool_mu_ locked.
+void register_fork_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork([] { pool_mu_.lock(); }, [] { pool_mu_.unlock(); }, [] { pool_mu_.unlock(); });
+  });
+}
+
+std::shared_ptr<Pool> pool() {
+  register_fork_handlers();
   std::lock_guard<std::mutex> lock(pool_mu_);
-  if (pool_ == nullptr) pool_ = new Pool(1);
-  return *pool_;
+  if (pool_ && pool_->owner() != getpid()) {
+    // Made before a fork: its workers (and maybe a half-done call, locked mutexes) live
+    // only in the parent. Never destroyed here: joining threads this process does not
+    // have is undefined, so it is left allocated.
+    new std::shared_ptr<Pool>(std::move(pool_));
+  }
+  if (!pool_) pool_ = std::make_shared<Pool>(pool_threads_);
+  return pool_;
 }
 
 void set_threads(int threads) {
-  std::lock_guard<std::mutex> lock(pool_mu_);
-  delete pool_;
-  pool_ = new Pool(threads);
+  register_fork_handlers();
+  std::shared_ptr<Pool> old;
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    pool_threads_ = std::max(1, threads);
+    old = std::move(pool_);
+    if (old && old->owner() != getpid()) new std::shared_ptr<Pool>(std::move(old));
+    pool_ = std::make_shared<Pool>(pool_threads_);
+  }
+  // `old` is joined here, outside the lock, once no running call holds it any more.
 }
 
 // ---------------------------------------------------------------------------
@@ -520,7 +574,7 @@ void run(const Problem& p) {
   const size_t block_work = static_cast<size_t>(NT_MAX) * p.K * p.M;
   const int per_chunk = static_cast<int>(std::max<size_t>(1, CHUNK_WEIGHTS / block_work));
   const int chunks = (blocks + per_chunk - 1) / per_chunk;
-  pool().run(chunks, [&](int chunk) {
+  pool()->run(chunks, [&](int chunk) {
     const int n0 = std::min(p.N, chunk * per_chunk * NT_MAX);
     const int n1 = std::min(p.N, (chunk + 1) * per_chunk * NT_MAX);
     row_range<BITS, S>(p, n0, n1);
@@ -671,7 +725,7 @@ mx::array affine_qmm(
 }
 
 int threads() {
-  return pool().threads();
+  return pool()->threads();
 }
 
 std::string simd_name() {
