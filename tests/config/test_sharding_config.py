@@ -7,31 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.config.one_model import one_model_config, validate
 
 
 def write_config(tmp_path: Path, sharding: str, *, extra_model: str = "", server: str = "") -> Path:
-    config = tmp_path / "sharded.yaml"
-    config.write_text(
-        f"pipelines_dir: {REPO / 'pipelines'}\n"
-        f"{server}"
-        "models:\n"
-        "  - name: x\n"
-        "    source: demo:qwen3\n"
-        "    pipeline: qwen3\n"
-        "    options:\n"
-        f"      sharding: {sharding}\n"
-        f"{extra_model}"
-        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
+    block = f"\n      sharding: {sharding}"
+    return one_model_config(
+        tmp_path / "sharded.yaml", block, extra_model=extra_model, server=server
     )
-    return config
-
-
-def validate(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    code = main(["validate", str(config)])
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -6,29 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.config.one_model import one_model_config, validate
 
 
 def write_config(tmp_path: Path, options: str, extra_model: str = "") -> Path:
-    config = tmp_path / "speculative.yaml"
-    config.write_text(
-        f"pipelines_dir: {REPO / 'pipelines'}\n"
-        "models:\n"
-        "  - name: x\n"
-        "    source: demo:qwen3\n"
-        "    pipeline: qwen3\n"
-        f"    options: {options}\n"
-        f"{extra_model}"
-        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
-    )
-    return config
-
-
-def validate(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    code = main(["validate", str(config)])
-    return code, capsys.readouterr().err
+    return one_model_config(tmp_path / "speculative.yaml", f" {options}", extra_model=extra_model)
 
 
 def test_prompt_lookup_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
