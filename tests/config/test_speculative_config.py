@@ -19,6 +19,15 @@ def test_prompt_lookup_validates(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 SMALL = "  - {name: small, source: 'demo:qwen3', pipeline: qwen3}\n"
+SHARDED_SMALL = (
+    "  - {name: small, source: 'demo:qwen3', pipeline: qwen3, options: {sharding: {ranks: 2}}}\n"
+)
+REPLAYED_SMALL = "  - {name: small, source: 'demo:qwen3', pipeline: qwen3, engine: replay}\n"
+
+
+def test_draft_model_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    options = "{speculative: {method: draft, draft: small, tokens: 3}}"
+    assert validate(write_config(tmp_path, options, SMALL), capsys) == (0, "")
 
 
 @pytest.mark.parametrize(
@@ -34,8 +43,14 @@ SMALL = "  - {name: small, source: 'demo:qwen3', pipeline: qwen3}\n"
          "models[0].options.speculative", "needs `draft`"),
         ("{speculative: {method: draft, draft: nowhere}}", "",
          "models[0].options.speculative.draft", "'nowhere' is not a model of this config"),
-        ("{speculative: {method: draft, draft: small, tokens: 3}}", SMALL,
-         "models[0].options.speculative.method", "method draft is not available yet"),
+        ("{speculative: {method: draft, draft: x}}", "",
+         "models[0].options.speculative.draft", "a model cannot be its own draft"),
+        ("{speculative: {method: draft, draft: small}}", SHARDED_SMALL,
+         "models[0].options.speculative.draft", "draft model 'small' is sharded"),
+        ("{speculative: {method: draft, draft: small}}", REPLAYED_SMALL,
+         "models[0].options.speculative.draft", "'small' is a replay model"),
+        ("{sharding: {ranks: 2}, speculative: {method: draft, draft: small}}", SMALL,
+         "models[0].options.speculative", "not available for a sharded model"),
         ("{sharding: {ranks: 2}, speculative: {method: prompt_lookup}}", "",
          "models[0].options.speculative", "not available for a sharded model"),
     ],
