@@ -114,9 +114,9 @@ class LiveApp:
         self.fleet.room_timeout = server.request_timeout
         created: list[Engine] = []
         try:
+            models = loaded.config.models
             slots = {
-                e.name: self._slot(e, loaded.pipelines[e.pipeline], created)
-                for e in loaded.config.models
+                e.name: self._slot(e, loaded.pipelines[e.pipeline], created, models) for e in models
             }
             for slot in slots.values():
                 engine = slot.model.runtime.engine
@@ -147,7 +147,13 @@ class LiveApp:
         self.tokenizers = {d: t for d, t in self.tokenizers.items() if d in in_use}
         return app
 
-    def _slot(self, entry: ModelEntry, pipeline: LoadedPipeline, created: list[Engine]) -> Slot:
+    def _slot(
+        self,
+        entry: ModelEntry,
+        pipeline: LoadedPipeline,
+        created: list[Engine],
+        models: list[ModelEntry],
+    ) -> Slot:
         old = self.slots.get(entry.name)
         rkey, ckey = runtime_key(entry), chain_key(entry, pipeline)
         if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
@@ -156,7 +162,7 @@ class LiveApp:
             runtime = replace(old.model.runtime, family=entry.pipeline)
         else:
             manage = self._manager(entry)
-            runtime = run_off_hub(lambda: build_runtime(entry, manage, self.tokenizers))
+            runtime = run_off_hub(lambda: build_runtime(entry, manage, self.tokenizers, models))
             created.append(runtime.engine)
         env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
         decls = [StageDecl(kind=s.kind, params=s.params, role=s.role) for s in pipeline.stages]
@@ -235,7 +241,11 @@ def managed(slots: Iterable[Slot]) -> list[ManagedEngine]:
 Manage = Callable[[Callable[[], Engine], Path], Engine]
 
 
-def build_runtime(entry: ModelEntry, manage: Manage, tokenizers: dict[Path, Any]) -> Any:
+def build_runtime(
+    entry: ModelEntry, manage: Manage, tokenizers: dict[Path, Any], models: list[ModelEntry]
+) -> Any:
     from pipeserve.engine.runtime import build_runtime as build
+    from pipeserve.engine.runtime import draft_entry
 
-    return build(entry, manage=manage, tokenizers=tokenizers)
+    draft = draft_entry(models, entry)
+    return build(entry, manage=manage, tokenizers=tokenizers, draft=draft)

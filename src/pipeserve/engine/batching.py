@@ -20,6 +20,7 @@ from mlx_lm.generate import StopSequences
 from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.channel import Courier
 from pipeserve.engine.constraints import ConstraintSet, SamplerFilters
+from pipeserve.engine.draft import DraftProposer
 from pipeserve.engine.lean import LeanBatchGenerator, Speculation
 from pipeserve.engine.prefix_cache import PrefixCache
 from pipeserve.engine.proposer import RowProposer, stop_cutter
@@ -57,6 +58,11 @@ class Batch:
                      "speculative_proposed_tokens_total", "speculative_accepted_tokens_total"):  # fmt: skip
             stats.setdefault(name, 0)
         self._update_stats()
+
+    def use_draft(self, draft_model: Any) -> None:
+        """Method draft: `draft_model` (loaded on this engine thread) proposes for the rows."""
+        if self.speculation is not None:
+            self.speculation.draft = DraftProposer(draft_model, self.speculative.tokens)
 
     def _new_generator(self) -> Any:  # a LeanBatchGenerator (mlx-lm classes are untyped)
         return LeanBatchGenerator(
@@ -134,9 +140,11 @@ class Batch:
         job = seq.job
         if self.speculation is None or not (self.options.speculative or job.prediction_token_ids):
             return
+        method = self.options.speculative.method if self.options.speculative else None
         row = RowProposer(
             self.speculative,
-            lookup=self.options.speculative is not None,
+            lookup=method == "prompt_lookup",
+            drafted=method == "draft" and self.speculation.draft is not None,
             prediction=job.prediction_token_ids or None,
             stop_cut=stop_cutter(seq.tokenizer, job.stop_strings) if job.stop_strings else None,
         )
@@ -309,7 +317,7 @@ class Batch:
         self.uid_of.clear()
         self.key_of.clear()
         if self.speculation is not None:
-            self.speculation.proposers.clear()
+            self.speculation.clear()
         if self._constraints is not None:
             self._constraints.clear()
         self.gen.close()

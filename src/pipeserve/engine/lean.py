@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from pipeserve.engine.draft import DraftProposer
 from pipeserve.engine.proposer import RowProposer
 from pipeserve.engine.speculative import speculative_next
 
@@ -42,6 +43,12 @@ class Speculation:
         self.proposers: dict[int, RowProposer] = {}
         self.step = 0
         self.max_rows = max_rows
+        self.draft: DraftProposer | None = None  # method draft: the draft model's proposals
+
+    def clear(self) -> None:
+        self.proposers.clear()
+        if self.draft is not None:
+            self.draft.clear()
 
 
 class LeanGenerationBatch(GenerationBatch):
@@ -51,7 +58,7 @@ class LeanGenerationBatch(GenerationBatch):
     def next(self) -> Any:
         spec = self.speculation
         if spec is not None and spec.proposers:
-            responses = speculative_next(self, spec.proposers, spec.step, spec.max_rows)
+            responses = speculative_next(self, spec.proposers, spec.step, spec.max_rows, spec.draft)
             if responses is not None:
                 return responses
         return super().next()

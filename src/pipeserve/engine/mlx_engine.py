@@ -60,6 +60,7 @@ class MlxEngine(AlwaysHealthy):
         tokenizer: Any,
         options: EngineOptions | None = None,
         host: OsThreadHost | None = None,
+        load_draft: Callable[[], Any] | None = None,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
@@ -77,6 +78,7 @@ class MlxEngine(AlwaysHealthy):
         self._loaded = OsFlag()
         self._stopped = OsFlag()
         self._load_model = load_model
+        self._load_draft = load_draft  # method draft: its weights, on the engine thread too
         if host is not None:  # a reused thread: it returns to its host when the engine stops
             host.run(self._serve)
         else:
@@ -157,6 +159,8 @@ class MlxEngine(AlwaysHealthy):
         """Load, decode until closed, free the model; returns (the caller parks or reuses)."""
         try:
             batch = self._new_batch(self._load_model())
+            if self._load_draft is not None:
+                batch.use_draft(self._load_draft())
         except BaseException as exc:  # reported to the constructor's caller
             if refused_load(exc) is None:
                 log.exception("model %s failed to load", self.name)
@@ -164,7 +168,7 @@ class MlxEngine(AlwaysHealthy):
             self._loaded.set()
             self._stopped.set()
             return
-        self._load_model = lambda: None  # drop the loader closure
+        self._load_model = self._load_draft = lambda: None  # drop the loader closures
         log.info("model %s: runs on %s", self.name, describe_device())
         if self.options.warmup:
             batch.warm_up()
@@ -239,9 +243,11 @@ def build_mlx_engine(
     tokenizer: Any,
     options: EngineOptions,
     host: OsThreadHost | None = None,
+    load_draft: Callable[[], Any] | None = None,
     **kwargs: Any,
 ) -> MlxEngine:
-    """host: the thread to run on (a model loaded on demand reuses one across loads)."""
+    """host: the thread to run on (a model loaded on demand reuses one across loads);
+    load_draft: method draft's loader of the draft model (run on the engine thread)."""
     from pipeserve.engine.loader import load_model
 
     if options.sharding is not None and options.sharding.nodes is not None:
@@ -258,5 +264,6 @@ def build_mlx_engine(
         tokenizer,
         options,
         host=host,
+        load_draft=load_draft,
         **kwargs,
     )

@@ -76,6 +76,7 @@ class RowProposer:
 
     options: SpeculativeOptions
     lookup: bool  # prompt lookup is configured for the model
+    drafted: bool = False  # a draft model proposes for it (engine/draft.py)
     prediction: list[int] | None = None
     # (tokens before, new tokens) -> how many new tokens to emit, so that none follows
     # one that completes a stop string (None: all of them).
@@ -114,11 +115,14 @@ class RowProposer:
 
     def ready(self, step: int) -> bool:
         """Whether it may propose at this step (configured, and not backing off)."""
-        return (self.lookup or bool(self.prediction)) and step >= self.paused_until
+        return (self.lookup or self.drafted or bool(self.prediction)) and step >= self.paused_until
 
-    def propose(self, history: list[int], room: int, step: int) -> list[int]:
+    def propose(
+        self, history: list[int], room: int, step: int, drafted: list[int] | None = None
+    ) -> list[int]:
         """Up to `room` tokens that may follow `history` (the sequence so far: prompt,
-        output and the token about to be decoded)."""
+        output and the token about to be decoded); `drafted`: a draft model's tokens,
+        proposed where the prediction has none."""
         if room <= 0 or step < self.paused_until:
             return []
         index = self._history
@@ -130,6 +134,8 @@ class RowProposer:
             start = index.lookup(index.tokens, self.options.ngram_max)
             if start >= 0:
                 proposal = index.tokens[start : start + min(room, self.options.tokens)]
+        if not proposal and drafted:
+            proposal = drafted[:room]
         if not proposal:
             # Nothing to propose counts as a miss too: a row that has nothing lets the
             # batch take the ordinary step, which overlaps the next pass with this one.

@@ -8,7 +8,7 @@ runtime.engine.close()              # at worker shutdown
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,21 +25,32 @@ from pipeserve.engine.loader import (
     resolve_source,
     sampling_defaults,
 )
+from pipeserve.errors import LoadRefused
 
 log = logging.getLogger("pipeserve.engine")
+
+
+def draft_entry(models: Iterable[ModelEntry], entry: ModelEntry) -> ModelEntry | None:
+    """The model that `entry`'s speculative method draft names (validated to exist)."""
+    spec = entry.options.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    return next((m for m in models if m.name == spec.draft), None)
 
 
 def build_runtime(
     entry: ModelEntry,
     manage: Callable[[Callable[[], Engine], Path], Engine] | None = None,
     tokenizers: dict[Path, Any] | None = None,
+    draft: ModelEntry | None = None,
 ) -> ModelRuntime:
     """Resolve the source, load the tokenizer (and the weights for engine mlx), start the engine.
 
     manage(start, model_dir), when given, decides when the engine starts (load on demand:
     pipeserve.server.fleet); it returns the engine the runtime uses. tokenizers, when
     given, is a cache by model folder (engines copy their detokenizers, so models of one
-    folder can share the tokenizer).
+    folder can share the tokenizer). draft: the model its speculative method draft
+    names (draft_entry), loaded with it.
     """
     model_dir = resolve_source(entry.source, entry.sha256)
     tokenizer = tokenizers.get(model_dir) if tokenizers is not None else None
@@ -49,7 +60,7 @@ def build_runtime(
             tokenizers[model_dir] = tokenizer
     eos = eos_token_ids(tokenizer, model_dir)
     options = entry.options
-    start = partial(start_engine, entry, model_dir, tokenizer, eos)
+    start = partial(start_engine, entry, model_dir, tokenizer, eos, draft=draft)
     engine = manage(start, model_dir) if manage is not None else start()
     return ModelRuntime(
         name=entry.name,
@@ -73,9 +84,11 @@ def start_engine(
     tokenizer: Any,
     eos: frozenset[int],
     host: OsThreadHost | None = None,
+    draft: ModelEntry | None = None,
 ) -> Engine:
     """The entry's engine over its tokenizer; engine mlx loads the weights (blocking), on
-    `host`'s thread when given (pipeserve.server.fleet reuses one per on_demand model)."""
+    `host`'s thread when given (pipeserve.server.fleet reuses one per on_demand model),
+    and its draft model's (speculative method draft) on the same thread."""
     options = entry.options
     if entry.engine == "replay":
         from pipeserve.engine.replay import ReplayEngine
@@ -88,8 +101,32 @@ def start_engine(
     else:
         from pipeserve.engine.mlx_engine import build_mlx_engine
 
-        engine = build_mlx_engine(entry.name, model_dir, tokenizer, options, host=host)
+        load_draft = draft_loader(entry, tokenizer, draft)
+        engine = build_mlx_engine(
+            entry.name, model_dir, tokenizer, options, host=host, load_draft=load_draft
+        )
     log.info(
         "model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos)
     )
     return engine
+
+
+def draft_loader(
+    entry: ModelEntry, tokenizer: Any, draft: ModelEntry | None
+) -> Callable[[], Any] | None:
+    """The loader of `entry`'s draft model's weights (None without method draft), after
+    checking that the draft shares the tokenizer (LoadRefused: the model is unavailable
+    with the reason). The draft loads inside this model's engine, a copy of its own
+    beside any engine that serves the draft model itself."""
+    spec = entry.options.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    if draft is None:
+        raise LoadRefused(f"model {entry.name}: draft model {spec.draft!r} is not configured")
+    from pipeserve.engine.draft import check_draft
+    from pipeserve.engine.loader import load_model
+
+    draft_dir = resolve_source(draft.source, draft.sha256)
+    check_draft(entry.name, draft.name, tokenizer, load_tokenizer(draft_dir))
+    options = draft.options
+    return partial(load_model, draft_dir, options.dtype, options.cpu_pretranspose)

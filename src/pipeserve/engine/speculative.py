@@ -24,7 +24,7 @@ state) are not speculated on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
@@ -47,20 +47,30 @@ def rollable(cache: list[Any]) -> bool:
 
 
 def speculative_next(
-    batch: Any, proposers: dict[int, RowProposer], step: int, max_rows: int
+    batch: Any,
+    proposers: dict[int, RowProposer],
+    step: int,
+    max_rows: int,
+    draft: DraftSource | None = None,
 ) -> list[Any] | None:
     """mlx-lm's GenerationBatch.next() with proposals verified; None when no row proposes
-    (the caller takes the ordinary step)."""
+    (the caller takes the ordinary step). `draft`: a draft model's proposals for the
+    rows (engine/draft.py), used where a request's prediction proposes nothing."""
     count = len(batch.uids)
     if not count or count > max_rows or not rollable(batch.prompt_cache):
         return None
     rows = [proposers.get(uid) for uid in batch.uids]
-    if not any(row is not None and row.ready(step) for row in rows):
+    ready = [row is not None and row.ready(step) for row in rows]
+    if not any(ready):
         return None  # without waiting for the next tokens: the ordinary step overlaps
     mx.eval(batch._next_tokens)
     inputs: list[int] = batch._next_tokens.tolist()
+    drafted: list[list[int]] = [[] for _ in rows]
+    if draft is not None:
+        histories = [tokens + [t] for tokens, t in zip(batch.tokens, inputs)]
+        drafted = draft.propose(list(batch.uids), histories, ready)
     proposals = [
-        _propose(row, batch, i, inputs[i], step) if row is not None else []
+        _propose(row, batch, i, inputs[i], step, drafted[i]) if row is not None else []
         for i, row in enumerate(rows)
     ]
     if not any(proposals):
@@ -73,9 +83,17 @@ def speculative_next(
     return _respond(batch, outcomes)
 
 
-def _propose(row: RowProposer, batch: Any, i: int, token: int, step: int) -> list[int]:
+class DraftSource(Protocol):
+    def propose(
+        self, uids: list[int], histories: list[list[int]], wanted: list[bool]
+    ) -> list[list[int]]: ...
+
+
+def _propose(
+    row: RowProposer, batch: Any, i: int, token: int, step: int, drafted: list[int]
+) -> list[int]:
     room = batch.max_tokens[i] - batch._num_tokens[i] - 1
-    return row.propose(batch.tokens[i] + [token], room, step)
+    return row.propose(batch.tokens[i] + [token], room, step, drafted)
 
 
 def _verify(
@@ -173,7 +191,12 @@ def _cut_at_stop(outcome: RowOutcome, end: int | None) -> RowOutcome:
 
 def _roll_back(cache: list[Any], proposed: list[int], outcomes: list[RowOutcome]) -> None:
     width = max(proposed)
-    stale = [width + 1 - len(o.emitted) for o in outcomes]
+    trim_rows(cache, [width + 1 - len(o.emitted) for o in outcomes])
+
+
+def trim_rows(cache: list[Any], stale: list[int]) -> None:
+    """Forget the last stale[i] positions of row i of a BatchKVCache (per layer): all
+    rows trim the fewest, the others roll right by the rest (their left padding grows)."""
     common = min(stale)
     shifts = [s - common for s in stale]
     if any(shifts):

@@ -79,7 +79,7 @@ class HostedModels:
         self.placing: dict[str, str] = {}  # shard host: model key -> why it is not served yet
 
     def apply(self, loaded: LoadedConfig) -> None:
-        from pipeserve.engine.runtime import build_runtime
+        from pipeserve.engine.runtime import build_runtime, draft_entry
 
         self.applied.clear()
         try:
@@ -92,9 +92,8 @@ class HostedModels:
                 runtime = self.runtimes.get(key)
                 if runtime is None or managed(runtime).retired:
                     manage, tokenizers = self.fleet.manager_for(entry), self.tokenizers
-                    runtime = run_off_hub(
-                        partial(build_runtime, entry, manage=manage, tokenizers=tokenizers)
-                    )
+                    draft = draft_entry(loaded.config.models, entry)
+                    runtime = run_off_hub(partial(build_runtime, entry, manage, tokenizers, draft))
                 current[key] = runtime
             for runtime in current.values():
                 engine = managed(runtime)
