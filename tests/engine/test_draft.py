@@ -25,11 +25,11 @@ from pipeserve.engine.demo import write_demo_model
 from pipeserve.engine.demo_families import QWEN3
 from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.loader import eos_token_ids, load_model, load_tokenizer
-from pipeserve.engine.runtime import start_engine
+from pipeserve.engine.runtime import build_runtime, start_engine
 from pipeserve.engine.sequence import Sequence
-from pipeserve.errors import LoadRefused
-from pipeserve.events import TokenText, Usage
+from pipeserve.events import ErrorEvent, TokenText, Usage
 from pipeserve.request import SamplingParams
+from pipeserve.server.fleet import Fleet
 
 pytestmark = pytest.mark.mlx
 
@@ -172,20 +172,37 @@ def test_smaller_draft_equal(target: Path, small_draft: Path) -> None:
     assert proposed >= accepted and proposed > 0
 
 
-def entry(name: str, family: str, options: dict[str, Any]) -> ModelEntry:
+def entry(name: str, family: str, options: dict[str, Any], load: str = "startup") -> ModelEntry:
     return ModelEntry.model_validate(
-        {"name": name, "source": f"demo:{family}", "pipeline": family, "options": options}
-    )
+        {"name": name, "source": f"demo:{family}", "pipeline": family, "options": options,
+         "load": load}
+    )  # fmt: skip
 
 
-def test_draft_of_another_tokenizer_is_refused(demo_model_dir: Any, pipeserve_home: Path) -> None:
-    folder = Path(demo_model_dir("qwen3"))
-    demo_model_dir("kimi")
-    tokenizer = load_tokenizer(folder)
+def job(prompt: list[int], max_tokens: int) -> GenerationJob:
+    return GenerationJob("t", prompt, SamplingParams(temperature=0.0), max_tokens, frozenset())
+
+
+def test_draft_of_another_tokenizer_leaves_the_model_unavailable(demo_model_dir: Any) -> None:
+    """At load: the model is unavailable with the reason; another model keeps serving."""
+    demo_model_dir("qwen3"), demo_model_dir("kimi")
+    fleet = Fleet()
     spec = {"speculative": {"method": "draft", "draft": "d"}, "warmup": False}
-    with pytest.raises(LoadRefused, match="draft model 'd' does not share its tokenizer"):
-        start_engine(entry("x", "qwen3", spec), folder, tokenizer, frozenset(),
-                     draft=entry("d", "kimi", {}))  # fmt: skip
+    target = entry("x", "qwen3", spec, load="on_demand")
+    other = entry("y", "qwen3", {"warmup": False})
+    drafted = build_runtime(target, fleet.manager_for(target), draft=entry("d", "kimi", {}))
+    served = build_runtime(other, fleet.manager_for(other))
+    fleet.set_current([drafted.engine, served.engine], [])  # type: ignore[list-item]
+    prompt = list(drafted.tokenizer.encode("hi"))
+    try:
+        events = list(drafted.engine.submit(job(prompt, 4)))
+        assert isinstance(events[-1], Usage) and events[-1].completion_tokens == 0
+        (error,) = [e for e in events if isinstance(e, ErrorEvent)]
+        assert "draft model 'd' does not share its tokenizer" in error.message, error
+        answered = list(served.engine.submit(job(prompt, 4)))
+        assert [e for e in answered if isinstance(e, Usage)][0].completion_tokens == 4
+    finally:
+        fleet.close()
 
 
 def test_engine_loads_its_draft(target: Path) -> None:
@@ -196,8 +213,7 @@ def test_engine_loads_its_draft(target: Path) -> None:
                           eos_token_ids(tokenizer, target), draft=entry("d", "qwen3", {}))  # fmt: skip
     try:
         ids = list(tokenizer.encode(CODE))
-        job = GenerationJob("t", ids, SamplingParams(temperature=0.0), 12, frozenset())
-        events = list(engine.submit(job))
+        events = list(engine.submit(job(ids, 12)))
     finally:
         engine.close()
     (usage,) = [e for e in events if isinstance(e, Usage)]

@@ -62,7 +62,8 @@ class Batch:
     def use_draft(self, draft_model: Any) -> None:
         """Method draft: `draft_model` (loaded on this engine thread) proposes for the rows."""
         if self.speculation is not None:
-            self.speculation.draft = DraftProposer(draft_model, self.speculative.tokens)
+            tokens, vocab = self.speculative.tokens, self.vocab_size
+            self.speculation.draft = DraftProposer(draft_model, tokens, vocab)
 
     def _new_generator(self) -> Any:  # a LeanBatchGenerator (mlx-lm classes are untyped)
         return LeanBatchGenerator(

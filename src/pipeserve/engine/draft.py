@@ -79,9 +79,10 @@ class DraftRow:
 class DraftProposer:
     """The draft model and its batched cache, owned by one engine thread."""
 
-    def __init__(self, model: Any, tokens: int) -> None:
+    def __init__(self, model: Any, tokens: int, vocab_size: int | None = None) -> None:
         self.model = model
         self.tokens = tokens
+        self.vocab_size = vocab_size  # the target's: a wider draft's extra ids are cut off
         batch_cache(model)  # refuses an unsuitable draft at load
         self.rows: list[DraftRow] = []
         self.cache: list[Any] | None = None
@@ -103,8 +104,15 @@ class DraftProposer:
         if not self.rows:
             return [[] for _ in uids]
         drafted = self._draft([histories[live[row.uid]] for row in self.rows])
-        by_uid = {row.uid: tokens for row, tokens in zip(self.rows, drafted)}
+        by_uid = {row.uid: self._known(tokens) for row, tokens in zip(self.rows, drafted)}
         return [by_uid.get(uid, []) if want else [] for uid, want in zip(uids, wanted)]
+
+    def _known(self, proposal: list[int]) -> list[int]:
+        """The proposal up to its first id that the target has no embedding for."""
+        limit = self.vocab_size
+        if limit is None:
+            return proposal
+        return next((proposal[:i] for i, t in enumerate(proposal) if t >= limit), proposal)
 
     def _near(self, row: DraftRow, history: list[int]) -> bool:
         return len(history) - _common_prefix(row.tokens, history[:-1]) <= CATCH_UP_LIMIT
