@@ -51,9 +51,15 @@ class Slot:
     model: ServedModel
 
 
-def runtime_key(entry: ModelEntry) -> str:
-    """What, if changed, needs the model itself reloaded (not only its chain)."""
-    return json.dumps(entry.model_dump(exclude={"aliases", "pipeline"}), sort_keys=True)
+def runtime_key(entry: ModelEntry, models: list[ModelEntry] | None = None) -> str:
+    """What, if changed, needs the model itself reloaded (not only its chain): its entry
+    and the entry of the draft model it loads (speculative method draft)."""
+    from pipeserve.engine.runtime import draft_entry
+
+    facts = [draft_entry(models or [], entry), entry]
+    return json.dumps(
+        [e and e.model_dump(exclude={"aliases", "pipeline"}) for e in facts], sort_keys=True
+    )
 
 
 def chain_key(entry: ModelEntry, pipeline: LoadedPipeline) -> str:
@@ -155,13 +161,13 @@ class LiveApp:
         models: list[ModelEntry],
     ) -> Slot:
         old = self.slots.get(entry.name)
-        rkey, ckey = runtime_key(entry), chain_key(entry, pipeline)
+        rkey, ckey = runtime_key(entry, models), chain_key(entry, pipeline)
         if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
             return old
         if old is not None and old.runtime_key == rkey:
             runtime = replace(old.model.runtime, family=entry.pipeline)
         else:
-            manage = self._manager(entry)
+            manage = self._manager(entry, models)
             runtime = run_off_hub(lambda: build_runtime(entry, manage, self.tokenizers, models))
             created.append(runtime.engine)
         env = BuildEnv(model_name=entry.name, family=pipeline.family, runtime=runtime)
@@ -189,12 +195,14 @@ class LiveApp:
         for name in self.slots.keys() - slots.keys():
             log.info("reload: model %s removed (unloads when its requests end)", name)
 
-    def _manager(self, entry: ModelEntry) -> Manage:
+    def _manager(self, entry: ModelEntry, models: list[ModelEntry]) -> Manage:
         """How the model's engine is made: a ManagedEngine of this worker's fleet, or a
         RemoteEngine for the engine host's one (its start, the local load, is never called)."""
         host = self.shard_clients.get(entry.name, self.host)
         if host is None:
-            return self.fleet.manager_for(entry)
+            from pipeserve.engine.runtime import draft_entry
+
+            return self.fleet.manager_for(entry, draft_entry(models, entry))
 
         def remote(start: Callable[[], Engine], model_dir: Path) -> Engine:
             return RemoteEngine(

@@ -30,6 +30,7 @@ from pipeserve.engine.sequence import Sequence
 from pipeserve.events import ErrorEvent, TokenText, Usage
 from pipeserve.request import SamplingParams
 from pipeserve.server.fleet import Fleet
+from pipeserve.server.managed_engine import weights_bytes
 
 pytestmark = pytest.mark.mlx
 
@@ -184,13 +185,17 @@ def job(prompt: list[int], max_tokens: int) -> GenerationJob:
 
 
 def test_draft_of_another_tokenizer_leaves_the_model_unavailable(demo_model_dir: Any) -> None:
-    """At load: the model is unavailable with the reason; another model keeps serving."""
+    """At load: the model is unavailable with the reason; another model keeps serving.
+    (The fleet counts the draft's weights in the model's size.)"""
     demo_model_dir("qwen3"), demo_model_dir("kimi")
     fleet = Fleet()
     spec = {"speculative": {"method": "draft", "draft": "d"}, "warmup": False}
     target = entry("x", "qwen3", spec, load="on_demand")
     other = entry("y", "qwen3", {"warmup": False})
-    drafted = build_runtime(target, fleet.manager_for(target), draft=entry("d", "kimi", {}))
+    draft = entry("d", "kimi", {})
+    drafted = build_runtime(target, fleet.manager_for(target, draft), draft=draft)
+    both = weights_bytes(demo_model_dir("qwen3")) + weights_bytes(demo_model_dir("kimi"))
+    assert drafted.engine.size == both  # type: ignore[attr-defined]
     served = build_runtime(other, fleet.manager_for(other))
     fleet.set_current([drafted.engine, served.engine], [])  # type: ignore[list-item]
     prompt = list(drafted.tokenizer.encode("hi"))
@@ -221,3 +226,13 @@ def test_engine_loads_its_draft(target: Path) -> None:
     assert [e.token_id for e in events if isinstance(e, TokenText)] == run(
         target, [Row(ids, max_tokens=12)], None
     )[0].ids
+
+
+def test_a_changed_draft_entry_reloads_the_model() -> None:
+    from pipeserve.live_app import runtime_key
+
+    spec = {"speculative": {"method": "draft", "draft": "d"}}
+    target = entry("x", "qwen3", spec)
+    keys = {runtime_key(target, [target, entry("d", family, {})]) for family in ("qwen3", "glm")}
+    assert len(keys) == 2
+    assert runtime_key(entry("y", "qwen3", {}), [target]) == runtime_key(entry("y", "qwen3", {}))

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import Engine
 from pipeserve.errors import ApiError
-from pipeserve.server.managed_engine import ManagedEngine, weights_bytes
+from pipeserve.server.managed_engine import ManagedEngine, draft_bytes, weights_bytes
 
 log = logging.getLogger("pipeserve.fleet")
 REAP_INTERVAL = 1.0
@@ -77,8 +77,11 @@ class Fleet:
 
     # -- building -----------------------------------------------------------------------
 
-    def manager_for(self, entry: ModelEntry) -> Callable[[Callable[[], Engine], Path], Engine]:
-        """build_runtime's `manage`: wrap the engine's start in a ManagedEngine (not started)."""
+    def manager_for(
+        self, entry: ModelEntry, draft: ModelEntry | None = None
+    ) -> Callable[[Callable[[], Engine], Path], Engine]:
+        """build_runtime's `manage`: wrap the engine's start in a ManagedEngine (not started).
+        draft: the model its speculative method draft loads with it (counted in its size)."""
 
         def manage(start: Callable[[], Engine], model_dir: Path) -> Engine:
             return ManagedEngine(
@@ -87,7 +90,7 @@ class Fleet:
                 self,
                 pinned=entry.load == "startup",
                 keep_alive=entry.keep_alive,
-                size=weights_bytes(model_dir) if entry.engine == "mlx" else 0,
+                size=weights_bytes(model_dir) + draft_bytes(draft) if entry.engine == "mlx" else 0,
                 accepts_mock_response=entry.engine == "replay",
                 max_tokens_limit=entry.options.max_tokens_limit,
                 hosted=entry.engine == "mlx" and entry.options.sharding is None,

@@ -26,6 +26,7 @@ from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, 
 from pipeserve.gevent_support import apply_in_pool, gevent_patched
 
 if TYPE_CHECKING:
+    from pipeserve.config.models import ModelEntry
     from pipeserve.server.fleet import Fleet
 
 log = logging.getLogger("pipeserve.fleet")
@@ -47,6 +48,15 @@ def run_off_hub(fn: Callable[[], Any]) -> Any:
 def weights_bytes(model_dir: Path) -> int:
     """Bytes of the weights as stored (safetensors files): the budget's estimate of a model."""
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def draft_bytes(draft: ModelEntry | None) -> int:
+    """The weights of a draft model that loads inside the engine it drafts for."""
+    if draft is None:
+        return 0
+    from pipeserve.engine.loader import resolve_source
+
+    return weights_bytes(resolve_source(draft.source, draft.sha256))
 
 
 class ManagedEngine:

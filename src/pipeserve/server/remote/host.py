@@ -91,8 +91,8 @@ class HostedModels:
                 key = model_key(entry)
                 runtime = self.runtimes.get(key)
                 if runtime is None or managed(runtime).retired:
-                    manage, tokenizers = self.fleet.manager_for(entry), self.tokenizers
                     draft = draft_entry(loaded.config.models, entry)
+                    manage, tokenizers = self.fleet.manager_for(entry, draft), self.tokenizers
                     runtime = run_off_hub(partial(build_runtime, entry, manage, tokenizers, draft))
                 current[key] = runtime
             for runtime in current.values():
