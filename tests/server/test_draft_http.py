@@ -58,7 +58,6 @@ def test_draft_served_and_a_mismatched_draft_refused(tmp_path: Path) -> None:
         assert answer(client, "drafted") == expected
         log = server_log(base).read_text()
     accepted = [
-        (int(a), int(p))
-        for a, p in re.findall(r"model=drafted .*?speculative=(\d+)/(\d+)", log)
+        (int(a), int(p)) for a, p in re.findall(r"model=drafted .*?speculative=(\d+)/(\d+)", log)
     ]
     assert accepted and all(0 < a <= p for a, p in accepted), accepted
