@@ -137,19 +137,21 @@ def _kernel_layout(model: Any, name: str) -> bool:
 
 def _fuse_cpu_ops(model: Any, name: str) -> None:
     """On the CPU with the native kernels: RMSNorm, RoPE and decode attention as one op
-    each (float32 models too, once the kernels are built)."""
+    each, and llama-style layers with fused projections (cpu_kernels/fused_layers.py);
+    float32 models too, once the kernels are built."""
     import mlx.core as mx
 
     from pipeserve.engine.cpu_kernels import kernels
+    from pipeserve.engine.cpu_kernels.fused_layers import use_fused_layers
     from pipeserve.engine.cpu_kernels.layers import use_fused_ops
 
     if mx.default_device() != mx.cpu:
         return
     ext = kernels(build=False)  # built by a quantized model's load, or earlier
     if ext is not None:
-        log.info(
-            "%s: %d norm / RoPE layers run as one CPU op each", name, use_fused_ops(model, ext)
-        )
+        ops, blocks = use_fused_ops(model, ext), use_fused_layers(model, ext)
+        log.info("%s: %d norm / RoPE layers run as one CPU op each, %d blocks with fused "
+                 "projections", name, ops, blocks)  # fmt: skip
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

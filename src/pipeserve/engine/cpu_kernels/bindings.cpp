@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 
 #include "kernels.h"
@@ -20,8 +21,16 @@ NB_MODULE(_pipeserve_cpu, m) {
         "offset"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rope in one float32 op (x: B, H, L, D; offset: int32, 1 or B values).");
   m.def("sdpa", &pipeserve::sdpa, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
-        nb::kw_only(), "stream"_a = nb::none(),
+        "merge_heads"_a = false, nb::kw_only(), "stream"_a = nb::none(),
         "Attention of a few query rows (float32; grouped-query heads; mask optional).");
+  m.def("add_rms_norm", &pipeserve::add_rms_norm, "x"_a, "residual"_a, "weight"_a, "eps"_a,
+        nb::kw_only(), "stream"_a = nb::none(), "(x + residual, rms_norm(x + residual)).");
+  m.def("swiglu", &pipeserve::swiglu, "gate_up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up of a fused (..., 2I) projection, gate half first.");
+  m.def("split_heads", &pipeserve::split_heads, "qkv"_a, "q_heads"_a, "kv_heads"_a,
+        "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a, "q_norm"_a = nb::none(),
+        "k_norm"_a = nb::none(), "eps"_a = 1e-6f, nb::kw_only(), "stream"_a = nb::none(),
+        "A fused q/k/v projection split into rotated (B, H, L, D) heads.");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

@@ -24,7 +24,14 @@ from types import ModuleType
 log = logging.getLogger("pipeserve.engine")
 
 SOURCES = Path(__file__).resolve().parent
-SOURCE_FILES = ("kernels.h", "affine_qmm.cpp", "fused.cpp", "bindings.cpp", "CMakeLists.txt")
+SOURCE_FILES = (
+    "kernels.h",
+    "affine_qmm.cpp",
+    "fused.cpp",
+    "fused_step.cpp",
+    "bindings.cpp",
+    "CMakeLists.txt",
+)
 MODULE = "_pipeserve_cpu"
 BUILD_SECONDS = 900  # a shared 2-core machine can take minutes
 

@@ -159,8 +159,8 @@ class Rope : public mx::Primitive {
 // strides); the mask broadcast to (B, Hq, L, S), boolean or additive.
 class Sdpa : public mx::Primitive {
  public:
-  Sdpa(mx::Stream stream, float scale, int mask_kind)
-      : mx::Primitive(stream), scale_(scale), mask_kind_(mask_kind) {}
+  Sdpa(mx::Stream stream, float scale, int mask_kind, bool merge_heads)
+      : mx::Primitive(stream), scale_(scale), mask_kind_(mask_kind), merge_heads_(merge_heads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
@@ -178,7 +178,7 @@ class Sdpa : public mx::Primitive {
                       vs = v.strides(), shape = q.shape(), S = k.shape(2), Hk = k.shape(1),
                       mp = mask ? mask->data<void>() : nullptr,
                       ms = mask ? mask->strides() : mx::Strides{}, kind = mask_kind_,
-                      scale = scale_]() {
+                      scale = scale_, merged = merge_heads_]() {
       const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
       const int group = Hq / Hk;
       std::vector<float> scores(S);
@@ -204,7 +204,8 @@ class Sdpa : public mx::Primitive {
               scores[s] = score;
               top = std::max(top, score);
             }
-            float* o = op + ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
+            float* o = merged ? op + ((static_cast<int64_t>(b) * L + l) * Hq + h) * D
+                              : op + ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
             for (int d = 0; d < D; ++d) o[d] = 0.0f;
             if (top == -INFINITY) continue;  // every key masked: zeros
             float total = 0.0f;
@@ -229,15 +230,19 @@ class Sdpa : public mx::Primitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Sdpa&>(other);
-    return scale_ == o.scale_ && mask_kind_ == o.mask_kind_;
+    return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && merge_heads_ == o.merge_heads_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    return {out_shape(inputs[0].shape(), merge_heads_)};
+  }
+  static mx::Shape out_shape(const mx::Shape& q, bool merge_heads) {
+    return merge_heads ? mx::Shape{q[0], q[2], q[1] * q[3]} : q;
   }
 
  private:
   float scale_;
   int mask_kind_;  // 0 none, 1 boolean (false: masked out), 2 additive float32
+  bool merge_heads_;  // out (B, L, Hq * D), the layout the output projection takes
 };
 
 }  // namespace
@@ -285,6 +290,7 @@ mx::array sdpa(
     const mx::array& v,
     float scale,
     const std::optional<mx::array>& mask,
+    bool merge_heads,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("sdpa runs on the CPU only");
@@ -307,7 +313,8 @@ mx::array sdpa(
       inputs.push_back(mx::broadcast_to(mx::astype(*mask, mx::float32, stream), full, stream));
     }
   }
-  return mx::array(q.shape(), mx::float32, std::make_shared<Sdpa>(stream, scale, kind), inputs);
+  return mx::array(Sdpa::out_shape(q.shape(), merge_heads), mx::float32,
+                   std::make_shared<Sdpa>(stream, scale, kind, merge_heads), inputs);
 }
 
 }  // namespace pipeserve

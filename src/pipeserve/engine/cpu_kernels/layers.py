@@ -39,6 +39,18 @@ class KernelLinear(nn.Module):
         self.group_size, self.bits = layer.group_size, layer.bits
         self._ext = ext
 
+    @classmethod
+    def of_arrays(cls, weight: mx.array, scales: mx.array, biases: mx.array,
+                  bias: mx.array | None, group_size: int, bits: int, ext: Any) -> KernelLinear:  # fmt: skip
+        """A kernel layer over these arrays (e.g. several layers' rows stacked)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight, layer.scales, layer.biases = weight, scales, biases
+        if bias is not None:
+            layer.bias = bias
+        layer.group_size, layer.bits, layer._ext = group_size, bits, ext
+        return layer
+
     def __call__(self, x: mx.array) -> mx.array:
         y: mx.array = self._ext.affine_qmm(
             x, self.weight, self.scales, self.biases, self.group_size, self.bits

@@ -1,0 +1,167 @@
+"""The fused llama-style layers (engine/cpu_kernels/fused_layers.py): each new op against
+numpy, and whole tiny models (llama with 4-bit kernel projections, qwen3 in float32, with
+mlx-lm's KVCache and its left-padded BatchKVCache) against mlx-lm's own forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama, qwen3
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from pipeserve.engine.cpu_kernels.fused_layers import (
+    FusedAttention,
+    FusedBlock,
+    FusedMLP,
+    use_fused_layers,
+)
+from pipeserve.engine.cpu_kernels.layers import KernelLinear, use_fused_ops, use_kernels
+from tests.engine.test_cpu_kernels import ext, numpy_rope  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.mlx
+
+
+def rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * weight
+
+
+def test_add_rms_norm_and_swiglu_match_numpy(ext):
+    k1, k2, k3 = mx.random.split(mx.random.key(1), 3)
+    x, r = mx.random.normal((2, 3, 64), key=k1), mx.random.normal((2, 64, 3), key=k2)
+    residual = r.transpose(0, 2, 1)  # strided, as a view would be
+    weight = mx.random.normal((64,), key=k3)
+    h, normed = ext.add_rms_norm(x, residual, weight, 1e-5)
+    want_h = np.array(x, dtype=np.float64) + np.array(residual, dtype=np.float64)
+    assert np.abs(np.array(h) - want_h).max() < 1e-6 * np.abs(want_h).max()
+    want = rms(want_h, np.array(weight), 1e-5)
+    assert np.abs(np.array(normed) - want).max() < 1e-5 * np.abs(want).max()
+    gate_up = np.array(mx.random.normal((2, 3, 2 * 40), key=k1), dtype=np.float64)
+    gate, up = gate_up[..., :40], gate_up[..., 40:]
+    want = gate / (1 + np.exp(-gate)) * up
+    got = np.array(ext.swiglu(mx.array(gate_up.astype(np.float32))))
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    with pytest.raises(ValueError):
+        ext.swiglu(mx.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("norms", [False, True])
+def test_split_heads_matches_numpy(ext, traditional, norms):
+    q_heads, kv_heads, d, rope_dims, length = 6, 2, 32, 16, 3
+    keys = mx.random.split(mx.random.key(2), 3)
+    qkv = mx.random.normal((2, length, (q_heads + 2 * kv_heads) * d), key=keys[0])
+    q_norm = mx.random.normal((d,), key=keys[1]) if norms else None
+    k_norm = mx.random.normal((d,), key=keys[2]) if norms else None
+    offsets = np.array([4, 300])
+    q, k, v = ext.split_heads(qkv, q_heads, kv_heads, rope_dims, traditional, 10000.0, 1.0,
+                              mx.array(offsets, dtype=mx.int32), q_norm, k_norm, 1e-6)  # fmt: skip
+    x = np.array(qkv, dtype=np.float64).reshape(2, length, -1, d).transpose(0, 2, 1, 3)
+    wq, wk, wv = x[:, :q_heads], x[:, q_heads : q_heads + kv_heads], x[:, q_heads + kv_heads :]
+    if norms:
+        wq, wk = rms(wq, np.array(q_norm), 1e-6), rms(wk, np.array(k_norm), 1e-6)
+    positions = offsets[:, None] + np.arange(length)[None, :]
+    wq = numpy_rope(wq, rope_dims, traditional, 10000.0, positions)
+    wk = numpy_rope(wk, rope_dims, traditional, 10000.0, positions)
+    for got, want in ((q, wq), (k, wk), (v, wv)):
+        assert got.shape == want.shape
+        assert np.abs(np.array(got) - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_attention_merges_heads(ext):
+    k1, k2 = mx.random.split(mx.random.key(3))
+    q, kv = mx.random.normal((2, 4, 3, 16), key=k1), mx.random.normal((2, 2, 9, 16), key=k2)
+    split = ext.sdpa(q, kv, kv * 0.5, 0.25, None)
+    merged = ext.sdpa(q, kv, kv * 0.5, 0.25, None, merge_heads=True)
+    assert merged.shape == (2, 3, 64)
+    assert mx.array_equal(merged, split.transpose(0, 2, 1, 3).reshape(2, 3, 64))
+
+
+def tiny_llama() -> nn.Module:
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=96, tie_word_embeddings=False)  # fmt: skip
+    return llama.Model(args)
+
+
+def tiny_qwen3() -> nn.Module:
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-6, vocab_size=96, max_position_embeddings=512,
+                           rope_theta=1e6, head_dim=32, tie_word_embeddings=True)  # fmt: skip
+    return qwen3.Model(args)
+
+
+def twins(build: Any, ext: Any, quantize: bool) -> tuple[nn.Module, nn.Module]:
+    """Two copies of one random model: the kernel / one-op layout, and that plus fusion."""
+    mx.random.seed(11)
+    reference = build()
+    if quantize:
+        nn.quantize(reference, group_size=32, bits=4)
+    weights = reference.parameters()
+    models = []
+    for _ in range(2):
+        model = build()
+        if quantize:
+            nn.quantize(model, group_size=32, bits=4)
+        model.update(weights)
+        if quantize:
+            use_kernels(model, ext)
+        use_fused_ops(model, ext)
+        models.append(model)
+    assert use_fused_layers(models[1], ext) == 2
+    return models[0], models[1]
+
+
+def decode(model: nn.Module, cache: list[Any], prompt: mx.array, steps: int) -> np.ndarray:
+    """The logits of the prompt's last position, then of `steps` greedy steps."""
+    logits = model(prompt, cache=cache)[:, -1]
+    rows = [logits]
+    for _ in range(steps):
+        logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)[:, -1]
+        rows.append(logits)
+    return np.array(mx.stack(rows))
+
+
+@pytest.mark.parametrize("family", ["llama-q4", "qwen3-f32"])
+def test_fused_model_matches_mlx_lm(ext, family):
+    build, quantize = (tiny_llama, True) if family == "llama-q4" else (tiny_qwen3, False)
+    plain, fused = twins(build, ext, quantize)
+    layer = fused.layers[0]
+    assert type(layer) is FusedBlock
+    assert type(layer.self_attn) is FusedAttention and type(layer.mlp) is FusedMLP
+    projection = layer.self_attn.qkv_proj
+    assert type(projection) is (KernelLinear if quantize else nn.Linear)
+    prompt = mx.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 70, 12]])  # 11 rows: the prefill path
+    want = decode(plain, make_prompt_cache(plain), prompt, 6)
+    got = decode(fused, make_prompt_cache(fused), prompt, 6)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_fused_model_matches_mlx_lm_on_a_padded_batch(ext):
+    plain, fused = twins(tiny_qwen3, ext, False)
+    prompts = mx.array([[0, 0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6]])  # row 0: left padding
+    results = []
+    for model in (plain, fused):
+        cache = [BatchKVCache(left_padding=[3, 0]) for _ in model.layers]
+        results.append(decode(model, cache, prompts, 4))
+    want, got = results
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_other_layers_keep_mlx_lm_forward(ext):
+    model = tiny_llama()
+    model.layers[0].mlp.up_proj = nn.Linear(128, 192, bias=True)  # not stackable with gate
+    use_fused_ops(model, ext)
+    use_fused_layers(model, ext)
+    assert type(model.layers[0].mlp) is llama.MLP
+    assert type(model.layers[1].mlp) is FusedMLP
+    half = tiny_llama()
+    half.set_dtype(mx.float16)  # float16 activations: the fused ops take float32 only
+    use_fused_ops(half, ext)
+    assert use_fused_layers(half, ext) == 0
+    assert type(half.layers[0]) is llama.TransformerBlock
