@@ -289,6 +289,8 @@ class Batch:
             self.key_of.pop(uid, None)
             if self.speculation is not None:
                 self.speculation.proposers.pop(uid, None)
+                if not self.seqs:  # idle: nothing keeps the draft's cache alive
+                    self.speculation.clear()
         if seq is not None and seq.proposer is not None:
             self.stats["speculative_proposed_tokens_total"] += seq.proposer.proposed
             self.stats["speculative_accepted_tokens_total"] += seq.proposer.accepted
