@@ -4,7 +4,8 @@ the rows; the output is exactly the target's own.
 A Batch is driven step by step on the test thread with and without a draft: greedy
 tokens are equal token for token at batch 1 and with several rows (two joining
 mid-way, one of them whose prompt comes partly from the prefix cache, one cancelled,
-one ending on a stop string; a seeded sampled row is equal too). Drafts: the target's own weights loaded again (its twin,
+one ending on a stop string, one with a wrong `prediction`; a seeded sampled row is
+equal too). Drafts: the target's own weights loaded again (its twin,
 whose proposals the target accepts), and a smaller random model of the same family and
 tokenizer. A draft of another tokenizer is refused at load.
 """
@@ -66,6 +67,7 @@ class Row:
     cancel_at: int | None = None
     stop: tuple[str, ...] = ()
     sampling: dict[str, Any] = dataclasses.field(default_factory=lambda: {"temperature": 0.0})
+    prediction: list[int] | None = None  # proposes first; the draft where it has nothing
     events: list[Any] = dataclasses.field(default_factory=list)
     steps: list[list[int]] = dataclasses.field(default_factory=list)  # token ids per step
 
@@ -93,7 +95,8 @@ def run(folder: Path, rows: list[Row], draft: Path | None) -> list[Row]:
         for key, row in enumerate(rows):
             if row.join_at == step:
                 job = GenerationJob("t", row.prompt, SamplingParams(**row.sampling),
-                                    row.max_tokens, eos, stop_strings=row.stop)  # fmt: skip
+                                    row.max_tokens, eos, stop_strings=row.stop,
+                                    prediction_token_ids=row.prediction if draft else None)  # fmt: skip
                 seqs[key] = Sequence(job, Channel(), detokenizers.new(), tokenizer)
                 batch.add(key, seqs[key], courier)
         if batch.seqs:
@@ -121,6 +124,7 @@ def mixed(ids: list[int], stop: str) -> list[Row]:
         Row(ids[2:], cancel_at=4),
         Row(ids[1:], stop=(stop,)),
         Row(ids[3:], sampling={"temperature": 0.8, "seed": 11}),  # one draw per emitted token
+        Row(ids[5:], prediction=ids[::-1]),  # a wrong prediction
     ]
 
 
