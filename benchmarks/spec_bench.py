@@ -11,9 +11,13 @@ time while the other is paused, alternating in rounds (the order flips each roun
 - edit x8: eight editing streams at once, aggregate tok/s.
 
 Greedy decoding, so both servers produce the same text; the table gives the medians and
-the median of the per-round ratios (with / without), and the acceptance seen.
+the median of the per-round ratios (with / without), the acceptance seen per workload,
+and the load. Every request has a deadline and the whole run a budget: a server that
+stops answering is reported (with its log's tail) and the rounds measured so far are
+printed, never waited on forever.
 
     python benchmarks/spec_bench.py --shape smollm2 --rounds 3
+    python benchmarks/spec_bench.py --spec '{method: prompt_lookup, max_batch: 8}'
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +98,13 @@ EDIT = (
 )
 CHAT = "Tell me a short story about a lighthouse keeper who finds a message in a bottle."
 WORKLOADS = ("edit", "edit+prediction", "chat", "edit x8")
+REQUEST_SECONDS = 240.0  # a request still streaming after this: the server is hung
+CHUNK_SECONDS = 90.0  # nothing streamed for this long: likewise
 _tags = iter(range(1, 1 << 30))
+
+
+class Hung(Exception):
+    """A server that did not answer in time (or failed a request)."""
 
 
 def stream_once(
@@ -113,37 +124,51 @@ def stream_once(
         body["prediction"] = {"type": "content", "content": prediction}
     first = last = None
     usage: dict[str, Any] = {}
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            usage = data.get("usage") or usage
-            if (data.get("choices") or [{}])[0].get("delta", {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
+    deadline = time.monotonic() + REQUEST_SECONDS
+    timeout = httpx.Timeout(CHUNK_SECONDS, connect=10)
+    try:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=body, timeout=timeout
+        ) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if time.monotonic() > deadline:
+                    raise Hung(f"{base}: still streaming after {REQUEST_SECONDS:.0f} s")
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                usage = data.get("usage") or usage
+                if (data.get("choices") or [{}])[0].get("delta", {}).get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+    except httpx.HTTPError as exc:
+        raise Hung(f"{base}: {type(exc).__name__}: {exc}") from exc
     tokens = usage.get("completion_tokens", 0)
-    details = usage.get("completion_tokens_details") or {}
     span = (last or 0) - (first or 0)
     return {
         "decode": (tokens - 1) / span if tokens > 1 and span > 0 else 0.0,
         "tokens": tokens,
-        "accepted_prediction": details.get("accepted_prediction_tokens", 0),
     }
 
 
 def concurrent(base: str, streams: int, max_tokens: int) -> float:
     results: list[dict[str, float]] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(stream_once(base, EDIT, max_tokens)))
-        for _ in range(streams)
-    ]
+    errors: list[Exception] = []
+
+    def one() -> None:
+        try:
+            results.append(stream_once(base, EDIT, max_tokens))
+        except Exception as exc:  # reported below, on the measuring thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(streams)]
     started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(REQUEST_SECONDS + 10)
+    if errors or len(results) < streams:
+        raise Hung(str(errors[0]) if errors else f"{base}: a stream did not end")
     return sum(r["tokens"] for r in results) / (time.perf_counter() - started)
 
 
@@ -157,13 +182,70 @@ def measure(server: BenchServer, workload: str, tokens: int) -> float:
     return stream_once(server.base, prompt, tokens, prediction)["decode"]
 
 
-def metric(server: BenchServer, name: str) -> float:
+def counters(server: BenchServer) -> tuple[float, float]:
+    """(proposed, accepted) speculative tokens so far."""
     text = httpx.get(f"{server.base}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "_total{")
-    )
+
+    def total(name: str) -> float:
+        prefix = f"pipeserve_speculative_{name}_tokens_total{{"
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(prefix))  # fmt: skip
+
+    return total("proposed"), total("accepted")
+
+
+@dataclass
+class Results:
+    rates: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # server, workload
+    loads: dict[str, list[float]] = field(default_factory=dict)  # workload: 1-min load
+    proposed: dict[str, float] = field(default_factory=dict)
+    accepted: dict[str, float] = field(default_factory=dict)
+
+    def add(self, server: str, workload: str, rate: float) -> None:
+        self.rates.setdefault(server, {}).setdefault(workload, []).append(rate)
+
+    def table(self) -> str:
+        lines = [f"{'workload':<17}{'without':>9}{'with':>9}{'ratio':>7}{'rounds':>12}"
+                 f"{'accepted':>10}{'load':>10}"]  # fmt: skip
+        for workload in WORKLOADS:
+            off = self.rates.get("without", {}).get(workload, [])
+            on = self.rates.get("with", {}).get(workload, [])
+            ratios = [b / a for a, b in zip(off, on) if a]
+            if not ratios:
+                continue
+            proposed = self.proposed.get(workload, 0)
+            share = f"{self.accepted.get(workload, 0) / proposed:.0%}" if proposed else "-"
+            loads = self.loads.get(workload, [0.0])
+            lines.append(
+                f"{workload:<17}{statistics.median(off):>9.1f}{statistics.median(on):>9.1f}"
+                f"{statistics.median(ratios):>7.2f}{min(ratios):>6.2f}-{max(ratios):<5.2f}"
+                f"{share:>10}{min(loads):>5.1f}-{max(loads):<4.1f}"
+            )
+        return "\n".join(lines)
+
+
+def run_rounds(servers: list[BenchServer], args: argparse.Namespace, results: Results) -> None:
+    """Alternating rounds until done or out of budget; raises Hung."""
+    budget_end = time.monotonic() + args.budget
+    for r in range(args.rounds):
+        for workload in args.workloads:
+            if time.monotonic() > budget_end:
+                print(f"  out of the {args.budget:.0f} s budget: stopping", flush=True)
+                return
+            for server in servers if r % 2 == 0 else servers[::-1]:
+                with server.active():
+                    before = counters(server) if server.name == "with" else None
+                    results.add(server.name, workload, measure(server, workload, args.tokens))
+                    if before is not None:
+                        after = counters(server)
+                        results.proposed[workload] = results.proposed.get(workload, 0) + (
+                            after[0] - before[0]
+                        )
+                        results.accepted[workload] = results.accepted.get(workload, 0) + (
+                            after[1] - before[1]
+                        )
+            results.loads.setdefault(workload, []).append(os.getloadavg()[0])
+        print(f"  round {r + 1} done (load {os.getloadavg()[0]:.1f})", flush=True)
 
 
 def main() -> int:
@@ -173,7 +255,13 @@ def main() -> int:
     parser.add_argument("--shape", default="smollm2", choices=["small", "qwen3-0.6b", "smollm2"])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--lookup-tokens", type=int, default=3)
+    parser.add_argument(
+        "--spec",
+        default="{method: prompt_lookup}",
+        help="the `speculative` options of the server with speculation (YAML flow map)",
+    )
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds of rounds at most")
     parser.add_argument("--blas-threads", default="", help="OPENBLAS_NUM_THREADS ('' = default)")
     parser.add_argument(
         "--no-pause",
@@ -186,50 +274,40 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pipeserve-spec-bench-"))
     env = bench_environment(home, args.blas_threads)
     base = {"max_batch": 8, "queue_size": 64}
-    spec = {
-        **base,
-        "speculative": f"{{method: prompt_lookup, tokens: {args.lookup_tokens}, max_batch: 8}}",
-    }
     servers = [
         start_pipeserve(model_dir, work, env, base, pipeline, name="without"),
-        start_pipeserve(model_dir, work, env, spec, pipeline, name="with"),
+        start_pipeserve(
+            model_dir, work, env, {**base, "speculative": args.spec}, pipeline, name="with"
+        ),  # fmt: skip
     ]
     print(
-        f"model {model_dir.name}; {args.tokens} tokens per stream; {args.rounds} alternating"
-        f" rounds; load {os.getloadavg()[0]:.1f}",
+        f"model {model_dir.name}; speculative {args.spec}; {args.tokens} tokens per stream;"
+        f" {args.rounds} alternating rounds; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    rounds: dict[str, dict[str, list[float]]] = {
-        s.name: {w: [] for w in WORKLOADS} for s in servers
-    }
+    results, code = Results(), 0
     try:
         for server in servers:
             stream_once(server.base, CHAT, 8)
             if args.no_pause:
                 server.pause = server.resume  # type: ignore[method-assign]
             server.pause()
-        for r in range(args.rounds):
-            for workload in WORKLOADS:
-                for server in servers if r % 2 == 0 else servers[::-1]:
-                    with server.active():
-                        rounds[server.name][workload].append(measure(server, workload, args.tokens))
-            print(f"  round {r + 1} done (load {os.getloadavg()[0]:.1f})", flush=True)
-        with servers[1].active():
-            proposed = metric(servers[1], "pipeserve_speculative_proposed_tokens")
-            accepted = metric(servers[1], "pipeserve_speculative_accepted_tokens")
+        run_rounds(servers, args, results)
+    except Hung as exc:
+        code = 1
+        print(f"\nHUNG: {exc}", flush=True)
+        for server in servers:
+            log = work / f"{server.name}.log"
+            print(f"--- {server.name} log tail ---\n{log.read_text()[-2000:]}", flush=True)
     finally:
         for server in servers:
             server.stop()
-    print(f"\n{'workload':<18}{'without':>10}{'with':>10}{'ratio':>8}{'rounds':>14}")
-    for workload in WORKLOADS:
-        off, on = rounds["without"][workload], rounds["with"][workload]
-        ratios = [b / a for a, b in zip(off, on) if a]
-        print(
-            f"{workload:<18}{statistics.median(off):>10.1f}{statistics.median(on):>10.1f}"
-            f"{statistics.median(ratios):>8.2f}{min(ratios):>7.2f}-{max(ratios):.2f}"
-        )
-    print(f"tok/s; 'with' accepted {accepted:.0f} of {proposed:.0f} proposed tokens")
-    return 0
+    print(f"\n{results.table()}")
+    print("decode tok/s (edit x8: aggregate); ratio = with / without, median of the rounds;")
+    print(
+        f"accepted = accepted / proposed tokens; load = 1-min load average ({os.cpu_count()} CPUs)"
+    )
+    return code
 
 
 if __name__ == "__main__":

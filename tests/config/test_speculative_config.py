@@ -18,6 +18,13 @@ def test_prompt_lookup_validates(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert validate(write_config(tmp_path, options), capsys) == (0, "")
 
 
+def test_tokens_max_follows_a_larger_start_unless_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = "{speculative: {method: prompt_lookup, tokens: 20, prediction_tokens: 24}}"
+    assert validate(write_config(tmp_path, options), capsys) == (0, "")
+
+
 SMALL = "  - {name: small, source: 'demo:qwen3', pipeline: qwen3}\n"
 SHARDED_SMALL = (
     "  - {name: small, source: 'demo:qwen3', pipeline: qwen3, options: {sharding: {ranks: 2}}}\n"
@@ -35,6 +42,10 @@ def test_draft_model_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str
     [
         ("{speculative: {method: prompt_lookup, ngram_min: 5, ngram_max: 2}}", "",
          "models[0].options.speculative", "ngram_min 5 is above ngram_max 2"),
+        ("{speculative: {method: prompt_lookup, tokens: 9, tokens_max: 7}}", "",
+         "models[0].options.speculative", "tokens 9 is above tokens_max 7"),
+        ("{speculative: {method: prompt_lookup, prediction_tokens: 9, tokens_max: 8}}", "",
+         "models[0].options.speculative", "prediction_tokens 9 is above tokens_max 8"),
         ("{speculative: {method: lookahead}}", "",
          "models[0].options.speculative.method", "prompt_lookup"),
         ("{speculative: {method: prompt_lookup, tokens: 0}}", "",

@@ -212,3 +212,42 @@ def test_sampled_output_keeps_its_distribution(demo_model_dir: Any) -> None:
         mean = (p + q) / 2
         sigma = math.sqrt(max(mean * (1 - mean), 1 / count) * 2 / count)
         assert abs(p - q) <= 4.5 * sigma, (with_spec, without)
+
+
+ADAPTIVE = SpeculativeOptions(method="prompt_lookup", tokens=1, tokens_max=7, max_batch=8)
+
+
+def proposal_lengths(m: Model, prompt: list[int], max_tokens: int) -> list[tuple[int, int, int]]:
+    """One row decoded with ADAPTIVE: (length before, proposed, accepted) of each step
+    that verified, read from the row's own proposer."""
+    batch = Batch(m.model, EngineOptions(max_batch=8, speculative=ADAPTIVE), {})
+    courier, detokenizers = Courier(), Detokenizers(m.tokenizer)
+    seq = Sequence(job(m, prompt, max_tokens), Channel(), detokenizers.new(), m.tokenizer)
+    batch.add(0, seq, courier)
+    row = seq.proposer
+    assert row is not None
+    steps = []
+    while batch.seqs:
+        length, proposed, accepted = row.length, row.proposed, row.accepted
+        batch.step(courier)
+        courier.flush()
+        if row.proposed > proposed:
+            steps.append((length, row.proposed - proposed, row.accepted - accepted))
+    return steps
+
+
+def test_proposal_length_grows_while_accepted_and_shrinks_at_a_rejection(
+    smollm2: tuple[Path, Path],
+) -> None:
+    """Code that repeats itself (prompt lookup proposes it right) grows the proposals
+    from `tokens` towards `tokens_max`; a rejected proposal shrinks the next one."""
+    m = Model(smollm2[1])
+    steps = proposal_lengths(m, m.ids(CODE), max_tokens=40)
+    assert max(proposed for _, proposed, _ in steps) == ADAPTIVE.tokens_max
+    assert any(accepted < proposed for _, proposed, accepted in steps)
+    # Each verifying step starts at the length the one before left.
+    for (length, proposed, accepted), (after, _, _) in zip(steps, steps[1:]):
+        if accepted < proposed:
+            assert after < length or length == 1, steps
+        elif proposed == length < ADAPTIVE.tokens_max:
+            assert after > length, steps

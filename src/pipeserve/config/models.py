@@ -305,9 +305,25 @@ class SpeculativeOptions(Strict):
         " output proposes what followed it; draft: another model of this config with the same"
         " tokenizer (usually a smaller one) proposes by greedy decoding.",
     )
-    # 3 (+ the next token = 4 rows) is one pass of the CPU's quantized kernel (4 rows at
-    # a time): measured 1.4x a 1-token step at batch 1 on SmolLM2, 5 rows 2.2x.
-    tokens: int = Field(3, ge=1, le=16, description="Tokens proposed per row and step.")
+    # 3 (+ the next token = 4 rows): measured 2.1x a 1-token step at batch 1 on SmolLM2
+    # (docs/speculative.md), so a row starts short and grows only while accepted whole.
+    tokens: int = Field(
+        3,
+        ge=1,
+        le=32,
+        description="Tokens a row proposes at first by prompt lookup; the length then adapts"
+        " (grows while proposals are accepted whole, up to tokens_max; shrinks at a"
+        " rejection). method draft: tokens drafted per step.",
+    )
+    # 7 (+ the next token = 8 rows): measured 3.3x a 1-token step at batch 1 on SmolLM2,
+    # 16 rows 8.5x (beyond the kernels' 8-row attention).
+    tokens_max: int = Field(
+        7,
+        ge=1,
+        le=32,
+        description="The longest proposal a row grows to (adaptive length; by default 7,"
+        " or `tokens` / `prediction_tokens` where larger).",
+    )
     ngram_max: int = Field(4, ge=1, le=16, description="Longest n-gram looked up.")
     ngram_min: int = Field(2, ge=1, le=16, description="Shortest n-gram looked up.")
     draft: str | None = Field(
@@ -316,7 +332,11 @@ class SpeculativeOptions(Strict):
         " sharded, with the same tokenizer; its weights load again inside this model's engine).",
     )
     prediction_tokens: int = Field(
-        7, ge=1, le=32, description="Tokens proposed per step from a request's `prediction`."
+        7,
+        ge=1,
+        le=32,
+        description="Tokens a row with a request's `prediction` proposes at first (then"
+        " adapts as `tokens` does).",
     )
     max_batch: int = Field(
         2,
@@ -330,6 +350,13 @@ class SpeculativeOptions(Strict):
     def _consistent(self) -> SpeculativeOptions:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} is above ngram_max {self.ngram_max}")
+        if "tokens_max" not in self.model_fields_set:  # never below what a row starts at
+            self.tokens_max = max(self.tokens_max, self.tokens, self.prediction_tokens)
+        for name in ("tokens", "prediction_tokens"):
+            if getattr(self, name) > self.tokens_max:
+                raise ValueError(
+                    f"{name} {getattr(self, name)} is above tokens_max {self.tokens_max}"
+                )
         if self.method == "draft" and not self.draft:
             raise ValueError("method draft needs `draft`: the name of the draft model")
         if self.method != "draft" and self.draft is not None:

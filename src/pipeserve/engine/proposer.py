@@ -2,12 +2,20 @@
 
 Prompt lookup: the longest n-gram (ngram_max down to ngram_min tokens) that ends the
 sequence and also occurs earlier in it (prompt or output) proposes the tokens that
-followed its latest such occurrence. A prediction (Chat's `prediction`) is searched the
-same way, down to a single token (preferring the place where the last accepted proposal
-left off), and is tried first. Each row backs off on its own: after MISSES_BEFORE_PAUSE
-steps in a row where it had nothing to propose or nothing of its proposal was accepted,
-it stops proposing for a while, twice as long each time it fails again, so open-ended
-text costs (almost) nothing.
+followed its latest such occurrence (or, where the last proposal was accepted whole, the
+occurrence it came from: an edited file is copied from one place). A prediction (Chat's
+`prediction`) is tried first: it continues where the last accepted proposal left off,
+else it is searched for an n-gram of at least two tokens (one token is too often the
+wrong place); with nothing there, prompt lookup proposes.
+
+Proposal length adapts per row: it starts at `tokens` (`prediction_tokens` for a row
+with a prediction), grows to 2n + 1 (1, 3, 7, 15: with the next token, a multiple of
+the CPU kernels' 4-row passes) while proposals are accepted whole, up to `tokens_max`,
+and shrinks to (n - 1) / 2 at a rejection, down to one token. So copying a file
+proposes long runs while chat proposes little. Each row also backs off on its own:
+after MISSES_BEFORE_PAUSE steps in a row where it had nothing to propose or nothing of
+its proposal was accepted, it stops proposing for a while, twice as long each time it
+fails again, so open-ended text costs (almost) nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +31,15 @@ MISSES_BEFORE_PAUSE = 2
 FIRST_PAUSE = 4  # decode steps without proposals after the first run of misses
 LONGEST_PAUSE = 64
 CANDIDATES = 32  # latest occurrences of an n-gram compared per lookup
+PREDICTION_ANCHOR = 2  # tokens a prediction must match to be proposed from (elsewhere)
+
+
+def longer(length: int, ceiling: int) -> int:
+    return min(ceiling, 2 * length + 1)
+
+
+def shorter(length: int) -> int:
+    return max(1, (length - 1) // 2)
 
 
 class NgramIndex:
@@ -87,18 +104,24 @@ class RowProposer:
     misses: int = 0
     paused_until: int = 0
     pause: int = FIRST_PAUSE
+    length: int = 0  # tokens the next proposal may have (adapts; set from options)
     from_prediction: bool = False  # the pending proposal came from the prediction
+    looked_up: bool = False  # ... from prompt lookup (else from a draft model)
     _history: NgramIndex | None = None
     _predicted: NgramIndex | None = None
     _predicted_at: int = 1  # where the prediction is expected to continue
-    _proposal_at: int = 0  # where the pending proposal starts in the prediction
+    _looked_up_at: int = -1  # where the history is expected to continue (prompt lookup)
+    _proposal_at: int = 0  # where the pending proposal starts (prediction or history)
     _unmatched: Counter[int] = field(default_factory=Counter)  # prediction less output
 
     def __post_init__(self) -> None:
+        options = self.options
+        self.length = options.prediction_tokens if self.prediction else options.tokens
+        self.length = min(self.length, options.tokens_max)
         if self.lookup:
-            self._history = NgramIndex(self.options.ngram_min)
+            self._history = NgramIndex(options.ngram_min)
         if self.prediction:
-            self._predicted = NgramIndex(1)
+            self._predicted = NgramIndex(min(PREDICTION_ANCHOR, options.ngram_max))
             self._predicted.extend(self.prediction)
             self._unmatched = Counter(self.prediction)
 
@@ -128,12 +151,15 @@ class RowProposer:
         index = self._history
         if index is not None:
             index.extend(history[len(index.tokens) :])
-        proposal = self._from_prediction(history, room)
+        limit = min(room, self.length)
+        proposal = self._from_prediction(history, limit)
         self.from_prediction = bool(proposal)
         if not proposal and index is not None:
-            start = index.lookup(index.tokens, self.options.ngram_max)
+            start = index.lookup(index.tokens, self.options.ngram_max, self._looked_up_at)
             if start >= 0:
-                proposal = index.tokens[start : start + min(room, self.options.tokens)]
+                self._proposal_at = start
+                proposal = index.tokens[start : start + limit]
+        self.looked_up = bool(proposal) and not self.from_prediction
         if not proposal and drafted:
             proposal = drafted[:room]
         if not proposal:
@@ -142,28 +168,41 @@ class RowProposer:
             self._miss(step)
         return proposal
 
-    def _from_prediction(self, history: list[int], room: int) -> list[int]:
-        predicted = self._predicted
-        if predicted is None or self.prediction is None:
+    def _from_prediction(self, history: list[int], limit: int) -> list[int]:
+        predicted, prediction = self._predicted, self.prediction
+        if predicted is None or prediction is None:
             return []
-        limit = min(room, self.options.prediction_tokens)
-        start = predicted.lookup(history, self.options.ngram_max, self._predicted_at)
+        start = self._predicted_at
+        if not (0 < start < len(prediction) and prediction[start - 1] == history[-1]):
+            start = predicted.lookup(history, self.options.ngram_max, start)
         if start < 0:
             return []
         self._proposal_at = start
-        return self.prediction[start : start + limit]
+        return prediction[start : start + limit]
 
     def record(self, proposal: list[int], accepted: int, step: int) -> None:
         """`accepted` of `proposal`'s tokens were emitted."""
         self.proposed += len(proposal)
         self.accepted += accepted
+        # Where the sequence goes on if the token after the accepted ones follows suit.
+        follows = self._proposal_at + accepted + 1
         if self.from_prediction:
             self.prediction_accepted += accepted
-            self._predicted_at = self._proposal_at + accepted + 1
+            self._predicted_at = follows
+        if self.looked_up:
+            self._looked_up_at = follows if accepted == len(proposal) else -1
+        if self.from_prediction or self.looked_up:  # a draft's length is the draft's own
+            self._adapt(len(proposal), accepted)
         if accepted:
             self.misses, self.pause = 0, FIRST_PAUSE
             return
         self._miss(step)
+
+    def _adapt(self, proposed: int, accepted: int) -> None:
+        if accepted < proposed:
+            self.length = shorter(self.length)
+        elif accepted >= self.length:
+            self.length = longer(self.length, self.options.tokens_max)
 
     def _miss(self, step: int) -> None:
         self.misses += 1
