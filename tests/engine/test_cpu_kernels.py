@@ -1,6 +1,6 @@
 """The native CPU kernels (engine/cpu_kernels): built here with the system compiler,
 checked against a numpy reference that unpacks MLX's affine layout on its own, for
-every supported bit width, both scale types and batch sizes 1, 2, 7 and 64; the switch that forces the float32 path; and the thread
+every supported bit width, both scale types and batch sizes 1-5, 7, 8, 9 and 64; the switch that forces the float32 path; and the thread
 pool under concurrent streams with SIGSTOP/SIGCONT, and across fork()."""
 
 from __future__ import annotations
@@ -60,18 +60,36 @@ def reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, grou
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_kernel_matches_numpy_reference(ext, bits, scale_dtype, group_size):
     key = mx.random.key(bits * 100 + group_size)
-    n, k = 37, 320  # n: full 4-row blocks and a tail; k: several groups of each size
+    # n: full 4-row blocks and a tail; k: several groups of each size, and for group 32
+    # an odd number of groups (the integer path's 64-value blocks end in a half block)
+    n, k = 37, 352 if group_size == 32 else 320
     w, scales, biases = mx.quantize(mx.random.normal((n, k), key=key), group_size, bits)
     scales, biases = (
         scales.astype(getattr(mx, scale_dtype)),
         biases.astype(getattr(mx, scale_dtype)),
     )
-    for batch in (1, 2, 7, 64):
+    outliers = mx.array(np.where(np.arange(k) % 17 == 0, 60.0, 1.0), dtype=mx.float32)
+    for batch in (1, 2, 3, 4, 5, 7, 8, 9, 64):
         x = mx.random.normal((batch, k), key=mx.random.key(batch))
+        if batch == 5:
+            x = x * outliers  # a few large activation columns, as real models have
         got = np.array(ext.affine_qmm(x, w, scales, biases, group_size, bits))
         expected = reference(x, w, scales, biases, group_size, bits)
         assert got.shape == (batch, n)
         assert np.abs(got - expected).max() <= TOLERANCE * np.abs(expected).max(), batch
+
+
+def test_non_finite_activations_stay_non_finite(ext):
+    """An infinity or NaN is never quantized into finite integers (the integer path of
+    few rows): its row's outputs are non-finite, the other rows right."""
+    w, scales, biases = mx.quantize(mx.random.normal((5, 64)), 32, 4)
+    x = mx.random.normal((3, 64))
+    x[0, 3] = float("inf")
+    x[2, 40] = float("nan")
+    got = np.array(ext.affine_qmm(x, w, scales, biases, 32, 4))
+    assert not np.isfinite(got[[0, 2]]).any()
+    expected = reference(x[1:2], w, scales, biases, 32, 4)
+    assert np.abs(got[1] - expected).max() <= TOLERANCE * np.abs(expected).max()
 
 
 def test_kernel_keeps_leading_dimensions_and_rejects_bad_shapes(ext):
