@@ -81,9 +81,11 @@ class Row:
         return usage
 
 
-def run(folder: Path, rows: list[Row], draft: Path | None) -> list[Row]:
+def run(
+    folder: Path, rows: list[Row], draft: Path | None, spec: SpeculativeOptions = DRAFT
+) -> list[Row]:
     tokenizer = load_tokenizer(folder)
-    options = EngineOptions(max_batch=8, speculative=DRAFT if draft else None)
+    options = EngineOptions(max_batch=8, speculative=spec if draft else None)
     batch = Batch(load_model(folder), options, {})
     if draft is not None:
         batch.use_draft(load_model(draft))
@@ -172,6 +174,26 @@ def test_twin_draft_equal_and_accepted(target: Path) -> None:
     stop = stop_string(target, ids[1:])
     proposed, accepted = check_equal(target, target, lambda: mixed(ids, stop))
     assert proposed > 0 and accepted >= 0.8 * proposed, (proposed, accepted)
+
+
+def test_twin_draft_follows_rows_that_fell_behind(target: Path) -> None:
+    """Above max_batch nothing is drafted: when a third row joins for a while the two
+    drafting rows fall behind, then catch up (about 10 tokens: fed in the first draft
+    forward; about 30: prefilled again). The twin's proposals after that are still accepted, which
+    they would not be were its cache out of step with the rows."""
+    ids = list(load_tokenizer(target).encode(CODE))
+
+    def rows() -> list[Row]:
+        return [Row(ids, max_tokens=80), Row(ids[2:], max_tokens=80),
+                Row(ids[4:], max_tokens=8, join_at=2), Row(ids[6:], max_tokens=24, join_at=14)]  # fmt: skip
+
+    spec = DRAFT.model_copy(update={"max_batch": 2})
+    plain = run(target, rows(), None)
+    drafted = run(target, rows(), target, spec)
+    assert [r.ids for r in drafted] == [r.ids for r in plain]
+    for row in drafted[:2]:
+        usage = row.usage
+        assert usage.accepted_tokens >= 0.8 * usage.proposed_tokens > 0, usage
 
 
 def test_smaller_draft_equal(target: Path, small_draft: Path) -> None:
