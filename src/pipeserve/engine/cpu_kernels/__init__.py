@@ -121,6 +121,31 @@ def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
     for m in (None, mask):
         want = mx.fast.scaled_dot_product_attention(q, keys, keys * 2, scale=0.1, mask=m)
         checks.append((ext.sdpa(q, keys, keys * 2, 0.1, m), want))
+    checks += _fused_step_checks(ext, x, weights)
     for got, want in checks:
         error = mx.abs(got - want).max().item()
         assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"fused op error {error}"
+
+
+def _fused_step_checks(ext: Any, x: Any, weights: Any) -> list[tuple[Any, Any]]:
+    """The fused-layer ops (fused_step.cpp) and MLX's own on the same data: (got, want)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    h, normed = ext.add_rms_norm(x, x * 0.5, weights[1], 1e-5)
+    qkv = weights[:36].reshape(3, 3, 512)  # B 3, L 3, 2 query + 1 key + 1 value heads of 128
+    q, k, v = ext.split_heads(qkv, 2, 1, 64, False, 10000.0, 1.0, mx.array([4], mx.int32),
+                              weights[2], None, 1e-6)  # fmt: skip
+    heads = qkv.reshape(3, 3, 4, 128).transpose(0, 2, 1, 3)
+
+    def rope(a: Any) -> Any:
+        return mx.fast.rope(a, 64, traditional=False, base=10000.0, scale=1.0, offset=4)
+
+    return [
+        (h, x * 1.5),
+        (normed, mx.fast.rms_norm(x * 1.5, weights[1], 1e-5)),
+        (ext.swiglu(weights[:3]), nn.silu(weights[:3, :64]) * weights[:3, 64:]),
+        (q, rope(mx.fast.rms_norm(heads[:, :2], weights[2], 1e-6))),
+        (k, rope(heads[:, 2:3])),
+        (v, heads[:, 3:]),
+    ]
