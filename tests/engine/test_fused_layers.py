@@ -80,6 +80,23 @@ def test_attention_merges_heads(ext):
     assert mx.array_equal(merged, split.transpose(0, 2, 1, 3).reshape(2, 3, 64))
 
 
+@pytest.mark.parametrize("merge_heads", [False, True])
+def test_causal_attention_matches_numpy(ext, merge_heads):
+    k1, k2, k3 = mx.random.split(mx.random.key(4), 3)
+    q = mx.random.normal((2, 6, 5, 32), key=k1)  # 5 new rows after 4 cached positions
+    keys, values = mx.random.normal((2, 2, 9, 32), key=k2), mx.random.normal((2, 2, 9, 32), key=k3)
+    got = np.array(ext.sdpa(q, keys, values, 0.2, None, merge_heads, causal=True))
+    qs, ks, vs = (np.array(a, dtype=np.float64) for a in (q, keys, values))
+    ks, vs = np.repeat(ks, 3, axis=1), np.repeat(vs, 3, axis=1)
+    seen = np.arange(9)[None, :] <= np.arange(5)[:, None] + 4
+    scores = np.where(seen, qs @ ks.transpose(0, 1, 3, 2) * 0.2, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = weights / weights.sum(-1, keepdims=True) @ vs
+    if merge_heads:
+        want = want.transpose(0, 2, 1, 3).reshape(2, 5, -1)
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
 def tiny_llama() -> nn.Module:
     args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
                            intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,

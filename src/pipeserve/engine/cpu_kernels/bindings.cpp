@@ -21,7 +21,7 @@ NB_MODULE(_pipeserve_cpu, m) {
         "offset"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rope in one float32 op (x: B, H, L, D; offset: int32, 1 or B values).");
   m.def("sdpa", &pipeserve::sdpa, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
-        "merge_heads"_a = false, nb::kw_only(), "stream"_a = nb::none(),
+        "merge_heads"_a = false, "causal"_a = false, nb::kw_only(), "stream"_a = nb::none(),
         "Attention of a few query rows (float32; grouped-query heads; mask optional).");
   m.def("add_rms_norm", &pipeserve::add_rms_norm, "x"_a, "residual"_a, "weight"_a, "eps"_a,
         nb::kw_only(), "stream"_a = nb::none(), "(x + residual, rms_norm(x + residual)).");

@@ -153,14 +153,45 @@ class Rope : public mx::Primitive {
   float scale_;
 };
 
-// Attention for a few query rows (a decode step): per (batch, query head) the scores
-// against every key of its kv head (grouped-query), the mask, a float32 softmax and the
-// weighted sum of values, in one pass. Keys and values as the cache slices them (any
+// a . b over n elements; unit strides take 16 independent partial sums (vectorised).
+inline float dot(const float* a, int64_t as, const float* b, int64_t bs, int n) {
+  if (as != 1 || bs != 1) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) sum += a[i * as] * b[i * bs];
+    return sum;
+  }
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out += p * v over n elements.
+inline void axpy(float p, const float* v, int64_t step, float* out, int n) {
+  if (step == 1) {
+    for (int i = 0; i < n; ++i) out[i] += p * v[i];
+  } else {
+    for (int i = 0; i < n; ++i) out[i] += p * v[i * step];
+  }
+}
+
+// Attention for a few query rows (a decode step) or a short prefill (causal): per
+// (batch, query head) the scores against every key of its kv head (grouped-query), the
+// mask, a float32 softmax and the weighted sum of values, in one pass. Keys and values as the cache slices them (any
 // strides); the mask broadcast to (B, Hq, L, S), boolean or additive.
 class Sdpa : public mx::Primitive {
  public:
-  Sdpa(mx::Stream stream, float scale, int mask_kind, bool merge_heads)
-      : mx::Primitive(stream), scale_(scale), mask_kind_(mask_kind), merge_heads_(merge_heads) {}
+  Sdpa(mx::Stream stream, float scale, int mask_kind, bool merge_heads, bool causal)
+      : mx::Primitive(stream),
+        scale_(scale),
+        mask_kind_(mask_kind),
+        merge_heads_(merge_heads),
+        causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
@@ -178,7 +209,7 @@ class Sdpa : public mx::Primitive {
                       vs = v.strides(), shape = q.shape(), S = k.shape(2), Hk = k.shape(1),
                       mp = mask ? mask->data<void>() : nullptr,
                       ms = mask ? mask->strides() : mx::Strides{}, kind = mask_kind_,
-                      scale = scale_, merged = merge_heads_]() {
+                      scale = scale_, merged = merge_heads_, causal = causal_]() {
       const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
       const int group = Hq / Hk;
       std::vector<float> scores(S);
@@ -187,12 +218,12 @@ class Sdpa : public mx::Primitive {
           const int kh = h / group;
           for (int l = 0; l < L; ++l) {
             const float* qr = qp + b * qs[0] + h * qs[1] + l * qs[2];
+            // causal: query row l sees the keys up to its own position, S - L + l
+            const int seen = causal ? std::min(S, S - L + l + 1) : S;
             float top = -INFINITY;
-            for (int s = 0; s < S; ++s) {
+            for (int s = 0; s < seen; ++s) {
               const float* kr = kp + b * ks[0] + kh * ks[1] + s * ks[2];
-              float dot = 0.0f;
-              for (int d = 0; d < D; ++d) dot += qr[d * qs[3]] * kr[d * ks[3]];
-              float score = dot * scale;
+              float score = dot(qr, qs[3], kr, ks[3], D) * scale;
               if (kind != 0) {
                 const int64_t at = b * ms[0] + h * ms[1] + l * ms[2] + s * ms[3];
                 if (kind == 1) {
@@ -209,11 +240,10 @@ class Sdpa : public mx::Primitive {
             for (int d = 0; d < D; ++d) o[d] = 0.0f;
             if (top == -INFINITY) continue;  // every key masked: zeros
             float total = 0.0f;
-            for (int s = 0; s < S; ++s) {
+            for (int s = 0; s < seen; ++s) {
               const float p = std::exp(scores[s] - top);
               total += p;
-              const float* vr = vp + b * vs[0] + kh * vs[1] + s * vs[2];
-              for (int d = 0; d < D; ++d) o[d] += p * vr[d * vs[3]];
+              axpy(p, vp + b * vs[0] + kh * vs[1] + s * vs[2], vs[3], o, D);
             }
             const float inv = 1.0f / total;
             for (int d = 0; d < D; ++d) o[d] *= inv;
@@ -230,7 +260,8 @@ class Sdpa : public mx::Primitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Sdpa&>(other);
-    return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && merge_heads_ == o.merge_heads_;
+    return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && merge_heads_ == o.merge_heads_ &&
+        causal_ == o.causal_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {out_shape(inputs[0].shape(), merge_heads_)};
@@ -243,6 +274,7 @@ class Sdpa : public mx::Primitive {
   float scale_;
   int mask_kind_;  // 0 none, 1 boolean (false: masked out), 2 additive float32
   bool merge_heads_;  // out (B, L, Hq * D), the layout the output projection takes
+  bool causal_;  // query row l also sees no key after position S - L + l
 };
 
 }  // namespace
@@ -291,6 +323,7 @@ mx::array sdpa(
     float scale,
     const std::optional<mx::array>& mask,
     bool merge_heads,
+    bool causal,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("sdpa runs on the CPU only");
@@ -314,7 +347,7 @@ mx::array sdpa(
     }
   }
   return mx::array(Sdpa::out_shape(q.shape(), merge_heads), mx::float32,
-                   std::make_shared<Sdpa>(stream, scale, kind, merge_heads), inputs);
+                   std::make_shared<Sdpa>(stream, scale, kind, merge_heads, causal), inputs);
 }
 
 }  // namespace pipeserve

@@ -32,12 +32,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pipeserve.engine.cpu_kernels.layers import (
-    DECODE_ROWS,
     QUANT_KEYS,
     KernelEmbedding,
     KernelLinear,
     KernelRMSNorm,
     KernelRoPE,
+    kernel_attention,
 )
 
 _mlx_base: Any = importlib.import_module("mlx_lm.models.base")
@@ -128,13 +128,8 @@ class FusedAttention(nn.Module):
         )  # fmt: skip
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        if (
-            L <= DECODE_ROWS
-            and not hasattr(cache, "bits")
-            and (mask is None or isinstance(mask, mx.array))
-        ):
-            output = self._ext.sdpa(queries, keys, values, self.scale, mask, merge_heads=True)
-        else:
+        output = kernel_attention(self._ext, queries, keys, values, cache, self.scale, mask, True)
+        if output is None:
             output = _mlx_base.scaled_dot_product_attention(
                 queries, keys, values, cache=cache, scale=self.scale, mask=mask
             )

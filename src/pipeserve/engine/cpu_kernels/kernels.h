@@ -38,7 +38,8 @@ mx::array rope(
 
 // Attention of a few query rows against a cache (fused.cpp): q (B, Hq, L, D), k and v
 // (B, Hk, S, D), any strides; mask None, boolean or additive, broadcastable to
-// (B, Hq, L, S). merge_heads: out (B, L, Hq * D) instead of (B, Hq, L, D).
+// (B, Hq, L, S). merge_heads: out (B, L, Hq * D) instead of (B, Hq, L, D); causal:
+// query row l sees keys up to position S - L + l (and the mask, if any).
 mx::array sdpa(
     const mx::array& q,
     const mx::array& k,
@@ -46,6 +47,7 @@ mx::array sdpa(
     float scale,
     const std::optional<mx::array>& mask,
     bool merge_heads = false,
+    bool causal = false,
     mx::StreamOrDevice s = {});
 
 // h = x + residual and rms_norm(h) * weight in one pass, float32 (fused_step.cpp).
