@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -269,6 +270,8 @@ def main() -> int:
         help="leave the idle server running instead of SIGSTOPping it (an idle engine sleeps)",
     )
     args = parser.parse_args()
+    # Killed (a timeout, Ctrl-C from a wrapper): stop the servers on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     home = pipeserve_home()
     model_dir, pipeline = bench_model(args.shape, home)
     work = Path(tempfile.mkdtemp(prefix="pipeserve-spec-bench-"))
