@@ -368,3 +368,24 @@ def test_pool_is_rebuilt_in_a_forked_process(ext, tmp_path):
     )
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.split() == ["hung", "0", "wrong", "0"], child.stdout
+
+
+def test_every_kernel_source_is_hashed_and_shipped_in_the_package():
+    """A source file missing from the build key would reuse a stale build; one missing
+    from the package data would make every wheel install fall back to float32."""
+    import fnmatch
+    import tomllib
+
+    from pipeserve.engine.cpu_kernels.build import SOURCE_FILES, SOURCES
+
+    on_disk = {p.name for p in SOURCES.iterdir() if p.suffix in (".cpp", ".h", ".txt")}
+    assert on_disk == set(SOURCE_FILES)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["pipeserve"]
+    package_dir = SOURCES.relative_to(SOURCES.parents[1])  # engine/cpu_kernels
+    unshipped = [
+        name
+        for name in SOURCE_FILES
+        if not any(fnmatch.fnmatch(f"{package_dir}/{name}", pattern) for pattern in shipped)
+    ]
+    assert unshipped == []
