@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -162,13 +161,9 @@ def main() -> int:
     if os.environ.get(CHILD):
         child(args)
         return 0
-    from pipeserve import blas
-    from pipeserve.engine.demo import pipeserve_home
+    from servers import rerun_with_blas
 
-    env = {**os.environ, **(blas.openblas_environment(pipeserve_home()) or {}), CHILD: "1"}
-    if args.blas_threads:
-        env["OPENBLAS_NUM_THREADS"] = args.blas_threads
-    return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
+    return rerun_with_blas(CHILD, args.blas_threads)
 
 
 if __name__ == "__main__":

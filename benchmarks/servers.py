@@ -72,6 +72,16 @@ def bench_environment(home: Path, blas_threads: str = "") -> dict[str, str]:
     return env
 
 
+def rerun_with_blas(child_marker: str, blas_threads: str = "") -> int:
+    """Run this very command again in a child process whose environment preloads
+    OpenBLAS (bench_environment; the preload must be in place before the interpreter
+    starts) and sets `child_marker`; returns the child's exit code."""
+    from pipeserve.engine.demo import pipeserve_home
+
+    env = {**bench_environment(pipeserve_home(), blas_threads), child_marker: "1"}
+    return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
+
+
 def plain_environment() -> dict[str, str]:
     """This environment without pipeserve's BLAS preload (each server as installed)."""
     return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARKER)}

@@ -268,6 +268,22 @@ inline void unpack_bytes(const uint8_t* p, uint8_t out[32]) {
   }
 }
 
+// Values 8k .. 8k + 7 of a run of 5-bit values (5 bytes hold 8 values), one per byte:
+// pdep spreads each field into its own byte. Whole 8-byte loads; the run's `last` eight
+// are loaded 3 bytes early and shifted down, so no load reads past the run.
+inline uint64_t five_bit_word(const uint8_t* p, int k, bool last) {
+  uint64_t raw;
+  std::memcpy(&raw, p + (last ? 5 * k - 3 : 5 * k), 8);
+  if (last) raw >>= 24;
+#if defined(__BMI2__)
+  return _pdep_u64(raw, 0x1f1f1f1f1f1f1f1fULL);
+#else
+  uint64_t spread = 0;
+  for (int i = 0; i < 8; ++i) spread |= ((raw >> (5 * i)) & 0x1f) << (8 * i);
+  return spread;
+#endif
+}
+
 #if defined(__AVX2__)
 // Two __m128i of 16 unsigned bytes each: values 0-15 and 16-31 of a 32-value chunk.
 template <int BITS>
@@ -288,18 +304,7 @@ inline void unpack_halves(const uint8_t* p, __m128i& a, __m128i& b) {
     // 8-byte loads inside the chunk's 20 bytes (the last one shifted down): a 5-byte
     // memcpy per 8 values made this width 14x slower than the others.
     uint64_t u[4];
-    for (int k = 0; k < 4; ++k) {
-      uint64_t raw;
-      std::memcpy(&raw, p + (k < 3 ? 5 * k : 12), 8);
-      if (k == 3) raw >>= 24;
-#if defined(__BMI2__)
-      u[k] = _pdep_u64(raw, 0x1f1f1f1f1f1f1f1fULL);
-#else
-      uint64_t spread = 0;
-      for (int i = 0; i < 8; ++i) spread |= ((raw >> (5 * i)) & 0x1f) << (8 * i);
-      u[k] = spread;
-#endif
-    }
+    for (int k = 0; k < 4; ++k) u[k] = five_bit_word(p, k, k == 3);
     a = _mm_set_epi64x(static_cast<long long>(u[1]), static_cast<long long>(u[0]));
     b = _mm_set_epi64x(static_cast<long long>(u[3]), static_cast<long long>(u[2]));
   }
@@ -701,18 +706,7 @@ template <bool HALF>
 inline __m512i five_bit_bytes(const uint8_t* p) {
   constexpr int parts = HALF ? 4 : 8;
   alignas(64) uint64_t u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < parts; ++k) {
-    uint64_t raw;
-    std::memcpy(&raw, p + (k < parts - 1 ? 5 * k : 5 * k - 3), 8);
-    if (k == parts - 1) raw >>= 24;
-#if defined(__BMI2__)
-    u[k] = _pdep_u64(raw, 0x1f1f1f1f1f1f1f1fULL);
-#else
-    uint64_t spread = 0;
-    for (int i = 0; i < 8; ++i) spread |= ((raw >> (5 * i)) & 0x1f) << (8 * i);
-    u[k] = spread;
-#endif
-  }
+  for (int k = 0; k < parts; ++k) u[k] = five_bit_word(p, k, k == parts - 1);
   return _mm512_load_si512(u);
 }
 

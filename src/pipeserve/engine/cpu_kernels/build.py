@@ -26,6 +26,7 @@ log = logging.getLogger("pipeserve.engine")
 SOURCES = Path(__file__).resolve().parent
 SOURCE_FILES = (
     "kernels.h",
+    "strided.h",
     "affine_qmm.cpp",
     "fused.cpp",
     "fused_step.cpp",

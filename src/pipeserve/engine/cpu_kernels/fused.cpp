@@ -15,22 +15,11 @@
 #include "mlx/primitives.h"
 
 #include "kernels.h"
+#include "strided.h"
 
 namespace pipeserve {
 
 namespace {
-
-// Offset of each row's first element (a row: the last axis), for any strides.
-std::vector<int64_t> row_offsets(const mx::array& a) {
-  const int cols = a.shape(-1);
-  const size_t rows = cols == 0 ? 0 : a.size() / cols;
-  std::vector<int64_t> out(rows);
-  for (size_t r = 0; r < rows; ++r) {
-    out[r] = a.flags().row_contiguous ? static_cast<int64_t>(r) * cols
-                                      : mx::elem_to_loc(static_cast<int>(r * cols), a);
-  }
-  return out;
-}
 
 void fail(const std::string& message) {
   throw std::invalid_argument(message);

@@ -17,6 +17,7 @@
 #include "mlx/primitives.h"
 
 #include "kernels.h"
+#include "strided.h"
 
 namespace pipeserve {
 
@@ -29,18 +30,6 @@ void fail(const std::string& message) {
 void require_cpu_float32(const mx::Stream& stream, const mx::array& a, const char* op) {
   if (stream.device != mx::Device::cpu) fail(std::string(op) + " runs on the CPU only");
   if (a.dtype() != mx::float32) fail(std::string(op) + ": float32 only");
-}
-
-// Offset of each row's first element (a row: the last axis), for any strides.
-std::vector<int64_t> row_starts(const mx::array& a) {
-  const int cols = a.shape(-1);
-  const size_t rows = cols == 0 ? 0 : a.size() / cols;
-  std::vector<int64_t> out(rows);
-  for (size_t r = 0; r < rows; ++r) {
-    out[r] = a.flags().row_contiguous ? static_cast<int64_t>(r) * cols
-                                      : mx::elem_to_loc(static_cast<int>(r * cols), a);
-  }
-  return out;
 }
 
 void allocate(std::vector<mx::array>& outputs, mx::cpu::CommandEncoder& encoder) {
@@ -78,7 +67,7 @@ class AddRmsNorm : public CpuOnly {
     allocate(outputs, encoder);
     encoder.dispatch([xp = x.data<float>(), rp = r.data<float>(), wp = w.data<float>(),
                       hp = outputs[0].data<float>(), np = outputs[1].data<float>(),
-                      xrows = row_starts(x), rrows = row_starts(r), xs = x.strides().back(),
+                      xrows = row_offsets(x), rrows = row_offsets(r), xs = x.strides().back(),
                       rs = r.strides().back(), ws = w.strides().back(), d = x.shape(-1),
                       eps = eps_]() {
       for (size_t row = 0; row < xrows.size(); ++row) {
@@ -117,7 +106,7 @@ class SwiGlu : public CpuOnly {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     allocate(outputs, encoder);
-    encoder.dispatch([xp = x.data<float>(), op = outputs[0].data<float>(), rows = row_starts(x),
+    encoder.dispatch([xp = x.data<float>(), op = outputs[0].data<float>(), rows = row_offsets(x),
                       step = x.strides().back(), half = x.shape(-1) / 2]() {
       for (size_t row = 0; row < rows.size(); ++row) {
         const float* gate = xp + rows[row];
