@@ -52,6 +52,7 @@ SSH_PORT = 2222
 BRIDGE_IP = "10.77.0.254"
 TOOLS = ("unshare", "ip", "ssh", "ssh-keygen")
 SSHD = "/usr/sbin/sshd"
+ENTER_TIMEOUT = 10.0  # seconds a started process may take to enter its namespace
 
 
 def missing() -> str | None:
@@ -161,7 +162,16 @@ class Machine:
         return ["ip", "netns", "exec", self.netns, *argv]
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        return subprocess.Popen(self.command(argv), **kwargs)
+        """Start `argv` in this machine; returns once the process is inside its namespace
+        (`ip netns exec` switches after the fork: on a busy machine, pids() and
+        machine_of() could otherwise still see it outside), or has already ended."""
+        proc = subprocess.Popen(self.command(argv), **kwargs)
+        inode, deadline = self.inode(), time.monotonic() + ENTER_TIMEOUT
+        while namespace_of(proc.pid) != inode and proc.poll() is None:
+            if time.monotonic() > deadline:
+                break  # the caller's own checks say what went wrong
+            time.sleep(0.01)
+        return proc
 
     def run(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         return subprocess.run(self.command(argv), **kwargs)
