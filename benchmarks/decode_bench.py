@@ -158,12 +158,9 @@ def main() -> int:
     parser.add_argument("--shape", default="demo", choices=["demo", "small", "qwen3-0.6b"])
     parser.add_argument("--blas-threads", default="1")
     args = parser.parse_args()
-    if os.environ.get(CHILD):
-        child(args)
-        return 0
-    from servers import rerun_with_blas
+    from servers import run_with_blas
 
-    return rerun_with_blas(CHILD, args.blas_threads)
+    return run_with_blas(CHILD, args.blas_threads, lambda: child(args))
 
 
 if __name__ == "__main__":

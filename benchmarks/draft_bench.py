@@ -155,12 +155,9 @@ def main() -> int:
     parser.add_argument("--draft-tokens", type=int, default=3)
     parser.add_argument("--blas-threads", default="")
     args = parser.parse_args()
-    if os.environ.get(CHILD):
-        child(args)
-        return 0
-    from servers import rerun_with_blas
+    from servers import run_with_blas
 
-    return rerun_with_blas(CHILD, args.blas_threads)
+    return run_with_blas(CHILD, args.blas_threads, lambda: child(args))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,10 +72,14 @@ def bench_environment(home: Path, blas_threads: str = "") -> dict[str, str]:
     return env
 
 
-def rerun_with_blas(child_marker: str, blas_threads: str = "") -> int:
-    """Run this very command again in a child process whose environment preloads
-    OpenBLAS (bench_environment; the preload must be in place before the interpreter
-    starts) and sets `child_marker`; returns the child's exit code."""
+def run_with_blas(child_marker: str, blas_threads: str, body: Callable[[], None]) -> int:
+    """Run `body` in a child process whose environment preloads OpenBLAS
+    (bench_environment; the preload must be in place before the interpreter starts):
+    this very command runs again there with `child_marker` set, and runs `body`.
+    Returns the exit code."""
+    if os.environ.get(child_marker):
+        body()
+        return 0
     from pipeserve.engine.demo import pipeserve_home
 
     env = {**bench_environment(pipeserve_home(), blas_threads), child_marker: "1"}

@@ -127,7 +127,7 @@ class RowProposer:
 
     def emitted(self, token_id: int) -> None:
         """A token of the completion: it matches one occurrence in the prediction."""
-        if self._unmatched[token_id] > 0:
+        if self.prediction and self._unmatched[token_id] > 0:  # per token: cheap without one
             self._unmatched[token_id] -= 1
 
     @property
