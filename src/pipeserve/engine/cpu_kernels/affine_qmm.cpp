@@ -206,6 +206,10 @@ std::shared_ptr<Pool> pool() {
   return pool_;
 }
 
+void parallel_for(int chunks, const std::function<void(int)>& job) {
+  pool()->run(chunks, job);
+}
+
 void set_threads(int threads) {
   register_fork_handlers();
   std::shared_ptr<Pool> old;

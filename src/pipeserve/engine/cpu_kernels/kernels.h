@@ -1,6 +1,7 @@
 // The ops pipeserve's CPU extension adds to MLX (bindings.cpp exposes them to Python).
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -77,6 +78,10 @@ std::tuple<mx::array, mx::array, mx::array> split_heads(
     const std::optional<mx::array>& k_norm,
     float eps,
     mx::StreamOrDevice s = {});
+
+// Runs job(0) .. job(chunks - 1) on the kernels' thread pool (affine_qmm.cpp), the
+// calling thread included, and returns when all are done; rethrows a job's exception.
+void parallel_for(int chunks, const std::function<void(int)>& job);
 
 void set_threads(int threads);
 int threads();
