@@ -204,3 +204,52 @@ def test_engine_fault_fails_the_batch_and_engine_survives(mlx_runtime, monkeypat
     monkeypatch.undo()
     after = collect(runtime.engine.submit(job(prompt, max_tokens=4, temperature=1.0)))
     assert after.finish.reason == "length" and len(after.tokens) == 4
+
+
+def test_a_stuck_step_makes_the_engine_unhealthy_until_it_ends(demo_model_dir):
+    """A step that runs past stall_seconds reports unhealthy with the reason; once it
+    ends the engine is healthy again and the request completes."""
+    import threading
+    import time
+
+    from pipeserve.config.models import EngineOptions
+    from pipeserve.engine.loader import load_tokenizer
+    from pipeserve.engine.mlx_engine import MlxEngine
+
+    folder = demo_model_dir("qwen3")
+    release, entered = threading.Event(), threading.Event()
+
+    class GatedModel:  # the real model; one forward pass waits until the test releases it
+        def __init__(self, model) -> None:
+            self.model = model
+            self.gate = False
+
+        def __call__(self, *args, **kwargs):
+            if self.gate:
+                self.gate = False
+                entered.set()
+                release.wait(30)
+            return self.model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    import mlx_lm
+
+    model = GatedModel(mlx_lm.load(str(folder))[0])
+    options = EngineOptions(stall_seconds=0.2, warmup=False)
+    engine = MlxEngine("gated", lambda: model, load_tokenizer(folder), options)
+    try:
+        assert engine.healthy and engine.health_reason == ""
+        model.gate = True
+        stream = engine.submit(job([1, 2, 3, 4], max_tokens=4))
+        assert entered.wait(30)
+        time.sleep(0.5)
+        assert not engine.healthy
+        assert "engine step has been running for" in engine.health_reason
+        release.set()
+        assert len(collect(stream).ids) == 4
+        assert engine.healthy and engine.health_reason == ""
+    finally:
+        release.set()
+        engine.close()

@@ -403,6 +403,12 @@ class EngineOptions(Strict):
         True,
         description="On the CPU, store float32 dense weights transposed for BLAS (same outputs, faster decode).",
     )
+    stall_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="/health answers 503 while one engine step has run longer than this (a"
+        " stuck model or device); it is healthy again once the step ends.",
+    )
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
     sharding: ShardingOptions | None = Field(
         None,

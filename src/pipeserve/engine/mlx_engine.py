@@ -16,6 +16,7 @@ import gc
 import itertools
 import logging
 import queue
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,11 @@ MAX_RETRY_AFTER = 60.0
 
 
 class MlxEngine(AlwaysHealthy):
-    """Engine for a loaded mlx-lm model; `submit` is safe from any thread or greenlet."""
+    """Engine for a loaded mlx-lm model; `submit` is safe from any thread or greenlet.
+
+    Unhealthy while one step has run longer than options.stall_seconds: a wedged step
+    (a hung device, a lost peer) would otherwise leave /health saying ok forever.
+    """
 
     accepts_mock_response = False
 
@@ -75,6 +80,7 @@ class MlxEngine(AlwaysHealthy):
         self._keys = itertools.count(1)
         self._stats: dict[str, float] = {"requests_total": 0, "overloaded_total": 0}
         self._load_error: BaseException | None = None
+        self._step_started: float | None = None  # monotonic start of the running step
         self._loaded = OsFlag()
         self._stopped = OsFlag()
         self._load_model = load_model
@@ -139,6 +145,25 @@ class MlxEngine(AlwaysHealthy):
         out["active_sequences"] = min(in_flight, self.options.max_batch)
         out["queue_depth"] = in_flight - out["active_sequences"]
         return out
+
+    @property
+    def healthy(self) -> bool:
+        return self._stalled_seconds() is None
+
+    @property
+    def health_reason(self) -> str:
+        stalled = self._stalled_seconds()
+        if stalled is None:
+            return ""
+        return (
+            f"an engine step has been running for {stalled:.0f} s (stall_seconds:"
+            f" {self.options.stall_seconds:g}): the model may be stuck"
+        )
+
+    def _stalled_seconds(self) -> float | None:
+        started = self._step_started
+        running = 0.0 if started is None else time.monotonic() - started
+        return running if running > self.options.stall_seconds else None
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop: requests still running end with an error; later submits are refused."""
@@ -206,10 +231,12 @@ class MlxEngine(AlwaysHealthy):
             try:
                 running = self._drain(batch, courier, block=batch.idle)
                 if running and not batch.idle:
+                    self._step_started = time.monotonic()
                     batch.step(courier)
             except Exception as exc:  # a bug must not kill the engine thread
                 log.exception("engine loop failed; failing the requests in the batch")
                 batch.fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
+            self._step_started = None
             for _ in range(batch.reap()):
                 self._release()
             courier.flush()

@@ -72,11 +72,11 @@ class ShardedEngine(MlxEngine):
 
     @property
     def healthy(self) -> bool:
-        return self.group.healthy
+        return self.group.healthy and super().healthy
 
     @property
     def health_reason(self) -> str:
-        return self.group.reason
+        return self.group.reason or super().health_reason
 
     def _start(self, model_dir: Path, options: EngineOptions) -> Any:
         try:
