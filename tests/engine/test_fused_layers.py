@@ -1,6 +1,7 @@
 """The fused llama-style layers (engine/cpu_kernels/fused_layers.py): each new op against
-numpy, and whole tiny models (llama with 4-bit kernel projections, qwen3 in float32, with
-mlx-lm's KVCache and its left-padded BatchKVCache) against mlx-lm's own forward."""
+numpy, whole tiny models (llama with 4-bit kernel projections, qwen3 in float32, with
+mlx-lm's KVCache and its left-padded BatchKVCache) against mlx-lm's own forward, and the
+one-op decode step (ext.DecoderLayer) against the per-op path of the same layers."""
 
 from __future__ import annotations
 
@@ -112,8 +113,10 @@ def tiny_qwen3() -> nn.Module:
     return qwen3.Model(args)
 
 
-def twins(build: Any, ext: Any, quantize: bool) -> tuple[nn.Module, nn.Module]:
-    """Two copies of one random model: the kernel / one-op layout, and that plus fusion."""
+def twins(build: Any, ext: Any, quantize: bool, one_op_steps: bool = True,
+          per_op_steps: bool = False) -> tuple[nn.Module, nn.Module]:  # fmt: skip
+    """Two copies of one random model: the kernel / one-op layout (fused too, decode steps
+    per op, if `per_op_steps`), and that plus fusion."""
     mx.random.seed(11)
     reference = build()
     if quantize:
@@ -129,7 +132,9 @@ def twins(build: Any, ext: Any, quantize: bool) -> tuple[nn.Module, nn.Module]:
             use_kernels(model, ext)
         use_fused_ops(model, ext)
         models.append(model)
-    assert use_fused_layers(models[1], ext) == 2
+    if per_op_steps:
+        assert use_fused_layers(models[0], ext, one_op_steps=False) == 2
+    assert use_fused_layers(models[1], ext, one_op_steps) == 2
     return models[0], models[1]
 
 
@@ -182,3 +187,95 @@ def test_other_layers_keep_mlx_lm_forward(ext):
     use_fused_ops(half, ext)
     assert use_fused_layers(half, ext) == 0
     assert type(half.layers[0]) is llama.TransformerBlock
+
+
+def tiny_llama_with_biases() -> nn.Module:
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=96, tie_word_embeddings=False,
+                           attention_bias=True, mlp_bias=True)  # fmt: skip
+    return llama.Model(args)
+
+
+class CountingLayer:
+    """A block's DecoderLayer that counts its steps (to see the one-op path ran)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer, self.calls = layer, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.layer(*args)
+
+
+def counted(model: nn.Module) -> list[CountingLayer]:
+    counters = []
+    for block in model.layers:
+        assert block._decoder is not None
+        block._decoder = CountingLayer(block._decoder)
+        counters.append(block._decoder)
+    return counters
+
+
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    same_argmax = bool((got.argmax(-1) == want.argmax(-1)).all())
+    return same_argmax and float(np.abs(got - want).max()) < 1e-4 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_llama_with_biases, tiny_qwen3])
+def test_one_op_steps_match_the_per_op_path(ext, build):
+    """Batch 1 with KVCache (qwen3: per-head q/k norms; the bias variant: biased
+    projections), quantized: every decode step through the layer op."""
+    per_op, one_op = twins(build, ext, True, per_op_steps=True)
+    assert per_op.layers[0]._decoder is None
+    counters = counted(one_op)
+    prompt = mx.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 70, 12]])
+    want = decode(per_op, make_prompt_cache(per_op), prompt, 6)
+    got = decode(one_op, make_prompt_cache(one_op), prompt, 6)
+    assert [c.calls for c in counters] == [6, 6]
+    assert close(got, want)
+
+
+def test_one_op_steps_on_a_padded_batch_then_trimmed(ext):
+    """A left-padded BatchKVCache, then a trim (speculative rollback) and more steps."""
+    per_op, one_op = twins(tiny_llama, ext, True, per_op_steps=True)
+    counters = counted(one_op)
+    prompts = mx.array([[0, 0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6]])  # row 0: left padding
+    results = []
+    for model in (per_op, one_op):
+        cache = [BatchKVCache(left_padding=[3, 0]) for _ in model.layers]
+        before = decode(model, cache, prompts, 4)
+        for layer in cache:
+            layer.trim(2)
+        after = decode(model, cache, mx.array([[3], [4]]), 3)
+        results.append((before, after, cache[0].offset.tolist()))
+    assert counters[0].calls == 8  # 4 steps, then the 1-token "prompt" and 3 steps
+    assert results[1][2] == results[0][2] == [9, 12]
+    assert close(results[1][0], results[0][0]) and close(results[1][1], results[0][1])
+
+
+def test_one_op_steps_across_a_cache_buffer_boundary(ext):
+    """KVCache buffers grow by 256 positions: the step that finds a full buffer takes the
+    per-op path (the cache grows it), the next ones the layer op again."""
+    per_op, one_op = twins(tiny_llama, ext, True, per_op_steps=True)
+    counters = counted(one_op)
+    prompt = mx.array([list(range(1, 90)) * 3][:1])[:, :254]
+    want = decode(per_op, make_prompt_cache(per_op), prompt, 5)
+    got = decode(one_op, make_prompt_cache(one_op), prompt, 5)
+    assert counters[0].calls == 4  # steps at 254, 255, 257, 258; 256 grew the buffer
+    assert close(got, want)
+
+
+def test_one_op_step_leaves_a_held_cache_buffer_alone(ext):
+    """Functional semantics: a buffer something else still holds (a prefix-cache entry)
+    is copied, not written in place."""
+    _, model = twins(tiny_llama, ext, True)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[5, 17, 3, 88]]), cache=cache)[:, -1]
+    mx.eval(logits)
+    held = cache[0].keys
+    before = np.array(held)
+    logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)
+    mx.eval(logits, cache[0].keys)
+    assert np.array_equal(np.array(held), before)
+    assert not np.array_equal(np.array(cache[0].keys)[:, :, 4], before[:, :, 4])

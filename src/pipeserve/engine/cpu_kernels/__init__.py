@@ -122,6 +122,7 @@ def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
         want = mx.fast.scaled_dot_product_attention(q, keys, keys * 2, scale=0.1, mask=m)
         checks.append((ext.sdpa(q, keys, keys * 2, 0.1, m), want))
     checks += _fused_step_checks(ext, x, weights)
+    checks += _decoder_layer_checks(ext)
     for got, want in checks:
         error = mx.abs(got - want).max().item()
         assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"fused op error {error}"
@@ -149,3 +150,51 @@ def _fused_step_checks(ext: Any, x: Any, weights: Any) -> list[tuple[Any, Any]]:
         (k, rope(heads[:, 2:3])),
         (v, heads[:, 3:]),
     ]
+
+
+def _decoder_layer_checks(ext: Any) -> list[tuple[Any, Any]]:
+    """One decode step of a small layer op (4-bit projections, grouped heads, q/k norms,
+    per-row positions, a mask) and MLX's own ops on the same data: (got, want)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    keys = iter(mx.random.split(mx.random.key(5), 12))
+    hidden, heads, kv_heads, d, inter, rows, index = 64, 4, 2, 16, 96, 2, 5
+
+    def normal(*shape: int) -> Any:
+        return mx.random.normal(shape, key=next(keys))
+
+    def projection(n: int, k: int) -> tuple[Any, ...]:
+        w, scales, biases = mx.quantize(normal(n, k) * 0.2, group_size=32, bits=4)
+        return w, scales.astype(mx.float16), biases.astype(mx.float16), None, 32, 4
+
+    def linear(a: Any, p: tuple[Any, ...]) -> Any:
+        f32 = mx.float32
+        return a @ mx.dequantize(p[0], p[1].astype(f32), p[2].astype(f32), 32, 4).T
+
+    qkv_p, o_p = projection((heads + 2 * kv_heads) * d, hidden), projection(hidden, heads * d)
+    gate_up_p, down_p = projection(2 * inter, hidden), projection(hidden, inter)
+    norm1, norm2, q_norm, k_norm = normal(hidden), normal(hidden), normal(d), normal(d)
+    layer = ext.DecoderLayer([qkv_p, o_p, gate_up_p, down_p], norm1, norm2, q_norm, k_norm,
+                             heads, kv_heads, d, d, False, 1e4, 1.0, d**-0.5, 1e-5, 1e-6)  # fmt: skip
+    x, cache_k, cache_v = normal(rows, 1, hidden), normal(rows, 2, 8, d), normal(rows, 2, 8, d)
+    positions = mx.array([3, index], mx.int32)  # row 0: two positions of left padding
+    mask = mx.arange(index + 1).reshape(1, 1, 1, -1) >= mx.array([2, 0]).reshape(-1, 1, 1, 1)
+    out, new_k, new_v = layer(x, cache_k, cache_v, index, positions, mask)
+
+    qkv = linear(mx.fast.rms_norm(x, norm1, 1e-5), qkv_p)
+    qkv = qkv.reshape(rows, 1, -1, d).transpose(0, 2, 1, 3)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+
+    def rope(a: Any, w: Any) -> Any:
+        a = mx.fast.rms_norm(a, w, 1e-6)
+        return mx.fast.rope(a, d, traditional=False, base=1e4, scale=1.0, offset=positions)
+
+    q, k = rope(q, q_norm), rope(k, k_norm)
+    all_k = mx.concatenate([cache_k[:, :, :index], k], axis=2)
+    all_v = mx.concatenate([cache_v[:, :, :index], v], axis=2)
+    attended = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=d**-0.5, mask=mask)
+    h = x + linear(attended.transpose(0, 2, 1, 3).reshape(rows, 1, -1), o_p)
+    gate_up = linear(mx.fast.rms_norm(h, norm2, 1e-5), gate_up_p)
+    want = h + linear(nn.silu(gate_up[..., :inter]) * gate_up[..., inter:], down_p)
+    return [(out, want), (new_k[:, :, : index + 1], all_k), (new_v[:, :, : index + 1], all_v)]

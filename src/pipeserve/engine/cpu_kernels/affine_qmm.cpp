@@ -945,6 +945,21 @@ void compute(Problem p, int bits, bool half_scales) {
   }
 }
 
+void affine_qmm_rows(const QmmRows& a) {
+  Problem p{};
+  p.x = a.x;
+  p.w = static_cast<const uint8_t*>(a.w);
+  p.scales = a.scales;
+  p.biases = a.biases;
+  p.out = a.out;
+  p.M = a.M;
+  p.K = a.K;
+  p.N = a.N;
+  p.G = a.K / a.group_size;
+  p.group_size = a.group_size;
+  compute(p, a.bits, a.half_scales);
+}
+
 // ---------------------------------------------------------------------------
 // The MLX primitive and op.
 // ---------------------------------------------------------------------------

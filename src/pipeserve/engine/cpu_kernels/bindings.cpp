@@ -4,11 +4,16 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "kernels.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+// (w, scales, biases, bias, group_size, bits) of one projection, as Python passes it.
+using ProjectionArgs =
+    std::tuple<mx::array, mx::array, mx::array, std::optional<mx::array>, int, int>;
 
 NB_MODULE(_pipeserve_cpu, m) {
   m.doc() = "pipeserve's CPU kernels for MLX: quantized matmul, fused RMSNorm and RoPE";
@@ -31,6 +36,33 @@ NB_MODULE(_pipeserve_cpu, m) {
         "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a, "q_norm"_a = nb::none(),
         "k_norm"_a = nb::none(), "eps"_a = 1e-6f, nb::kw_only(), "stream"_a = nb::none(),
         "A fused q/k/v projection split into rotated (B, H, L, D) heads.");
+  nb::class_<pipeserve::DecoderLayer>(m, "DecoderLayer",
+      "A llama-style decoder layer whose one-token decode step is one op.")
+      .def("__init__",
+           [](pipeserve::DecoderLayer* self, const std::vector<ProjectionArgs>& projections,
+              const mx::array& input_norm, const mx::array& post_norm,
+              const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm,
+              int q_heads, int kv_heads, int head_dim, int rope_dims, bool traditional,
+              float rope_base, float rope_scale, float attn_scale, float norm_eps,
+              float qk_norm_eps) {
+             std::vector<pipeserve::Projection> ps;
+             for (const auto& [w, scales, biases, bias, group_size, bits] : projections) {
+               ps.push_back({w, scales, biases, bias, group_size, bits});
+             }
+             new (self) pipeserve::DecoderLayer(
+                 std::move(ps), input_norm, post_norm, q_norm, k_norm,
+                 {q_heads, kv_heads, head_dim, rope_dims, traditional, rope_base, rope_scale,
+                  attn_scale, norm_eps, qk_norm_eps});
+           },
+           "projections"_a, "input_norm"_a, "post_norm"_a, "q_norm"_a.none(), "k_norm"_a.none(),
+           "q_heads"_a, "kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a,
+           "rope_base"_a, "rope_scale"_a, "attn_scale"_a, "norm_eps"_a, "qk_norm_eps"_a,
+           "projections: (w, scales, biases, bias or None, group_size, bits) of qkv, o, "
+           "gate_up, down.")
+      .def("__call__", &pipeserve::DecoderLayer::operator(), "x"_a, "keys"_a, "values"_a,
+           "index"_a, "positions"_a = nb::none(), "mask"_a = nb::none(), nb::kw_only(),
+           "stream"_a = nb::none(),
+           "(out, keys, values): the step's output and the cache buffers with `index` written.");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

@@ -30,6 +30,7 @@ SOURCE_FILES = (
     "affine_qmm.cpp",
     "fused.cpp",
     "fused_step.cpp",
+    "fused_layer.cpp",
     "bindings.cpp",
     "CMakeLists.txt",
 )

@@ -15,6 +15,13 @@ or kernel projections of one kind, the one-op RoPE and norms) as:
     -> o -> add_rms_norm (residual add + next norm: one op) -> gate_up (one matmul)
     -> swiglu (one op) -> down -> add
 
+and, where all four projections are kernel layers, runs each one-token decode step
+(mlx-lm's KVCache or left-padded BatchKVCache with room for the token) as ONE op,
+`ext.DecoderLayer` (fused_layer.cpp): the same stages in C++, the new key and value
+written into the cache's buffers, which the op takes and returns (MLX's functional
+semantics; the buffer is reused where nothing else holds it). Prefills, a full cache
+buffer, other caches and float32 projections take the ops above.
+
 The fused projections concatenate the rows of the weights (MLX's affine layout: the
 quantized words, scales and biases rows too), so the outputs are the very same numbers.
 mlx-lm's cache objects stay (prefix cache, speculative rollback and batching use them);
@@ -30,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.engine.cpu_kernels.layers import (
     QUANT_KEYS,
@@ -155,9 +163,10 @@ class FusedMLP(nn.Module):
 
 
 class FusedBlock(nn.Module):
-    """mlx-lm's block with the residual add and the second norm as one op."""
+    """mlx-lm's block with the residual add and the second norm as one op, and each
+    one-token decode step as one op where the block allows (`decoder_layer`)."""
 
-    def __init__(self, block: Any, ext: Any) -> None:
+    def __init__(self, block: Any, ext: Any, one_op_steps: bool = True) -> None:
         super().__init__()
         self.self_attn, self.mlp = block.self_attn, block.mlp
         self.input_layernorm = block.input_layernorm
@@ -166,6 +175,7 @@ class FusedBlock(nn.Module):
             if not name.startswith("_"):
                 setattr(self, name, value)
         self._ext = ext
+        self._decoder: Any = decoder_layer(self, ext) if one_op_steps else None
 
     @staticmethod
     def applies(block: Any) -> bool:
@@ -176,11 +186,75 @@ class FusedBlock(nn.Module):
         )
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        step = None if self._decoder is None else decode_step(x, mask, cache)
+        if step is not None:
+            return self._step(x, mask, cache, *step)
         residual = self.self_attn(self.input_layernorm(x), mask, cache)
         norm = self.post_attention_layernorm
         h, normed = self._ext.add_rms_norm(x, residual, norm.weight, norm.eps)
         out: mx.array = h + self.mlp(normed)
         return out
+
+    def _step(self, x: mx.array, mask: Any, cache: Any, index: int,
+              positions: mx.array | None) -> mx.array:  # fmt: skip
+        out, cache.keys, cache.values = self._decoder(
+            x, cache.keys, cache.values, index, positions, mask
+        )
+        if type(cache) is KVCache:
+            cache.offset += 1
+        else:
+            cache.offset = cache.offset + 1
+            cache._idx += 1
+        result: mx.array = out
+        return result
+
+
+def decoder_layer(block: FusedBlock, ext: Any) -> Any:
+    """`ext.DecoderLayer` over the block's weights, or None where it does not apply:
+    attention or MLP not fused, a projection that is not a kernel layer, two norm eps."""
+    attention, mlp = block.self_attn, block.mlp
+    if type(attention) is not FusedAttention or type(mlp) is not FusedMLP:
+        return None
+    projections = [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    norms = (block.input_layernorm, block.post_attention_layernorm)
+    if not all(type(p) is KernelLinear for p in projections) or norms[0].eps != norms[1].eps:
+        return None
+    q_norm, k_norm = (attention.q_norm, attention.k_norm) if "q_norm" in attention else (None, None)
+    rope, heads = attention.rope, attention.n_heads + 2 * attention.n_kv_heads
+    try:
+        return ext.DecoderLayer(
+            [(p.weight, p.scales, p.biases, p.get("bias"), p.group_size, p.bits) for p in projections],
+            norms[0].weight, norms[1].weight, q_norm and q_norm.weight, k_norm and k_norm.weight,
+            attention.n_heads, attention.n_kv_heads, attention.qkv_proj.weight.shape[0] // heads,
+            rope.dims, rope.traditional, rope.base, rope.scale, attention.scale, norms[0].eps,
+            q_norm.eps if q_norm else 1e-6,
+        )  # fmt: skip
+    except ValueError:  # a shape the op does not take (e.g. a bias of another dtype)
+        return None
+
+
+def decode_step(x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array | None] | None:
+    """(the cache position the token is written at, per-row RoPE positions or None) when
+    this call is a one-token step the layer op takes, else None."""
+    if x.shape[1] != 1 or x.dtype != mx.float32:
+        return None
+    if type(cache) is KVCache:
+        index, positions = cache.offset, None
+    elif type(cache) is BatchKVCache:
+        index, positions = cache._idx, cache.offset
+    else:
+        return None
+    keys = cache.keys
+    if keys is None or index >= keys.shape[2] or keys.dtype != mx.float32:
+        return None  # no buffer yet, or a full one: the cache's own update grows it
+    if mask is not None and not (
+        isinstance(mask, mx.array)
+        and mask.dtype in (mx.bool_, mx.float32)
+        and mask.ndim == 4
+        and mask.shape[2:] == (1, index + 1)
+    ):
+        return None
+    return index, positions
 
 
 _FUSED: list[tuple[str, type[FusedAttention] | type[FusedMLP]]] = [
@@ -204,10 +278,11 @@ def computes_in_float32(model: nn.Module) -> bool:
     return True
 
 
-def use_fused_layers(model: nn.Module, ext: Any) -> int:
+def use_fused_layers(model: nn.Module, ext: Any, one_op_steps: bool = True) -> int:
     """Rebuild every plain llama-style block of `model` as the fused layers above (those
     parts that qualify); returns how many blocks changed (none unless the model computes
-    in float32). Weights are stacked here."""
+    in float32). Weights are stacked here. `one_op_steps=False`: decode steps keep the
+    per-op path too (the layer op's reference in tests)."""
     if not computes_in_float32(model):
         return 0
     blocks = [(name, m) for name, m in model.named_modules() if FusedBlock.applies(m)]
@@ -216,7 +291,8 @@ def use_fused_layers(model: nn.Module, ext: Any) -> int:
         fused = [(part, cls) for part, cls in _FUSED if cls.applies(block[part])]
         for part, cls in fused:
             block[part] = cls(block[part], ext)
-        model.update_modules(tree_unflatten([(name, FusedBlock(block, ext))]))
+        fused_block = FusedBlock(block, ext, one_op_steps)
+        model.update_modules(tree_unflatten([(name, fused_block)]))
         changed += 1
     mx.eval(model.parameters())
     return changed

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/utils.h"
@@ -22,6 +23,20 @@ mx::array affine_qmm(
     int group_size,
     int bits,
     mx::StreamOrDevice s = {});
+
+// One quantized product on raw buffers, run on the calling thread with the kernels' pool
+// (affine_qmm.cpp): out (M, N) = x (M, K) @ dequantize(w, scales, biases).T, everything
+// row-contiguous, the layout affine_qmm takes. For ops that chain several products.
+struct QmmRows {
+  const float* x;
+  const void* w;  // uint32 words (N, K * bits / 32)
+  const void* scales;  // (N, K / group_size), float16 (half_scales) or float32
+  const void* biases;
+  float* out;
+  int M, K, N, group_size, bits;
+  bool half_scales;
+};
+void affine_qmm_rows(const QmmRows& args);
 
 // mx.fast.rms_norm as one CPU op, float32 (fused.cpp).
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
@@ -78,6 +93,56 @@ std::tuple<mx::array, mx::array, mx::array> split_heads(
     const std::optional<mx::array>& k_norm,
     float eps,
     mx::StreamOrDevice s = {});
+
+// One kernel projection of a layer (a KernelLinear): MLX's affine layout, optional bias.
+struct Projection {
+  mx::array w, scales, biases;
+  std::optional<mx::array> bias;
+  int group_size, bits;
+};
+
+struct LayerShape {
+  int q_heads, kv_heads, head_dim, rope_dims;
+  bool traditional;
+  float rope_base, rope_scale, attn_scale, norm_eps, qk_norm_eps;
+};
+
+// A llama-style decoder layer whose one-token decode step is ONE op (fused_layer.cpp):
+// rms_norm -> qkv -> heads (+ per-head norm) + RoPE -> the new key / value written into
+// the cache buffers at `index` -> attention over positions 0..index -> o -> residual add
+// + rms_norm -> gate_up -> SwiGLU -> down -> residual add. Projections: qkv, o, gate_up
+// (gate half first), down. The weights are taken (made contiguous) at construction.
+class DecoderLayer {
+ public:
+  DecoderLayer(
+      std::vector<Projection> projections,
+      mx::array input_norm,
+      mx::array post_norm,
+      std::optional<mx::array> q_norm,
+      std::optional<mx::array> k_norm,
+      LayerShape shape);
+
+  // x (B, 1, hidden); keys / values the cache buffers (B, Hk, capacity, D), index <
+  // capacity; positions: int32, 1 or B RoPE positions (None: index); mask: boolean or
+  // additive, broadcastable to (B, Hq, 1, index + 1). Returns (out, keys, values): the
+  // cache buffers with position `index` written (the input buffers, donated, where MLX
+  // allows; copies otherwise).
+  std::tuple<mx::array, mx::array, mx::array> operator()(
+      const mx::array& x,
+      const mx::array& keys,
+      const mx::array& values,
+      int index,
+      const std::optional<mx::array>& positions,
+      const std::optional<mx::array>& mask,
+      mx::StreamOrDevice s = {}) const;
+
+ private:
+  mx::array none_;  // an empty input: no positions / no mask
+  std::vector<mx::array> weights_;  // norms, then each projection's w, scales, biases, bias
+  std::vector<Projection> projections_;
+  bool q_norm_, k_norm_;
+  LayerShape shape_;
+};
 
 // Runs job(0) .. job(chunks - 1) on the kernels' thread pool (affine_qmm.cpp), the
 // calling thread included, and returns when all are done; rethrows a job's exception.

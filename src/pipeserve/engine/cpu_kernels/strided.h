@@ -1,4 +1,5 @@
-// Row addressing shared by the fused ops (fused.cpp, fused_step.cpp).
+// Row addressing and small vector loops shared by the fused ops (fused.cpp,
+// fused_step.cpp, fused_layer.cpp).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,33 @@ inline std::vector<int64_t> row_offsets(const mlx::core::array& a) {
                                       : mlx::core::elem_to_loc(static_cast<int>(r * cols), a);
   }
   return out;
+}
+
+// a . b over n elements; unit strides take 16 independent partial sums (vectorised).
+inline float dot(const float* a, int64_t as, const float* b, int64_t bs, int n) {
+  if (as != 1 || bs != 1) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) sum += a[i * as] * b[i * bs];
+    return sum;
+  }
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out += p * v over n elements.
+inline void axpy(float p, const float* v, int64_t step, float* out, int n) {
+  if (step == 1) {
+    for (int i = 0; i < n; ++i) out[i] += p * v[i];
+  } else {
+    for (int i = 0; i < n; ++i) out[i] += p * v[i * step];
+  }
 }
 
 }  // namespace pipeserve

@@ -1,0 +1,487 @@
+// A llama-style decoder layer's decode step (one new token per row) as ONE MLX op.
+//
+// Even with the layer's glue fused (fused_step.cpp), a decode step of a small model runs
+// ~12 ops per layer, and on the CPU every op costs a dispatch on the stream's thread, a
+// Python call while the graph is built and, for the matmuls, a fork / join of the
+// kernels' pool: in SmolLM2-135M (30 layers) that overhead was as large as the matmuls.
+// Here the whole layer is one primitive whose job runs the stages back to back on the
+// stream's thread, each stage split over the kernels' pool (parallel_for, affine_qmm_rows).
+//
+// The KV cache keeps MLX's functional semantics: the op takes the cache's key / value
+// buffers as inputs and returns them with position `index` written. Where MLX allows
+// (the input is contiguous and nothing else holds it) the output shares the input's
+// buffer, as MLX's own slice update does; otherwise the buffer is copied first.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+
+#include "kernels.h"
+#include "strided.h"
+
+namespace pipeserve {
+
+namespace {
+
+void fail(const std::string& message) {
+  throw std::invalid_argument("decoder_layer: " + message);
+}
+
+enum Stage { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
+enum Input { X = 0, KEYS = 1, VALUES = 2, POSITIONS = 3, MASK = 4, WEIGHTS = 5 };
+
+// A projection as raw buffers.
+struct ProjectionView {
+  const void* w;
+  const void* scales;
+  const void* biases;
+  const float* bias;  // null: none
+  int N, K, group_size, bits;
+  bool half;
+};
+
+// Everything the dispatched job reads and writes, as raw pointers.
+struct Job {
+  LayerShape s;
+  int B, hidden, index, capacity;
+  const float* x;
+  std::vector<int64_t> x_rows;  // each row's first element
+  int64_t x_step;
+  const int32_t* positions;  // null: every row at `index`
+  int n_positions;
+  const void* mask;  // null: none
+  bool bool_mask;
+  int64_t mask_b, mask_h, mask_s;  // broadcast strides (0 on size-1 axes)
+  const float *input_norm, *post_norm, *q_norm, *k_norm;
+  ProjectionView proj[4];
+  float *keys, *values, *out;  // keys / values: (B, Hk, capacity, D), contiguous
+};
+
+void project(const ProjectionView& p, const float* x, int M, float* out) {
+  affine_qmm_rows({x, p.w, p.scales, p.biases, out, M, p.K, p.N, p.group_size, p.bits, p.half});
+  if (p.bias == nullptr) return;
+  for (int m = 0; m < M; ++m) {
+    float* row = out + static_cast<size_t>(m) * p.N;
+    for (int n = 0; n < p.N; ++n) row[n] += p.bias[n];
+  }
+}
+
+inline float inverse_rms(const float* row, int d, float eps) {
+  float sum = dot(row, 1, row, 1, d);
+  return 1.0f / std::sqrt(sum / d + eps);
+}
+
+void rms_norm_rows(const float* in, const float* w, float eps, int rows, int d, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    const float* x = in + static_cast<size_t>(r) * d;
+    const float inv = inverse_rms(x, d, eps);
+    float* o = out + static_cast<size_t>(r) * d;
+    for (int i = 0; i < d; ++i) o[i] = x[i] * inv * w[i];
+  }
+}
+
+// cos / sin of one position, like mx.fast.rope (and split_heads); the last position's
+// tables are kept, as every layer of a step rotates the same positions.
+struct RopeTable {
+  int position = -1, dims = 0;
+  float base = 0.0f, scale = 0.0f;
+  std::vector<float> cosv, sinv;
+
+  void at(int pos, const LayerShape& s) {
+    if (pos == position && dims == s.rope_dims && base == s.rope_base && scale == s.rope_scale) {
+      return;
+    }
+    position = pos, dims = s.rope_dims, base = s.rope_base, scale = s.rope_scale;
+    const int half = dims / 2;
+    cosv.resize(half);
+    sinv.resize(half);
+    const float p = static_cast<float>(pos) * scale;
+    for (int i = 0; i < half; ++i) {
+      const float angle = p * std::pow(base, -2.0f * i / dims);
+      cosv[i] = std::cos(angle);
+      sinv[i] = std::sin(angle);
+    }
+  }
+};
+
+// One head: optional RMSNorm (weight w), then optional RoPE.
+void head_out(const float* in, float* out, const LayerShape& s, const float* w,
+              const RopeTable* rope) {
+  const int d = s.head_dim;
+  const float inv = w ? inverse_rms(in, d, s.qk_norm_eps) : 1.0f;
+  for (int i = 0; i < d; ++i) out[i] = w ? in[i] * inv * w[i] : in[i];
+  if (rope == nullptr) return;
+  const int half = s.rope_dims / 2;
+  for (int i = 0; i < half; ++i) {
+    const int i1 = s.traditional ? 2 * i : i;
+    const int i2 = s.traditional ? 2 * i + 1 : i + half;
+    const float x1 = out[i1], x2 = out[i2];
+    out[i1] = x1 * rope->cosv[i] - x2 * rope->sinv[i];
+    out[i2] = x1 * rope->sinv[i] + x2 * rope->cosv[i];
+  }
+}
+
+// qkv rows -> rotated q (B, Hq, D), and k / v written into the cache at `index`.
+void heads(const Job& j, const float* qkv, float* q) {
+  const auto& s = j.s;
+  const int D = s.head_dim, width = (s.q_heads + 2 * s.kv_heads) * D;
+  thread_local RopeTable rope;
+  for (int b = 0; b < j.B; ++b) {
+    rope.at(j.positions ? j.positions[j.n_positions == 1 ? 0 : b] : j.index, s);
+    const float* row = qkv + static_cast<size_t>(b) * width;
+    for (int h = 0; h < s.q_heads; ++h) {
+      head_out(row + h * D, q + (static_cast<size_t>(b) * s.q_heads + h) * D, s, j.q_norm, &rope);
+    }
+    for (int h = 0; h < s.kv_heads; ++h) {
+      const size_t at = ((static_cast<size_t>(b) * s.kv_heads + h) * j.capacity + j.index) * D;
+      head_out(row + (s.q_heads + h) * D, j.keys + at, s, j.k_norm, &rope);
+      head_out(row + (s.q_heads + s.kv_heads + h) * D, j.values + at, s, nullptr, nullptr);
+    }
+  }
+}
+
+// One query head of one row against the cache's positions 0..index: out (D).
+void attend(const Job& j, const float* q, int b, int h, float* out) {
+  const auto& s = j.s;
+  const int D = s.head_dim, S = j.index + 1;
+  const int kh = h / (s.q_heads / s.kv_heads);
+  const size_t base = (static_cast<size_t>(b) * s.kv_heads + kh) * j.capacity * D;
+  const float* keys = j.keys + base;
+  const float* values = j.values + base;
+  thread_local std::vector<float> scores;
+  scores.resize(S);
+  float top = -INFINITY;
+  for (int p = 0; p < S; ++p) {
+    float score = dot(q, 1, keys + static_cast<size_t>(p) * D, 1, D) * s.attn_scale;
+    if (j.mask != nullptr) {
+      const int64_t at = b * j.mask_b + h * j.mask_h + p * j.mask_s;
+      if (j.bool_mask) {
+        if (!static_cast<const bool*>(j.mask)[at]) score = -INFINITY;
+      } else {
+        score += static_cast<const float*>(j.mask)[at];
+      }
+    }
+    scores[p] = score;
+    top = std::max(top, score);
+  }
+  for (int d = 0; d < D; ++d) out[d] = 0.0f;
+  if (top == -INFINITY) return;  // every position masked: zeros, like sdpa
+  float total = 0.0f;
+  for (int p = 0; p < S; ++p) {
+    const float weight = std::exp(scores[p] - top);
+    total += weight;
+    axpy(weight, values + static_cast<size_t>(p) * D, 1, out, D);
+  }
+  const float inv = 1.0f / total;
+  for (int d = 0; d < D; ++d) out[d] *= inv;
+}
+
+constexpr int64_t PARALLEL_ATTENTION = 1 << 15;  // multiply-adds worth a pool fork / join
+
+void attention(const Job& j, const float* q, float* out) {
+  const int Hq = j.s.q_heads, D = j.s.head_dim, tasks = j.B * Hq;
+  auto one = [&](int t) {
+    const size_t at = static_cast<size_t>(t) * D;  // (B, Hq, D) = merged heads (B, Hq * D)
+    attend(j, q + at, t / Hq, t % Hq, out + at);
+  };
+  if (static_cast<int64_t>(tasks) * (j.index + 1) * D < PARALLEL_ATTENTION) {
+    for (int t = 0; t < tasks; ++t) one(t);
+  } else {
+    parallel_for(tasks, one);
+  }
+}
+
+void run(const Job& j) {
+  const auto& s = j.s;
+  const int B = j.B, H = j.hidden, D = s.head_dim;
+  const int qkv_width = j.proj[QKV].N, heads_width = s.q_heads * D;
+  const int inter = j.proj[DOWN].K;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(B) * (5 * H + qkv_width + 2 * heads_width + 3 * inter));
+  float* x = scratch.data();
+  float* normed = x + B * H;
+  float* h = normed + B * H;
+  float* delta = h + B * H;
+  float* qkv = delta + B * H;
+  float* q = qkv + B * qkv_width;
+  float* attended = q + B * heads_width;
+  float* gate_up = attended + B * heads_width;
+  float* act = gate_up + 2 * B * inter;
+  for (int b = 0; b < B; ++b) {
+    const float* row = j.x + j.x_rows[b];
+    for (int i = 0; i < H; ++i) x[b * H + i] = row[i * j.x_step];
+  }
+  rms_norm_rows(x, j.input_norm, s.norm_eps, B, H, normed);
+  project(j.proj[QKV], normed, B, qkv);
+  heads(j, qkv, q);
+  attention(j, q, attended);
+  project(j.proj[O], attended, B, delta);
+  for (int i = 0; i < B * H; ++i) h[i] = x[i] + delta[i];
+  rms_norm_rows(h, j.post_norm, s.norm_eps, B, H, normed);
+  project(j.proj[GATE_UP], normed, B, gate_up);
+  for (int b = 0; b < B; ++b) {
+    const float* gate = gate_up + static_cast<size_t>(b) * 2 * inter;
+    const float* up = gate + inter;
+    float* o = act + static_cast<size_t>(b) * inter;
+    for (int i = 0; i < inter; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+  project(j.proj[DOWN], act, B, delta);
+  for (int i = 0; i < B * H; ++i) j.out[i] = h[i] + delta[i];
+}
+
+// The cache buffer the op writes: the input's own where it may be donated, else a
+// fresh buffer (filled by the job from `source`, any strides).
+struct CacheCopy {
+  const float* source = nullptr;  // null: donated, nothing to copy
+  std::vector<int64_t> rows;
+  int64_t step = 1;
+  int width = 0;
+
+  void run(float* dest) const {
+    if (source == nullptr) return;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const float* in = source + rows[r];
+      float* o = dest + r * width;
+      for (int i = 0; i < width; ++i) o[i] = in[i * step];
+    }
+  }
+};
+
+CacheCopy take_cache(const mx::array& in, mx::array& out) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return {};
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return {in.data<float>(), row_offsets(in), in.strides().back(), in.shape(-1)};
+}
+
+class DecodeLayer : public mx::Primitive {
+ public:
+  DecodeLayer(mx::Stream stream, const std::vector<Projection>& projections, bool q_norm,
+              bool k_norm, LayerShape shape, int index)
+      : mx::Primitive(stream), q_norm_(q_norm), k_norm_(k_norm), shape_(shape), index_(index) {
+    for (const auto& p : projections) {
+      kinds_.push_back({p.group_size, p.bits, p.bias.has_value()});
+    }
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    release_sibling_inputs(inputs, outputs);
+    CacheCopy keys = take_cache(inputs[KEYS], outputs[1]);
+    CacheCopy values = take_cache(inputs[VALUES], outputs[2]);
+    for (auto& out : outputs) encoder.set_output_array(out);
+    Job job = describe(inputs, outputs);
+    encoder.dispatch([job = std::move(job), keys = std::move(keys), values = std::move(values)]() {
+      keys.run(job.keys);
+      values.run(job.values);
+      run(job);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("decoder_layer runs on the CPU only");
+  }
+  const char* name() const override {
+    return "PipeserveDecodeLayer";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return false;  // writes the cache: never merged with another
+  }
+
+ private:
+  // Each output of a multi-output op holds its own copy of the inputs (make_arrays), so
+  // the cache buffers would never look donatable (is_donatable: one holder). The other
+  // outputs' copies are dropped here: MLX clears every sibling's inputs once the op is
+  // evaluated anyway (array::detach). Not for tracers (compile, transforms).
+  static void release_sibling_inputs(const std::vector<mx::array>& inputs,
+                                     std::vector<mx::array>& outputs) {
+    for (auto& out : outputs) {
+      if (out.is_tracer()) return;
+    }
+    for (auto& out : outputs) {
+      auto& held = out.inputs();
+      if (&held == &inputs || held.size() != inputs.size()) continue;
+      held[KEYS] = inputs[X];
+      held[VALUES] = inputs[X];
+    }
+  }
+
+  struct Kind {
+    int group_size, bits;
+    bool bias;
+  };
+
+  Job describe(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) const {
+    const auto& x = inputs[X];
+    Job j{};
+    j.s = shape_;
+    j.B = x.shape(0);
+    j.hidden = x.shape(-1);
+    j.index = index_;
+    j.capacity = inputs[KEYS].shape(2);
+    j.x = x.data<float>();
+    j.x_rows = row_offsets(x);
+    j.x_step = x.strides().back();
+    const auto& positions = inputs[POSITIONS];
+    j.positions = positions.size() > 0 ? positions.data<int32_t>() : nullptr;
+    j.n_positions = static_cast<int>(positions.size());
+    const auto& mask = inputs[MASK];
+    if (mask.size() > 0) {
+      j.mask = mask.data<void>();
+      j.bool_mask = mask.dtype() == mx::bool_;
+      auto stride = [&](int axis) { return mask.shape(axis) == 1 ? 0 : mask.strides()[axis]; };
+      j.mask_b = stride(0), j.mask_h = stride(1), j.mask_s = stride(3);
+    }
+    int at = WEIGHTS;
+    j.input_norm = inputs[at++].data<float>();
+    j.post_norm = inputs[at++].data<float>();
+    j.q_norm = q_norm_ ? inputs[at++].data<float>() : nullptr;
+    j.k_norm = k_norm_ ? inputs[at++].data<float>() : nullptr;
+    for (int p = 0; p < 4; ++p) {
+      const auto& w = inputs[at];
+      const auto& scales = inputs[at + 1];
+      ProjectionView& v = j.proj[p];
+      v = {w.data<void>(), scales.data<void>(), inputs[at + 2].data<void>(), nullptr,
+           w.shape(0), w.shape(1) * 32 / kinds_[p].bits, kinds_[p].group_size, kinds_[p].bits,
+           scales.dtype() == mx::float16};
+      at += 3;
+      if (kinds_[p].bias) v.bias = inputs[at++].data<float>();
+    }
+    j.keys = outputs[1].data<float>();
+    j.values = outputs[2].data<float>();
+    j.out = outputs[0].data<float>();
+    return j;
+  }
+
+  bool q_norm_, k_norm_;
+  LayerShape shape_;
+  int index_;
+  std::vector<Kind> kinds_;
+};
+
+void check_vector(const mx::array& a, int n, const char* what) {
+  if (a.dtype() != mx::float32 || a.ndim() != 1 || a.shape(0) != n) {
+    fail(std::string(what) + " must be float32 (" + std::to_string(n) + ",)");
+  }
+}
+
+void check_projection(const Projection& p, int n, int k, const char* what) {
+  const bool ok = (p.bits == 4 || p.bits == 5 || p.bits == 8) && p.group_size % 32 == 0 &&
+      p.w.dtype() == mx::uint32 && p.w.ndim() == 2 && p.w.shape(0) == n &&
+      static_cast<int64_t>(p.w.shape(1)) * 32 == static_cast<int64_t>(k) * p.bits &&
+      k % p.group_size == 0 && p.scales.shape() == mx::Shape({n, k / p.group_size}) &&
+      p.biases.shape() == p.scales.shape() && p.scales.dtype() == p.biases.dtype() &&
+      (p.scales.dtype() == mx::float16 || p.scales.dtype() == mx::float32);
+  if (!ok) fail(std::string(what) + ": not an affine quantized (" + std::to_string(n) + ", " +
+                std::to_string(k) + ") projection");
+  if (p.bias) check_vector(*p.bias, n, what);
+}
+
+}  // namespace
+
+DecoderLayer::DecoderLayer(
+    std::vector<Projection> projections,
+    mx::array input_norm,
+    mx::array post_norm,
+    std::optional<mx::array> q_norm,
+    std::optional<mx::array> k_norm,
+    LayerShape shape)
+    : none_(mx::zeros({0}, mx::int32, mx::Device::cpu)),
+      q_norm_(q_norm.has_value()),
+      k_norm_(k_norm.has_value()),
+      shape_(shape) {
+  const auto& s = shape;
+  if (projections.size() != 4) fail("four projections: qkv, o, gate_up, down");
+  if (s.q_heads <= 0 || s.kv_heads <= 0 || s.q_heads % s.kv_heads != 0 || s.head_dim <= 0 ||
+      s.rope_dims % 2 != 0 || s.rope_dims > s.head_dim) {
+    fail("bad head shape");
+  }
+  const int hidden = input_norm.ndim() == 1 ? input_norm.shape(0) : 0;
+  const int inter = projections[DOWN].w.shape(1) * 32 / std::max(1, projections[DOWN].bits);
+  check_vector(input_norm, hidden, "input_norm");
+  check_vector(post_norm, hidden, "post_norm");
+  if (q_norm) check_vector(*q_norm, s.head_dim, "q_norm");
+  if (k_norm) check_vector(*k_norm, s.head_dim, "k_norm");
+  check_projection(projections[QKV], (s.q_heads + 2 * s.kv_heads) * s.head_dim, hidden, "qkv");
+  check_projection(projections[O], hidden, s.q_heads * s.head_dim, "o");
+  check_projection(projections[GATE_UP], 2 * inter, hidden, "gate_up");
+  check_projection(projections[DOWN], hidden, inter, "down");
+  std::vector<mx::array> weights = {input_norm, post_norm};
+  if (q_norm) weights.push_back(*q_norm);
+  if (k_norm) weights.push_back(*k_norm);
+  for (const auto& p : projections) {
+    weights.insert(weights.end(), {p.w, p.scales, p.biases});
+    if (p.bias) weights.push_back(*p.bias);
+  }
+  for (auto& w : weights) w = mx::contiguous(w, false, mx::Device::cpu);
+  mx::eval(weights);
+  mx::eval(none_);
+  weights_ = std::move(weights);
+  projections_ = std::move(projections);
+}
+
+std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
+    const mx::array& x,
+    const mx::array& keys,
+    const mx::array& values,
+    int index,
+    const std::optional<mx::array>& positions,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s) const {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
+  const int hidden = weights_[0].shape(0);
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) != 1 || x.shape(2) != hidden) {
+    fail("x must be float32 (B, 1, hidden)");
+  }
+  const int B = x.shape(0);
+  const mx::Shape cache_shape = {B, shape_.kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0,
+                                 shape_.head_dim};
+  for (const auto* a : {&keys, &values}) {
+    if (a->dtype() != mx::float32 || a->shape() != cache_shape) {
+      fail("keys and values must be float32 (B, kv_heads, capacity, head_dim)");
+    }
+  }
+  if (index < 0 || index >= cache_shape[2]) fail("index must be within the cache's capacity");
+  // empty (evaluated, so no op) where there are no per-row positions / no mask
+  std::vector<mx::array> inputs = {x, keys, values, none_, none_};
+  if (positions) {
+    if (positions->size() != 1 && positions->size() != static_cast<size_t>(B)) {
+      fail("positions must hold 1 or B values");
+    }
+    inputs[POSITIONS] = positions->dtype() == mx::int32 && positions->ndim() == 1
+        ? *positions
+        : mx::reshape(mx::astype(*positions, mx::int32, stream), {-1}, stream);
+  }
+  if (mask) {
+    const mx::Shape full = {B, shape_.q_heads, 1, index + 1};
+    const bool fits = mask->ndim() == 4 && mask->shape(2) == 1 && mask->shape(3) == index + 1 &&
+        (mask->shape(0) == 1 || mask->shape(0) == B) &&
+        (mask->shape(1) == 1 || mask->shape(1) == shape_.q_heads);
+    if (!fits) fail("mask must broadcast to (B, q_heads, 1, index + 1)");
+    if (mask->dtype() != mx::bool_ && mask->dtype() != mx::float32) fail("mask: bool or float32");
+    inputs[MASK] = *mask;
+  }
+  inputs.insert(inputs.end(), weights_.begin(), weights_.end());
+  auto outs = mx::array::make_arrays(
+      {x.shape(), cache_shape, cache_shape}, {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DecodeLayer>(stream, projections_, q_norm_, k_norm_, shape_, index),
+      inputs);
+  return {outs[0], outs[1], outs[2]};
+}
+
+}  // namespace pipeserve
