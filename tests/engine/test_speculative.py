@@ -30,7 +30,9 @@ from pipeserve.engine.demo import DEMO_FAMILIES
 from pipeserve.engine.detokenize import Detokenizers
 from pipeserve.engine.grammar import GrammarCompiler
 from pipeserve.engine.loader import eos_token_ids, load_model, load_tokenizer, read_config
+from pipeserve.engine.proposer import RowProposer
 from pipeserve.engine.sequence import Sequence
+from pipeserve.engine.spec_policy import StepCosts
 from pipeserve.events import Finish, TokenText, Usage
 from pipeserve.request import OutputFormat, SamplingParams
 from pipeserve.stages.grammar_plan import response_grammar
@@ -214,40 +216,65 @@ def test_sampled_output_keeps_its_distribution(demo_model_dir: Any) -> None:
         assert abs(p - q) <= 4.5 * sigma, (with_spec, without)
 
 
-ADAPTIVE = SpeculativeOptions(method="prompt_lookup", tokens=1, tokens_max=7, max_batch=8)
+LOOKUP_ONLY = SpeculativeOptions(method="prompt_lookup", tokens=3, tokens_max=7)
+# A step's seconds by tokens per row at batch 1, as measured for SmolLM2 on 2 CPU cores
+# (docs/speculative.md): fixed here so that the policy's choices do not depend on the
+# test machine's speed.
+CPU_COSTS = {1: 1.0, 2: 1.31, 4: 2.12, 8: 3.45}
 
 
-def proposal_lengths(m: Model, prompt: list[int], max_tokens: int) -> list[tuple[int, int, int]]:
-    """One row decoded with ADAPTIVE: (length before, proposed, accepted) of each step
-    that verified, read from the row's own proposer."""
-    batch = Batch(m.model, EngineOptions(max_batch=8, speculative=ADAPTIVE), {})
+class FixedCosts(StepCosts):
+    """The engine's step timings are ignored: the policy sees CPU_COSTS only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for width, seconds in CPU_COSTS.items():
+            super().record(1, width, seconds)
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        pass
+
+
+def verifications(
+    m: Model, row_job: GenerationJob, speculative: SpeculativeOptions | None
+) -> tuple[list[tuple[int, int]], RowProposer]:
+    """One row decoded alone under FixedCosts: (proposed, accepted) of each step, read
+    from the row's own proposer (0 proposed: an ordinary step), and the proposer."""
+    batch = Batch(m.model, EngineOptions(max_batch=8, speculative=speculative), {})
+    assert batch.speculation is not None
+    batch.speculation.costs = FixedCosts()
     courier, detokenizers = Courier(), Detokenizers(m.tokenizer)
-    seq = Sequence(job(m, prompt, max_tokens), Channel(), detokenizers.new(), m.tokenizer)
+    seq = Sequence(row_job, Channel(), detokenizers.new(), m.tokenizer)
     batch.add(0, seq, courier)
     row = seq.proposer
     assert row is not None
     steps = []
     while batch.seqs:
-        length, proposed, accepted = row.length, row.proposed, row.accepted
+        proposed, accepted = row.proposed, row.accepted
         batch.step(courier)
         courier.flush()
-        if row.proposed > proposed:
-            steps.append((length, row.proposed - proposed, row.accepted - accepted))
-    return steps
+        steps.append((row.proposed - proposed, row.accepted - accepted))
+    return steps, row
 
 
-def test_proposal_length_grows_while_accepted_and_shrinks_at_a_rejection(
+def test_cost_model_proposes_long_where_accepted_and_stops_where_refused(
     smollm2: tuple[Path, Path],
 ) -> None:
-    """Code that repeats itself (prompt lookup proposes it right) grows the proposals
-    from `tokens` towards `tokens_max`; a rejected proposal shrinks the next one."""
+    """Code that repeats itself (prompt lookup proposes it right): the row verifies
+    proposals longer than its first ones (`tokens`) and most steps emit several tokens.
+    A prediction built to be wrong at every position (each pair of the answer's tokens
+    followed by a token that never comes next): after its first refusals the row takes
+    ordinary steps, verifying again only now and then as its estimate recovers."""
     m = Model(smollm2[1])
-    steps = proposal_lengths(m, m.ids(CODE), max_tokens=40)
-    assert max(proposed for _, proposed, _ in steps) == ADAPTIVE.tokens_max
-    assert any(accepted < proposed for _, proposed, accepted in steps)
-    # Each verifying step starts at the length the one before left.
-    for (length, proposed, accepted), (after, _, _) in zip(steps, steps[1:]):
-        if accepted < proposed:
-            assert after < length or length == 1, steps
-        elif proposed == length < ADAPTIVE.tokens_max:
-            assert after > length, steps
+    code = m.ids(CODE)
+    steps, row = verifications(m, job(m, code, 40), LOOKUP_ONLY)
+    verifying = [(proposed, accepted) for proposed, accepted in steps if proposed]
+    assert max(proposed for proposed, _ in verifying) > LOOKUP_ONLY.tokens, steps
+    assert len(verifying) >= 10 and row.accepted >= 0.6 * row.proposed, steps
+    answer = run(m, [Row(job(m, code, 40))], None)[0].ids
+    wrong = m.ids(" nothing")[-1]
+    trap = [t for a, b in zip(answer, answer[1:]) for t in (a, b, wrong)]
+    steps, row = verifications(m, job(m, code, 40, prediction_token_ids=trap), None)
+    verifying = [(proposed, accepted) for proposed, accepted in steps if proposed]
+    assert verifying and len(verifying) <= len(steps) // 4, steps
+    assert row.accepted * 4 <= row.proposed, steps

@@ -305,24 +305,22 @@ class SpeculativeOptions(Strict):
         " output proposes what followed it; draft: another model of this config with the same"
         " tokenizer (usually a smaller one) proposes by greedy decoding.",
     )
-    # 3 (+ the next token = 4 rows): measured 2.1x a 1-token step at batch 1 on SmolLM2
-    # (docs/speculative.md), so a row starts short and grows only while accepted whole.
     tokens: int = Field(
         3,
         ge=1,
         le=32,
-        description="Tokens a row proposes at first by prompt lookup; the length then adapts"
-        " (grows while proposals are accepted whole, up to tokens_max; shrinks at a"
-        " rejection). method draft: tokens drafted per step.",
+        description="prompt_lookup: the most tokens a row proposes before its acceptance is"
+        " known (then up to tokens_max, as the cost model chooses); method draft: tokens"
+        " drafted per step.",
     )
-    # 7 (+ the next token = 8 rows): measured 3.3x a 1-token step at batch 1 on SmolLM2,
-    # 16 rows 8.5x (beyond the kernels' 8-row attention).
+    # 7 (+ the next token = 8 rows): 16 rows leave the CPU kernels' 8-row attention and
+    # cost 9-12x a 1-token step on SmolLM2 (docs/speculative.md).
     tokens_max: int = Field(
         7,
         ge=1,
         le=32,
-        description="The longest proposal a row grows to (adaptive length; by default 7,"
-        " or `tokens` / `prediction_tokens` where larger).",
+        description="The longest proposal a row may make (a bound: the cost model chooses"
+        " each step's length; by default 7, or `tokens` / `prediction_tokens` where larger).",
     )
     ngram_max: int = Field(4, ge=1, le=16, description="Longest n-gram looked up.")
     ngram_min: int = Field(2, ge=1, le=16, description="Shortest n-gram looked up.")
@@ -335,15 +333,15 @@ class SpeculativeOptions(Strict):
         7,
         ge=1,
         le=32,
-        description="Tokens a row with a request's `prediction` proposes at first (then"
-        " adapts as `tokens` does).",
+        description="The most tokens a row with a request's `prediction` proposes before its"
+        " acceptance is known (then up to tokens_max).",
     )
-    max_batch: int = Field(
-        2,
+    max_batch: int | None = Field(
+        None,
         ge=1,
         le=256,
-        description="Speculate only while at most this many sequences decode (above it the"
-        " verification costs more than it saves; benchmarks/spec_bench.py measures it).",
+        description="A bound: never speculate while more sequences decode (left out: the"
+        " cost model alone decides, from measured step costs, where verification pays).",
     )
 
     @model_validator(mode="after")

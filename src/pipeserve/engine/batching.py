@@ -44,7 +44,9 @@ class Batch:
         self.speculative = options.speculative or SpeculativeOptions(method="prompt_lookup")
         # A sharded model's ranks replay rank 0's steps: no speculation there (yet).
         self.speculation = (
-            Speculation(self.speculative.max_batch) if options.sharding is None else None
+            Speculation(self.speculative.max_batch, self.speculative.tokens_max + 1)
+            if options.sharding is None
+            else None
         )
         self.gen = self._new_generator()
         self.seqs: dict[int, Sequence] = {}
@@ -204,8 +206,6 @@ class Batch:
         try:
             self._plan_prefill()
             self.gen.logprobs_wanted = any(seq.job.logprobs for seq in self.seqs.values())
-            if self.speculation is not None:
-                self.speculation.step += 1
             prompt_responses, responses = self.gen.next()
             self._snapshot_prompts(prompt_responses)
         except Exception as exc:

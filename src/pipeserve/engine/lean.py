@@ -19,6 +19,7 @@ batch a finished prefill turns into (from its first step on), are `LeanGeneratio
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from pipeserve.engine.draft import DraftProposer
 from pipeserve.engine.proposer import RowProposer
+from pipeserve.engine.spec_policy import StepCosts
 from pipeserve.engine.speculative import speculative_next
 
 # mlx-lm's classes as untyped bases (their annotations do not describe their state).
@@ -37,18 +39,52 @@ BatchGenerator: Any = _mlx_generate.BatchGenerator
 
 class Speculation:
     """What a decode step needs to speculate: each row's proposer (by uid), the step
-    number (for back-off) and the largest batch that still speculates."""
+    costs learnt so far, the bounds (`max_rows` decoding rows, `widest` tokens per row)
+    and the clock that times each step for the costs."""
 
-    def __init__(self, max_rows: int) -> None:
+    def __init__(self, max_rows: int | None, widest: int) -> None:
         self.proposers: dict[int, RowProposer] = {}
-        self.step = 0
         self.max_rows = max_rows
+        self.widest = widest
+        self.costs = StepCosts()
         self.draft: DraftProposer | None = None  # method draft: the draft model's proposals
+        # The step in flight: (batch, width, when its cost started counting); None when
+        # it cannot be timed (a prompt was prefilled in its call, the step followed one
+        # whose work it waits for, ...).
+        self.timing: tuple[int, int, float] | None = None
+        self._steady = 0  # the batch size of the last untouched ordinary step (0: none)
 
     def clear(self) -> None:
         self.proposers.clear()
         if self.draft is not None:
             self.draft.clear()
+
+    def step_begins(self) -> float:
+        """A decode step starts now: the previous one's seconds go to the costs."""
+        now = time.perf_counter()
+        if self.timing is not None:
+            batch, width, started = self.timing
+            self.costs.record(batch, width, now - started)
+        self.timing = None
+        return now
+
+    def ordinary(self, batch: int, started: float) -> None:
+        """An ordinary step was launched. Its seconds are those until the next step
+        begins only after another ordinary step of the same batch: before, the next
+        step's wait holds some of the last one's work (pipelined steps)."""
+        if self._steady == batch:
+            self.timing = (batch, 1, started)
+        self._steady = batch
+
+    def verified(self, batch: int, width: int, started: float) -> None:
+        """A verification step ran (synchronously) from `started`."""
+        self.timing = (batch, width, started)
+        self._steady = 0
+
+    def untimed(self) -> None:
+        """The step cannot be timed (prefill work in its call, a sync for nothing)."""
+        self.timing = None
+        self._steady = 0
 
 
 class LeanGenerationBatch(GenerationBatch):
@@ -57,10 +93,14 @@ class LeanGenerationBatch(GenerationBatch):
 
     def next(self) -> Any:
         spec = self.speculation
-        if spec is not None and spec.proposers:
-            responses = speculative_next(self, spec.proposers, spec.step, spec.max_rows, spec.draft)
+        if spec is None:
+            return super().next()
+        started = spec.step_begins()
+        if spec.proposers:
+            responses = speculative_next(self, spec)
             if responses is not None:
                 return responses
+        spec.ordinary(len(self.uids), started)
         return super().next()
 
     def _lean(self) -> bool:
@@ -145,4 +185,12 @@ class LeanBatchGenerator(BatchGenerator):
         self._generation_batch.logprobs_wanted = self.logprobs_wanted
         self._generation_batch.speculation = self.speculation
         self._prompt_batch.logprobs_wanted = self.logprobs_wanted
-        return super()._next()
+        result = super()._next()
+        spec = self.speculation
+        # A prompt's prefill ran in this call, or the batch is empty (idle until the next
+        # request): the time until the next step is not the step's.
+        if spec is not None and (
+            result[0] or self._currently_processing or not len(self._generation_batch)
+        ):
+            spec.untimed()
+        return result

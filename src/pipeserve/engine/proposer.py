@@ -8,38 +8,26 @@ occurrence it came from: an edited file is copied from one place). A prediction 
 else it is searched for an n-gram of at least two tokens (one token is too often the
 wrong place); with nothing there, prompt lookup proposes.
 
-Proposal length adapts per row: it starts at `tokens` (`prediction_tokens` for a row
-with a prediction), grows to 2n + 1 (1, 3, 7, 15: with the next token, a multiple of
-the CPU kernels' 4-row passes) while proposals are accepted whole, up to `tokens_max`,
-and shrinks to (n - 1) / 2 at a rejection, down to one token. So copying a file
-proposes long runs while chat proposes little. Each row also backs off on its own:
-after MISSES_BEFORE_PAUSE steps in a row where it had nothing to propose or nothing of
-its proposal was accepted, it stops proposing for a while, twice as long each time it
-fails again, so open-ended text costs (almost) nothing.
+How much a row proposes is not decided here: each row offers what it has (up to
+`tokens_max`; up to `tokens` / `prediction_tokens` before its acceptance is known) and
+keeps an estimate of its per-token acceptance; engine/spec_policy.py weighs those
+against the measured cost of wider steps and chooses how many tokens the step verifies,
+none where it does not pay.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.config.models import SpeculativeOptions
+from pipeserve.engine.spec_policy import PRIOR_ACCEPTANCE, PRIOR_PREDICTION_ACCEPTANCE, Acceptance
 
-MISSES_BEFORE_PAUSE = 2
-FIRST_PAUSE = 4  # decode steps without proposals after the first run of misses
-LONGEST_PAUSE = 64
 CANDIDATES = 32  # latest occurrences of an n-gram compared per lookup
 PREDICTION_ANCHOR = 2  # tokens a prediction must match to be proposed from (elsewhere)
-
-
-def longer(length: int, ceiling: int) -> int:
-    return min(ceiling, 2 * length + 1)
-
-
-def shorter(length: int) -> int:
-    return max(1, (length - 1) // 2)
 
 
 class NgramIndex:
@@ -57,21 +45,20 @@ class NgramIndex:
             if len(own) >= n:
                 self.after.setdefault(tuple(own[-n:]), []).append(len(own))
 
-    def lookup(self, history: list[int], longest: int, prefer: int = -1) -> int:
+    def lookup(self, history: list[int], longest: int, expected: int = -1) -> int:
         """Where the continuation of `history`'s longest suffix n-gram (at most `longest`
         tokens) starts in this index's tokens; -1 when its last `n` tokens occur nowhere
-        else. Among equally long matches the one at `prefer` wins, else the latest."""
+        else. Among equally long matches the first at or after `expected` wins (a text
+        being copied is copied in order: after a change it goes on further down), else
+        the latest."""
         n, own = self.n, self.tokens
         if len(history) < n:
             return -1
         positions = self.after.get(tuple(history[-n:]))
         if not positions:
             return -1
-        candidates = list(reversed(positions[-CANDIDATES:]))
-        if n <= prefer < len(own) and own[prefer - n : prefer] == history[-n:]:
-            candidates.insert(0, prefer)
         best, best_len = -1, 0
-        for position in candidates:
+        for position in _in_order_of_preference(positions, expected):
             if position >= len(own):
                 continue  # nothing follows it (or it is the suffix itself)
             length = n
@@ -87,9 +74,19 @@ class NgramIndex:
         return best
 
 
+def _in_order_of_preference(positions: list[int], expected: int) -> list[int]:
+    """The nearest CANDIDATES / 2 positions at or after `expected` (ascending), then the
+    latest of the others (descending); `positions` is ascending."""
+    if expected < 0:
+        return positions[: -CANDIDATES - 1 : -1]
+    split = bisect.bisect_left(positions, expected)
+    ahead = positions[split : split + CANDIDATES // 2]
+    return ahead + positions[max(0, split - CANDIDATES // 2) : split][::-1]
+
+
 @dataclass
 class RowProposer:
-    """One sequence's proposals, back-off and counters (engine thread only)."""
+    """One sequence's proposals, acceptance estimate and counters (engine thread only)."""
 
     options: SpeculativeOptions
     lookup: bool  # prompt lookup is configured for the model
@@ -101,10 +98,7 @@ class RowProposer:
     proposed: int = 0
     accepted: int = 0
     prediction_accepted: int = 0
-    misses: int = 0
-    paused_until: int = 0
-    pause: int = FIRST_PAUSE
-    length: int = 0  # tokens the next proposal may have (adapts; set from options)
+    acceptance: Acceptance = field(default_factory=Acceptance)
     from_prediction: bool = False  # the pending proposal came from the prediction
     looked_up: bool = False  # ... from prompt lookup (else from a draft model)
     _history: NgramIndex | None = None
@@ -115,15 +109,27 @@ class RowProposer:
     _unmatched: Counter[int] = field(default_factory=Counter)  # prediction less output
 
     def __post_init__(self) -> None:
-        options = self.options
-        self.length = options.prediction_tokens if self.prediction else options.tokens
-        self.length = min(self.length, options.tokens_max)
         if self.lookup:
-            self._history = NgramIndex(options.ngram_min)
+            self._history = NgramIndex(self.options.ngram_min)
+        prior = PRIOR_ACCEPTANCE
         if self.prediction:
-            self._predicted = NgramIndex(min(PREDICTION_ANCHOR, options.ngram_max))
+            self._predicted = NgramIndex(min(PREDICTION_ANCHOR, self.options.ngram_max))
             self._predicted.extend(self.prediction)
             self._unmatched = Counter(self.prediction)
+            prior = PRIOR_PREDICTION_ACCEPTANCE
+        self.acceptance = Acceptance(prior)
+
+    @property
+    def reach(self) -> int:
+        """The most tokens it may propose now: `tokens` (`prediction_tokens` with a
+        prediction) until its acceptance is known, then `tokens_max`; a draft model's
+        rows always its `tokens`."""
+        options = self.options
+        if self.drafted and not self.prediction:
+            return options.tokens
+        if self.acceptance.known:
+            return options.tokens_max
+        return options.prediction_tokens if self.prediction else options.tokens
 
     def emitted(self, token_id: int) -> None:
         """A token of the completion: it matches one occurrence in the prediction."""
@@ -136,22 +142,20 @@ class RowProposer:
         completion (not merely those proposed and refused)."""
         return sum(self._unmatched.values())
 
-    def ready(self, step: int) -> bool:
-        """Whether it may propose at this step (configured, and not backing off)."""
-        return (self.lookup or self.drafted or bool(self.prediction)) and step >= self.paused_until
+    def ready(self) -> bool:
+        """Whether it has a source of proposals (configured, or a prediction)."""
+        return self.lookup or self.drafted or bool(self.prediction)
 
-    def propose(
-        self, history: list[int], room: int, step: int, drafted: list[int] | None = None
-    ) -> list[int]:
-        """Up to `room` tokens that may follow `history` (the sequence so far: prompt,
-        output and the token about to be decoded); `drafted`: a draft model's tokens,
-        proposed where the prediction has none."""
-        if room <= 0 or step < self.paused_until:
+    def propose(self, history: list[int], room: int, drafted: list[int] | None = None) -> list[int]:
+        """Up to `room` (and `reach`) tokens that may follow `history` (the sequence so
+        far: prompt, output and the token about to be decoded); `drafted`: a draft
+        model's tokens, proposed where the prediction has none."""
+        if room <= 0:
             return []
         index = self._history
         if index is not None:
             index.extend(history[len(index.tokens) :])
-        limit = min(room, self.length)
+        limit = min(room, self.reach)
         proposal = self._from_prediction(history, limit)
         self.from_prediction = bool(proposal)
         if not proposal and index is not None:
@@ -162,10 +166,6 @@ class RowProposer:
         self.looked_up = bool(proposal) and not self.from_prediction
         if not proposal and drafted:
             proposal = drafted[:room]
-        if not proposal:
-            # Nothing to propose counts as a miss too: a row that has nothing lets the
-            # batch take the ordinary step, which overlaps the next pass with this one.
-            self._miss(step)
         return proposal
 
     def _from_prediction(self, history: list[int], limit: int) -> list[int]:
@@ -180,8 +180,12 @@ class RowProposer:
         self._proposal_at = start
         return prediction[start : start + limit]
 
-    def record(self, proposal: list[int], accepted: int, step: int) -> None:
-        """`accepted` of `proposal`'s tokens were emitted."""
+    def record(self, proposal: list[int], accepted: int) -> None:
+        """`accepted` of `proposal`'s tokens were emitted (an empty proposal: the row had
+        nothing to propose in a step that verified)."""
+        self.acceptance.observe(len(proposal), accepted)
+        if not proposal:
+            return
         self.proposed += len(proposal)
         self.accepted += accepted
         # Where the sequence goes on if the token after the accepted ones follows suit.
@@ -191,25 +195,10 @@ class RowProposer:
             self._predicted_at = follows
         if self.looked_up:
             self._looked_up_at = follows if accepted == len(proposal) else -1
-        if self.from_prediction or self.looked_up:  # a draft's length is the draft's own
-            self._adapt(len(proposal), accepted)
-        if accepted:
-            self.misses, self.pause = 0, FIRST_PAUSE
-            return
-        self._miss(step)
 
-    def _adapt(self, proposed: int, accepted: int) -> None:
-        if accepted < proposed:
-            self.length = shorter(self.length)
-        elif accepted >= self.length:
-            self.length = longer(self.length, self.options.tokens_max)
-
-    def _miss(self, step: int) -> None:
-        self.misses += 1
-        if self.misses >= MISSES_BEFORE_PAUSE:
-            self.paused_until = step + self.pause
-            self.pause = min(LONGEST_PAUSE, self.pause * 2)
-            self.misses = 0
+    def skipped(self) -> None:
+        """A step that did not verify anything for it."""
+        self.acceptance.idle()
 
 
 STOP_CONTEXT = 32  # tokens of the text before that a stop string may start in

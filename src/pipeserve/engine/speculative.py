@@ -23,8 +23,9 @@ state) are not speculated on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
@@ -32,6 +33,10 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from pipeserve.engine.constraints import RowConstraint
 from pipeserve.engine.proposer import RowProposer
+from pipeserve.engine.spec_policy import choose_width
+
+if TYPE_CHECKING:
+    from pipeserve.engine.lean import Speculation
 
 
 @dataclass(slots=True)
@@ -46,54 +51,71 @@ def rollable(cache: list[Any]) -> bool:
     return bool(cache) and all(type(c) is BatchKVCache for c in cache)
 
 
-def speculative_next(
-    batch: Any,
-    proposers: dict[int, RowProposer],
-    step: int,
-    max_rows: int,
-    draft: DraftSource | None = None,
-) -> list[Any] | None:
-    """mlx-lm's GenerationBatch.next() with proposals verified; None when no row proposes
-    (the caller takes the ordinary step). `draft`: a draft model's proposals for the
-    rows (engine/draft.py), used where a request's prediction proposes nothing."""
+def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:
+    """mlx-lm's GenerationBatch.next() with proposals verified; None when this step does
+    not verify (the caller takes the ordinary step). engine/spec_policy.py chooses the
+    tokens per row from the rows' acceptance and the measured step costs: first without
+    waiting for the batch's next tokens (a batch where nothing can pay keeps its
+    pipelined ordinary steps), then with the actual proposals."""
     count = len(batch.uids)
-    if not count or count > max_rows or not rollable(batch.prompt_cache):
+    if spec.max_rows is not None and count > spec.max_rows:
         return None
-    rows = [proposers.get(uid) for uid in batch.uids]
-    ready = [row is not None and row.ready(step) for row in rows]
-    if not any(ready):
-        return None  # without waiting for the next tokens: the ordinary step overlaps
+    if not rollable(batch.prompt_cache):
+        return None
+    rows = [spec.proposers.get(uid) for uid in batch.uids]
+    rows = [row if row is not None and row.ready() else None for row in rows]
+    # A row whose acceptance is unknown verifies once whatever the costs: its estimate
+    # is the prior until then (and the batch's costs are learnt).
+    exploring = any(row is not None and not row.acceptance.known for row in rows)
+    if not exploring:
+        if not spec.costs.measured(count, 1):
+            return None  # an ordinary step of this batch size is timed first
+        offers = [(row.acceptance.p, row.reach) if row else (0.0, 0) for row in rows]
+        if choose_width(offers, spec.costs, spec.widest) == 1:
+            _skipped(rows)
+            return None  # without waiting for the next tokens: the ordinary step overlaps
     mx.eval(batch._next_tokens)
+    started = time.perf_counter()
     inputs: list[int] = batch._next_tokens.tolist()
     drafted: list[list[int]] = [[] for _ in rows]
-    if draft is not None:
+    if spec.draft is not None:
         histories = [tokens + [t] for tokens, t in zip(batch.tokens, inputs)]
-        drafted = draft.propose(list(batch.uids), histories, ready)
+        drafted = spec.draft.propose(list(batch.uids), histories, [bool(r) for r in rows])
     proposals = [
-        _propose(row, batch, i, inputs[i], step, drafted[i]) if row is not None else []
-        for i, row in enumerate(rows)
+        _propose(row, batch, i, inputs[i], drafted[i]) if row else [] for i, row in enumerate(rows)
     ]
-    if not any(proposals):
+    chosen = [(row.acceptance.p, len(p)) if row else (0.0, 0) for row, p in zip(rows, proposals)]
+    explore = any(
+        row is not None and p and not row.acceptance.known for row, p in zip(rows, proposals)
+    )
+    width = choose_width(chosen, spec.costs, spec.widest, 2 if explore else 1)
+    if width == 1:
+        for row, proposal in zip(rows, proposals):
+            if row is not None and not proposal:
+                row.record([], 0)  # asked and had nothing: counts against its acceptance
+        _skipped([row if p else None for row, p in zip(rows, proposals)])
+        spec.untimed()  # the sync cost this step its overlap with the last one
         return None
+    proposals = [p[: width - 1] for p in proposals]
     outcomes = _verify(batch, inputs, proposals, rows)
     for row, proposal, outcome in zip(rows, proposals, outcomes):
-        if row is not None and proposal:
-            row.record(proposal, len(outcome.emitted) - 1, step)
+        if row is not None:
+            row.record(proposal, len(outcome.emitted) - 1)
     _roll_back(batch.prompt_cache, [len(p) for p in proposals], outcomes)
-    return _respond(batch, outcomes)
+    responses = _respond(batch, outcomes)
+    spec.verified(count, width, started)
+    return responses
 
 
-class DraftSource(Protocol):
-    def propose(
-        self, uids: list[int], histories: list[list[int]], wanted: list[bool]
-    ) -> list[list[int]]: ...
+def _skipped(rows: list[RowProposer | None]) -> None:
+    for row in rows:
+        if row is not None:
+            row.skipped()
 
 
-def _propose(
-    row: RowProposer, batch: Any, i: int, token: int, step: int, drafted: list[int]
-) -> list[int]:
+def _propose(row: RowProposer, batch: Any, i: int, token: int, drafted: list[int]) -> list[int]:
     room = batch.max_tokens[i] - batch._num_tokens[i] - 1
-    return row.propose(batch.tokens[i] + [token], room, step, drafted)
+    return row.propose(batch.tokens[i] + [token], room, drafted)
 
 
 def _verify(

@@ -1,0 +1,111 @@
+"""The speculation cost model (engine/spec_policy.py): how wide a step verifies, from the
+rows' acceptance and the step costs, and how those two are learnt."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.engine.spec_policy import (
+    PRIOR_SLOPE,
+    Acceptance,
+    StepCosts,
+    choose_width,
+    expected_tokens,
+)
+
+# Seconds of a step by tokens per row: SmolLM2 on 2 CPU cores at batch 1 and 8
+# (docs/speculative.md), and a device where a wider step costs next to nothing.
+CPU = {1: {1: 13.8, 2: 18.1, 4: 29.3, 8: 47.6}, 8: {1: 39.0, 2: 62.0, 4: 106.0, 8: 215.0}}
+FLAT = {1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 10.8}}
+
+
+def costs(table: dict[int, dict[int, float]]) -> StepCosts:
+    learnt = StepCosts()
+    for batch, widths in table.items():
+        for width, seconds in widths.items():
+            learnt.record(batch, width, seconds)
+    return learnt
+
+
+def test_expected_tokens_of_a_proposal() -> None:
+    assert expected_tokens(0.0, 7) == 1.0
+    assert expected_tokens(1.0, 7) == 8.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_width_follows_acceptance_and_cost() -> None:
+    cpu, flat = costs(CPU), costs(FLAT)
+    assert choose_width([(0.2, 7)], cpu, 8) == 1  # refused proposals do not pay
+    assert choose_width([(0.6, 7)], cpu, 8) == 2
+    assert choose_width([(0.97, 7)], cpu, 8) == 8
+    assert choose_width([(0.6, 7)], flat, 8) == 8  # where width is cheap, propose more
+    assert choose_width([(0.97, 2)], cpu, 8) == 3  # no wider than the longest proposal
+    assert choose_width([(0.97, 7)], cpu, 4) == 4  # nor than the bound
+    assert choose_width([(0.97, 0)], cpu, 8) == 1  # nothing to propose
+
+
+def test_a_large_batch_verifies_only_where_most_rows_are_accepted() -> None:
+    cpu = costs(CPU)
+    assert choose_width([(0.5, 7)] * 8, cpu, 8) == 1
+    assert choose_width([(0.97, 7)] * 8, cpu, 8) > 1
+    assert choose_width([(0.97, 7)] + [(0.0, 0)] * 7, cpu, 8) == 1  # one row cannot carry it
+
+
+def test_a_row_learning_its_acceptance_explores_at_least_two_tokens() -> None:
+    assert choose_width([(0.1, 3)], costs(CPU), 8, narrowest=2) == 2
+
+
+def test_step_costs_interpolate_and_extrapolate_from_what_was_measured() -> None:
+    learnt = costs({1: {1: 10.0, 4: 25.0}})
+    assert learnt.estimate(1, 2) == pytest.approx(15.0)
+    assert learnt.estimate(1, 8) == pytest.approx(45.0)  # the measured slope goes on
+    assert learnt.measured(1, 4) and not learnt.measured(1, 2)
+    fresh = costs({2: {1: 20.0}})
+    assert fresh.estimate(2, 3) == pytest.approx(20.0 * (1 + 2 * PRIOR_SLOPE))
+    assert StepCosts().estimate(4, 1) == 1.0  # nothing known: in units of a step
+
+
+def test_step_costs_follow_the_machine_and_resist_one_slow_step() -> None:
+    learnt = costs({1: {2: 10.0}})
+    for _ in range(30):
+        learnt.record(1, 2, 5.0)  # faster kernels, a quieter machine
+    assert learnt.estimate(1, 2) == pytest.approx(5.0, rel=0.01)
+    learnt.record(1, 2, 500.0)  # a pause of the process
+    assert learnt.estimate(1, 2) < 10.0
+
+
+def test_acceptance_falls_with_refusals_and_the_prior_returns_while_idle() -> None:
+    row = Acceptance(prior=0.5)
+    assert not row.known and row.p == 0.5
+    for _ in range(4):
+        row.observe(3, 0)
+    low = row.p
+    assert row.known and low < 0.2
+    for _ in range(20):
+        row.idle()
+    assert low < row.p < 0.5
+    for _ in range(4):
+        row.observe(7, 7)
+    assert row.p > 0.9
+    row.observe(0, 0)  # asked, had nothing to propose
+    assert row.p < 0.9
+
+
+def steps_until_tried_again(row: Acceptance, p: float = 0.35) -> int:
+    steps = 0
+    while row.p < p:
+        row.idle()
+        steps += 1
+    return steps
+
+
+def test_proposals_failing_in_a_row_back_off_longer_and_nothing_to_propose_does_not() -> None:
+    def after(proposed: int, times: int) -> Acceptance:
+        row = Acceptance(prior=0.5)
+        for _ in range(times):
+            row.observe(proposed, 0)
+        return row
+
+    twice = steps_until_tried_again(after(3, 2))
+    assert steps_until_tried_again(after(3, 5)) > 4 * twice
+    assert steps_until_tried_again(after(0, 5)) < twice
