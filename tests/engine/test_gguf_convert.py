@@ -55,12 +55,13 @@ def test_converted_model_matches_numpy_reference(
     float32 = load_model(folder, "float32")  # pipeserve's CPU layout (dequantized)
     kernels = load_model(folder, "auto")  # the CPU kernels on the blocks as stored
     scale = np.abs(reference).max()
-    # float32 and the CPU kernels: the same arithmetic up to summation order. Quantized
-    # as stored: MLX's kernels dequantize with the float16 scales (about 1% off on these
-    # random weights).
+    # float32: the same arithmetic up to summation order. The CPU kernels round each
+    # activation to an int16 per run of 8 values (measured up to 3.3e-4 of the largest
+    # logit on these random weights, ~1.3e-4 on SmolLM2). Quantized as stored: MLX's
+    # kernels dequantize with the float16 scales (about 1% off on these random weights).
     for logits, tolerance in (
         (_mlx_logits(float32, TOKENS), 2e-5),
-        (_mlx_logits(kernels, TOKENS), 2e-5),
+        (_mlx_logits(kernels, TOKENS), 1e-3),
         (_mlx_logits(quantized, TOKENS), 3e-2),
     ):
         assert np.abs(logits - reference).max() < tolerance * scale

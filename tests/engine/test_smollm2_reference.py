@@ -141,7 +141,11 @@ def test_greedy_tokens_match_numpy_reference(smollm2: tuple[Path, Path]) -> None
     assert "Paris" in tokenizer.decode(generated[0])
 
 
-LOGIT_TOLERANCE = 1e-3  # absolute, on logits up to ~40: measured differences ~1e-4
+# Absolute, on logits up to ~40. The kernels round each activation to an int16 on the
+# scale of its run of 8 (2^-15 of the run's largest magnitude; exact integer products,
+# the same numbers at every batch size): measured up to 4.3e-3 (~1.3e-4 of the largest
+# logit; bfloat16 activations would be ~1e-1). Greedy tokens are checked exactly above.
+LOGIT_TOLERANCE = 1e-2
 
 
 def test_cpu_kernel_logits_match_the_float32_layout(smollm2: tuple[Path, Path]) -> None:

@@ -9,7 +9,8 @@
 //     sum_g scale[n, g] * (q[n, g] . x[m, g]) + sum_g bias[n, g] * sum(x[m, g])
 // with the group sums of x computed once per call. Float32 accumulation, except for
 // up to INT_MAX_M rows of x on AVX-512, which run exact integer dot products on x
-// split into two int16 parts (as precise as float32; see "Few activation rows").
+// rounded to int16 per run of 8 values, bit-identical per row at every M (see
+// "Decode steps, batched decode, speculative verification").
 //
 // SIMD: AVX-512 (16 lanes) or AVX2/FMA (8 lanes), picked by the compiler flags the
 // build chose from this CPU's features (the build cache is keyed by them), with a
@@ -569,123 +570,43 @@ void wide_rows(const Problem& p, int n0, std::vector<float>& buffer) {
 }
 
 // ---------------------------------------------------------------------------
-// Few activation rows (decode steps, batched decode, speculative verification):
+// Decode steps, batched decode, speculative verification (up to INT_MAX_M rows of x):
 // integer dot products, no float unpacking of the weights. Each activation value is
-// split into two int16 parts, x = scale * (coarse + fine / 65534), with one scale per
-// run of 4 values (the largest magnitude of the run maps to 32767): as precise as
-// float32 (one int16 part alone moved SmolLM2's logits by 1.6e-3). The weights'
-// unsigned integers, widened to 16 bits, are multiplied into both parts with vpdpwssd
+// rounded to one int16, x = scale * q, one scale per 8 values (the values one int32
+// lane of the dot products covers; the largest magnitude maps to 32767). The weights'
+// unsigned integers, widened to 16 bits, are multiplied into it with vpdpwssd
 // (AVX512-VNNI; vpmaddwd + add without it): 32 exact multiply-adds per instruction.
-// Per 64 weights of a row (a block) each part leaves one int32 vector whose lane j sums
-// values 4j .. 4j + 3 (lanes 0-7 the first 32 values, 8-15 the next 32): converted to
-// float once, combined, and multiplied per lane by weight scale x activation scale.
-// The bias term sum_g bias[n, g] * xsum[m, g] goes 16 groups per FMA into the same
-// accumulator, and each output is reduced across lanes once.
 //
-// The activation is stored in the order the weights unpack in: per block, the 32
-// values at even positions (the weights' low nibbles or low bytes, as words), then the
-// 32 at odd positions. A NaN or infinity in x sends the call to the float path.
+// A superblock is 128 values of a row (4 chunks of 32). Its weights are arranged into
+// four word vectors so that int32 lane l sums 8 values of one chunk (lanes 4c .. 4c + 3
+// chunk c): four multiply-add instructions, then one conversion to float and one FMA by
+// weight scale x activation scale per lane. The bias term sum_g bias[n, g] * xsum[m, g]
+// goes 16 groups per FMA into the same accumulator; each output is reduced once.
+//
+// Every row of x is quantized on its own and every output's float operations come in
+// the same order whatever M is and however rows are tiled, so a row's result is
+// bit-identical at every M up to INT_MAX_M (speculative verification at M = W + 1 gives
+// exactly the numbers a decode step at M = 1 gives). A NaN or infinity in x sends the
+// call to the float path.
 // ---------------------------------------------------------------------------
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PIPESERVE_INT_PATH 1
 
-// Activation rows up to which the integer path runs: measured faster than the float
-// tiles up to 4 rows, slower than the wide path at 8.
-constexpr int INT_MAX_M = 4;
+// Activation rows up to which the integer path runs (above: the float wide path, for
+// prefills); measured faster than the float paths at every M up to here.
+constexpr int INT_MAX_M = 64;
 constexpr float INT16_LIMIT = 32767.0f;
-constexpr float FINE_STEPS = 65534.0f;  // the fine part's steps per coarse step
+constexpr int SUPER = 128;  // values per superblock
+constexpr int SUPER_WORDS = 128;  // int16 of x per superblock: 4 vectors of 32
 
 struct QuantizedX {
-  // (M, blocks, 128): per block the coarse part's 32 even- and 32 odd-position values,
-  // then the fine part's
+  // (M, blocks, 128): per superblock the four word vectors the weights pair with
   std::vector<int16_t> q;
-  std::vector<float> scale;  // (M, blocks, 16): per int32 lane, its 4 values' scale
-  std::vector<float> xsum;  // (M, padded_groups): sums of x over each group, 0 past G
+  std::vector<float> scale;  // (M, blocks, 16): per int32 lane, its 8 values' scale
+  std::vector<float> xsum;  // (M, padded_groups): sums of the quantized x per group, 0 past G
   int blocks = 0;
   int padded_groups = 0;
 };
-
-// Each value's magnitude bound: the largest magnitude of its run of 4 (the values one
-// int32 lane of the dot products covers, so a lane can carry its own scale).
-inline __m512 max_of_fours(__m512 v) {
-  v = _mm512_abs_ps(v);
-  v = _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));  // neighbours swapped
-  return _mm512_max_ps(v, _mm512_permute_ps(v, 0x4e));  // pairs swapped
-}
-
-// 16 values v = scale * (coarse + fine / FINE_STEPS), both int16 (as int32): coarse on
-// the int16 scale of the value's run of 4, fine its rounding remainder, together as
-// precise as float32 itself.
-inline void quantize16(__m512 v, __m512& scale, __m512i& coarse, __m512i& fine) {
-  const __m512 bound = max_of_fours(v);
-  const __mmask16 nonzero = _mm512_cmp_ps_mask(bound, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(INT16_LIMIT), bound);
-  scale = _mm512_mul_ps(bound, _mm512_set1_ps(1.0f / INT16_LIMIT));
-  const __m512 scaled = _mm512_mul_ps(v, inv);
-  coarse = _mm512_cvtps_epi32(scaled);
-  const __m512 rest = _mm512_sub_ps(scaled, _mm512_cvtepi32_ps(coarse));  // within +-0.5
-  fine = _mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(FINE_STEPS)));
-}
-
-// The 16 values of `coarse` and `fine` (int32) as int16 in the kernel's order: `at` the
-// first 16 of a block's 32 even-position slots, `at + 32` the odd ones.
-inline void store_parted(__m512i a, __m512i b, __m512i split_idx, int16_t* at) {
-  const __m256i qa = _mm512_cvtepi32_epi16(a);
-  const __m256i qb = _mm512_cvtepi32_epi16(b);
-  const __m512i natural = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
-  const __m512i parted = _mm512_permutexvar_epi16(split_idx, natural);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_castsi512_si256(parted));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 32), _mm512_extracti64x4_epi64(parted, 1));
-}
-
-// Quantizes x into qx; false when x holds a NaN or an infinity.
-bool quantize_x(const float* x, int M, int K, int group_size, QuantizedX& qx) {
-  const int G = K / group_size;
-  qx.blocks = (K + 63) / 64;
-  qx.padded_groups = (G + 15) / 16 * 16;
-  qx.q.assign(static_cast<size_t>(M) * qx.blocks * 128, 0);
-  qx.scale.assign(static_cast<size_t>(M) * qx.blocks * 16, 0.0f);
-  qx.xsum.assign(static_cast<size_t>(M) * qx.padded_groups, 0.0f);
-  // 32 consecutive int16 -> the 16 at even positions, then the 16 at odd positions
-  alignas(64) int16_t split[32];
-  for (int i = 0; i < 16; ++i) {
-    split[i] = static_cast<int16_t>(2 * i);
-    split[16 + i] = static_cast<int16_t>(2 * i + 1);
-  }
-  const __m512i split_idx = _mm512_load_si512(split);
-  // the first value of each run of 4 in two vectors: one scale per int32 lane
-  const __m512i run_idx = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
-  __mmask16 bad = 0;
-  for (int m = 0; m < M; ++m) {
-    for (int c = 0; c < K / 32; ++c) {
-      const float* v = x + static_cast<size_t>(m) * K + c * 32;
-      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-      bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_sub_ps(b, b), _CMP_UNORD_Q);
-      __m512 scale_a, scale_b;
-      __m512i coarse_a, coarse_b, fine_a, fine_b;
-      quantize16(a, scale_a, coarse_a, fine_a);
-      quantize16(b, scale_b, coarse_b, fine_b);
-      // The bias term uses the quantized values too, so that the product is exactly that
-      // of the quantized x: with x's own sums the error of sum q * x (q >= 0, off-centre)
-      // would not cancel against the bias term's.
-      const __m512 fine_unit = _mm512_set1_ps(1.0f / FINE_STEPS);
-      const __m512 da = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine_a), fine_unit,
-                                        _mm512_cvtepi32_ps(coarse_a));
-      const __m512 db = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine_b), fine_unit,
-                                        _mm512_cvtepi32_ps(coarse_b));
-      qx.xsum[static_cast<size_t>(m) * qx.padded_groups + c * 32 / group_size] +=
-          _mm512_reduce_add_ps(_mm512_fmadd_ps(da, scale_a, _mm512_mul_ps(db, scale_b)));
-      const size_t block = static_cast<size_t>(m) * qx.blocks + c / 2;
-      const int half = c % 2;
-      int16_t* out = qx.q.data() + block * 128 + half * 16;
-      store_parted(coarse_a, coarse_b, split_idx, out);
-      store_parted(fine_a, fine_b, split_idx, out + 64);
-      const __m512 lane_scales = _mm512_permutex2var_ps(scale_a, run_idx, scale_b);
-      _mm256_storeu_ps(qx.scale.data() + block * 16 + half * 8, _mm512_castps512_ps256(lane_scales));
-    }
-  }
-  return bad == 0;
-}
 
 struct IntX {
   const int16_t* q;
@@ -695,6 +616,65 @@ struct IntX {
   int padded_groups;
 };
 
+// Each lane: the largest magnitude of its run of 4.
+inline __m512 max_of_fours(__m512 v) {
+  v = _mm512_abs_ps(v);
+  v = _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));  // neighbours swapped
+  return _mm512_max_ps(v, _mm512_permute_ps(v, 0x4e));  // pairs swapped
+}
+
+// 16 int32 as int16: the 8 at even positions to `even`, the 8 at odd ones to `odd`.
+inline void store_split(__m512i q, int16_t* even, int16_t* odd) {
+  const __m256i split = _mm256_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i parted = _mm256_permutexvar_epi16(split, _mm512_cvtepi32_epi16(q));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(even), _mm256_castsi256_si128(parted));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(odd), _mm256_extracti128_si256(parted, 1));
+}
+
+// Chunk c of a superblock: values 0-15 (a) go to the word vectors 0 (even positions)
+// and 1 (odd), 16-31 (b) to 2 and 3, each at words 8c .. 8c + 7; int32 lane 4c + s
+// then covers values 4s .. 4s + 3 and 16 + 4s .. 16 + 4s + 3, which share a scale.
+inline float quantize_chunk(__m512 a, __m512 b, int16_t* words, float* lane_scales, int c) {
+  const __m512 bound = _mm512_max_ps(max_of_fours(a), max_of_fours(b));
+  const __mmask16 nonzero = _mm512_cmp_ps_mask(bound, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(INT16_LIMIT), bound);
+  const __m512 scale = _mm512_mul_ps(bound, _mm512_set1_ps(1.0f / INT16_LIMIT));
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  store_split(qa, words + 8 * c, words + 32 + 8 * c);
+  store_split(qb, words + 64 + 8 * c, words + 96 + 8 * c);
+  const __m512i run_starts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm_storeu_ps(lane_scales + 4 * c,
+                _mm512_castps512_ps128(_mm512_permutexvar_ps(run_starts, scale)));
+  // The bias term uses the quantized values too, so that the product is exactly that of
+  // the quantized x: with x's own sums the error of sum q * x (q >= 0, off-centre) would
+  // not cancel against the bias term's.
+  const __m512 both = _mm512_add_ps(_mm512_cvtepi32_ps(qa), _mm512_cvtepi32_ps(qb));
+  return _mm512_reduce_add_ps(_mm512_mul_ps(both, scale));
+}
+
+// Quantizes x into qx; false when x holds a NaN or an infinity.
+bool quantize_x(const float* x, int M, int K, int group_size, QuantizedX& qx) {
+  const int G = K / group_size;
+  qx.blocks = (K + SUPER - 1) / SUPER;
+  qx.padded_groups = (G + 15) / 16 * 16;
+  qx.q.assign(static_cast<size_t>(M) * qx.blocks * SUPER_WORDS, 0);
+  qx.scale.assign(static_cast<size_t>(M) * qx.blocks * 16, 0.0f);
+  qx.xsum.assign(static_cast<size_t>(M) * qx.padded_groups, 0.0f);
+  __mmask16 bad = 0;
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < K / 32; ++c) {
+      const float* v = x + static_cast<size_t>(m) * K + c * 32;
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_sub_ps(b, b), _CMP_UNORD_Q);
+      const size_t block = static_cast<size_t>(m) * qx.blocks + c / 4;
+      qx.xsum[static_cast<size_t>(m) * qx.padded_groups + c * 32 / group_size] += quantize_chunk(
+          a, b, qx.q.data() + block * SUPER_WORDS, qx.scale.data() + block * 16, c % 4);
+    }
+  }
+  return bad == 0;
+}
+
 inline __m512i dot_words(__m512i acc, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, w, x);
@@ -703,62 +683,75 @@ inline __m512i dot_words(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
-// 64 five-bit values (40 bytes; 20 and 32 values when HALF) as 64 bytes: 5 bytes hold
-// 8 values, which pdep spreads into one byte each; whole 8-byte loads within the block,
-// the last one shifted down.
-template <bool HALF>
-inline __m512i five_bit_bytes(const uint8_t* p) {
-  constexpr int parts = HALF ? 4 : 8;
-  alignas(64) uint64_t u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < parts; ++k) u[k] = five_bit_word(p, k, k == parts - 1);
-  return _mm512_load_si512(u);
+#define PIPESERVE_UNROLL _Pragma("GCC unroll 16")
+
+// 8-bit-like bytes of a superblock (z0: chunks 0-1, z1: chunks 2-3, one byte a value)
+// as the four word vectors: vector 0 the even and 1 the odd values of each chunk's
+// first 16, 2 and 3 those of its last 16.
+inline void byte_words(__m512i z0, __m512i z1, __m512i (&w)[4]) {
+  const __m512i first = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512i last = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
+  const __m512i low = _mm512_set1_epi16(0xff);
+  w[0] = _mm512_and_si512(first, low);
+  w[1] = _mm512_srli_epi16(first, 8);
+  w[2] = _mm512_and_si512(last, low);
+  w[3] = _mm512_srli_epi16(last, 8);
 }
 
-// The 64 quantized values of a block as words: `lo` values 0, 2, .., 62, `hi` values
-// 1, 3, .., 63. HALF: only the first 32 exist (a row whose K is an odd multiple of 32).
-template <int BITS, bool HALF>
-inline void unpack_words(const uint8_t* p, __m512i& lo, __m512i& hi) {
+inline __mmask64 byte_mask(int bytes) {
+  return bytes >= 64 ? ~0ULL : (1ULL << bytes) - 1;
+}
+
+// A superblock's quantized values (its first `chunks` chunks exist) as word vectors.
+template <int BITS>
+inline void unpack_super(const uint8_t* p, int chunks, __m512i (&w)[4]) {
   if constexpr (BITS == 4) {
-    const __m256i bytes = HALF ? _mm256_maskz_loadu_epi8(0xffff, p)
-                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512i words = _mm512_cvtepu8_epi16(bytes);
-    lo = _mm512_and_si512(words, _mm512_set1_epi16(0x0f));
-    hi = _mm512_srli_epi16(words, 4);
+    // 16 bytes a chunk, byte j: values 2j (low nibble), 2j + 1; qwords reordered so the
+    // first 32 bytes hold each chunk's first 8 bytes (its values 0-15)
+    __m512i z = chunks == 4 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(byte_mask(16 * chunks), p);
+    z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), z);
+    const __m512i first = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(z));
+    const __m512i last = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(z, 1));
+    const __m512i nibble = _mm512_set1_epi16(0x0f);
+    w[0] = _mm512_and_si512(first, nibble);
+    w[1] = _mm512_srli_epi16(first, 4);
+    w[2] = _mm512_and_si512(last, nibble);
+    w[3] = _mm512_srli_epi16(last, 4);
+  } else if constexpr (BITS == 8) {
+    const __m512i z0 = _mm512_maskz_loadu_epi8(byte_mask(32 * chunks), p);
+    const __m512i z1 = chunks > 2 ? _mm512_maskz_loadu_epi8(byte_mask(32 * chunks - 64), p + 64)
+                                  : _mm512_setzero_si512();
+    byte_words(z0, z1, w);
   } else {
-    __m512i bytes;
-    if constexpr (BITS == 8) {
-      bytes = HALF ? _mm512_maskz_loadu_epi8(0xffffffffULL, p) : _mm512_loadu_si512(p);
-    } else {
-      bytes = five_bit_bytes<HALF>(p);
-    }
-    lo = _mm512_and_si512(bytes, _mm512_set1_epi16(0xff));
-    hi = _mm512_srli_epi16(bytes, 8);
+    // 5 bytes hold 8 values; pdep spreads them into bytes (the last word of the
+    // superblock loaded 3 bytes early and shifted, so no load reads past it)
+    alignas(64) uint64_t u[16] = {};
+    const int words = 4 * chunks;
+    for (int k = 0; k < words; ++k) u[k] = five_bit_word(p, k, k == words - 1);
+    byte_words(_mm512_load_si512(u), _mm512_load_si512(u + 8), w);
   }
 }
 
-// Two scales as floats in lanes 0 and 1.
-inline __m128 scale_pair(const uint16_t* p) {
-  uint32_t two;
-  std::memcpy(&two, p, 4);
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+inline __m128 four_scales(const uint16_t* p, __mmask8 present) {
+  return _mm_cvtph_ps(_mm_maskz_loadu_epi16(present, p));
 }
-inline __m128 scale_pair(const float* p) {
-  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+inline __m128 four_scales(const float* p, __mmask8 present) {
+  return _mm_maskz_loadu_ps(present, p);
 }
 
-// A row's scales for block b: lanes 0-7 the first 32 values' group, 8-15 the next's.
-template <typename S, bool HALF>
-inline __m512 block_scales(const S* row, int b, int group_size) {
-  const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m128 pair;
-  if (group_size == 32 && !HALF) {
-    pair = scale_pair(row + 2 * b);
+// A row's scales for superblock b: lanes 4c .. 4c + 3 chunk c's group, 0 past the row.
+template <typename S>
+inline __m512 super_scales(const S* row, int b, int chunks, int group_size) {
+  __m128 four;
+  if (group_size == 32) {
+    four = four_scales(row + 4 * b, static_cast<__mmask8>((1u << chunks) - 1));
   } else {
-    const int first = 64 * b / group_size;
-    const int second = HALF ? first : (64 * b + 32) / group_size;
-    pair = _mm_setr_ps(to_float(row[first]), to_float(row[second]), 0.0f, 0.0f);
+    alignas(16) float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = 0; c < chunks; ++c) f[c] = to_float(row[(SUPER * b + 32 * c) / group_size]);
+    four = _mm_load_ps(f);
   }
-  return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(pair));
+  const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(four));
 }
 
 template <typename S>
@@ -770,60 +763,54 @@ inline __m512 load16(const S* p, __mmask16 mask) {
   }
 }
 
-// Weight rows ahead of the ones in use that each block prefetches (the same offset in a
-// later row): the hardware prefetcher alone left a decode step at a third of the
-// memory bandwidth.
+// Weight rows ahead of the ones in use that each superblock prefetches (the same
+// offset in a later row): the hardware prefetcher alone left a decode step at a third
+// of the memory bandwidth.
 constexpr int PREFETCH_ROWS = 8;
 
-template <int BITS, typename S, bool HALF, int MT, int NT>
-__attribute__((always_inline)) inline void int_block(
-    const Problem& p, const IntX& qx, int m0, int n0, int b, __m512 (&acc)[MT][NT]) {
+inline int super_chunks(const Problem& p, int b) {
+  return std::min(4, (p.K - SUPER * b) / 32);
+}
+
+template <int BITS, typename S>
+__attribute__((always_inline)) inline void unpack_row(
+    const Problem& p, int n, int b, __m512i (&words)[4], __m512& scale) {
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
-  const S* scales = static_cast<const S*>(p.scales);
-  __m512i lo[NT], hi[NT];
-  __m512 ws[NT];
-  for (int j = 0; j < NT; ++j) {
-    const uint8_t* wp = p.w + (n0 + j) * row_bytes + static_cast<size_t>(b) * 8 * BITS;
-    if (BITS != 4 || b % 2 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-    }
-    unpack_words<BITS, HALF>(wp, lo[j], hi[j]);
-    ws[j] = block_scales<S, HALF>(scales + static_cast<size_t>(n0 + j) * p.G, b, p.group_size);
-  }
+  const uint8_t* wp = p.w + n * row_bytes + static_cast<size_t>(b) * SUPER * BITS / 8;
+  const char* ahead = reinterpret_cast<const char*>(wp + PREFETCH_ROWS * row_bytes);
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  if constexpr (BITS > 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  const int chunks = super_chunks(p, b);
+  unpack_super<BITS>(wp, chunks, words);
+  scale = super_scales(static_cast<const S*>(p.scales) + static_cast<size_t>(n) * p.G, b,
+                         chunks, p.group_size);
+}
+
+// Superblock b of MT rows of x into the accumulators of NT unpacked weight rows.
+template <int MT, int NT>
+__attribute__((always_inline)) inline void mac_super(const IntX& qx, int m0, int b,
+    const __m512i (&w)[NT][4], const __m512 (&ws)[NT], __m512 (&acc)[MT][NT]) {
+  PIPESERVE_UNROLL
   for (int i = 0; i < MT; ++i) {
     const size_t xb = static_cast<size_t>(m0 + i) * qx.blocks + b;
-    const int16_t* xq = qx.q + xb * 128;
-    const __m512i even = _mm512_loadu_si512(xq), odd = _mm512_loadu_si512(xq + 32);
-    const __m512i fine_even = _mm512_loadu_si512(xq + 64);
-    const __m512i fine_odd = _mm512_loadu_si512(xq + 96);
+    const int16_t* xq = qx.q + xb * SUPER_WORDS;
+    const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 32);
+    const __m512i x2 = _mm512_loadu_si512(xq + 64), x3 = _mm512_loadu_si512(xq + 96);
     const __m512 xs = _mm512_loadu_ps(qx.scale + xb * 16);
-    const __m512 fine_unit = _mm512_set1_ps(1.0f / FINE_STEPS);
+    PIPESERVE_UNROLL
     for (int j = 0; j < NT; ++j) {
-      const __m512i coarse = dot_words(_mm512_madd_epi16(lo[j], even), hi[j], odd);
-      const __m512i fine = dot_words(_mm512_madd_epi16(lo[j], fine_even), hi[j], fine_odd);
-      const __m512 dot = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(fine), fine_unit, _mm512_cvtepi32_ps(coarse));
-      acc[i][j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[j], xs), acc[i][j]);
+      __m512i dot = _mm512_madd_epi16(w[j][0], x0);
+      dot = dot_words(dot, w[j][1], x1);
+      dot = dot_words(dot, w[j][2], x2);
+      dot = dot_words(dot, w[j][3], x3);
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[j], xs), acc[i][j]);
     }
   }
 }
 
-template <int BITS, typename S, int MT, int NT>
-void int_tile(const Problem& p, const IntX& qx, int m0, int n0) {
-  __m512 acc[MT][NT];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  const size_t scale_bytes = static_cast<size_t>(p.G) * sizeof(S);
-  for (int j = 0; j < NT; ++j) {
-    const size_t ahead = (static_cast<size_t>(n0) + j + PREFETCH_ROWS) * scale_bytes;
-    for (size_t at = 0; at < scale_bytes; at += 64) {
-      _mm_prefetch(static_cast<const char*>(p.scales) + ahead + at, _MM_HINT_T0);
-      _mm_prefetch(static_cast<const char*>(p.biases) + ahead + at, _MM_HINT_T0);
-    }
-  }
-  const int full = p.K / 64;
-  for (int b = 0; b < full; ++b) int_block<BITS, S, false, MT, NT>(p, qx, m0, n0, b, acc);
-  if (p.K % 64 != 0) int_block<BITS, S, true, MT, NT>(p, qx, m0, n0, full, acc);
+// The bias term into the accumulators, then the outputs.
+template <typename S, int MT, int NT>
+void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][NT]) {
   const S* biases = static_cast<const S*>(p.biases);
   for (int g = 0; g < p.G; g += 16) {
     const __mmask16 mask = p.G - g >= 16 ? 0xffff : static_cast<__mmask16>((1u << (p.G - g)) - 1);
@@ -840,19 +827,110 @@ void int_tile(const Problem& p, const IntX& qx, int m0, int n0) {
       p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+template <typename S, int NT>
+void prefetch_scales(const Problem& p, int n0) {
+  const size_t scale_bytes = static_cast<size_t>(p.G) * sizeof(S);
+  for (int j = 0; j < NT; ++j) {
+    const size_t ahead = (static_cast<size_t>(n0) + j + PREFETCH_ROWS) * scale_bytes;
+    for (size_t at = 0; at < scale_bytes; at += 64) {
+      _mm_prefetch(static_cast<const char*>(p.scales) + ahead + at, _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(p.biases) + ahead + at, _MM_HINT_T0);
+    }
+  }
+}
+
+// Up to 3 rows of x (a decode step, a short verification): each superblock is
+// unpacked into registers and used at once.
+template <int BITS, typename S, int MT, int NT>
+void int_direct(const Problem& p, const IntX& qx, int n0) {
+  __m512 acc[MT][NT];
+  PIPESERVE_UNROLL
+  for (int i = 0; i < MT; ++i)
+    PIPESERVE_UNROLL
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  prefetch_scales<S, NT>(p, n0);
+  for (int b = 0; b < qx.blocks; ++b) {
+    __m512i w[NT][4];
+    __m512 ws[NT];
+    PIPESERVE_UNROLL
+    for (int j = 0; j < NT; ++j) unpack_row<BITS, S>(p, n0 + j, b, w[j], ws[j]);
+    mac_super<MT, NT>(qx, 0, b, w, ws, acc);
+  }
+  finish<S, MT, NT>(p, qx, 0, n0, acc);
+}
+
+// Several rows of x: NT weight rows unpacked once into a buffer that stays in L1
+// (superblock b of row j: words at [b][j], scales at [b][j]), then every tile of up to
+// 4 rows of x streams past it.
+// A tile of NT weight rows unpacked into a buffer.
+struct Unpacked {
+  const __m512i* words;  // (blocks, NT, 4)
+  const __m512* scales;  // (blocks, NT)
+};
+
+template <typename S, int MT, int NT>
+void int_tile(const Problem& p, const IntX& qx, Unpacked u, int m0, int n0) {
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int b = 0; b < qx.blocks; ++b) {
+    const auto& w = *reinterpret_cast<const __m512i(*)[NT][4]>(u.words + b * NT * 4);
+    const auto& ws = *reinterpret_cast<const __m512(*)[NT]>(u.scales + b * NT);
+    mac_super<MT, NT>(qx, m0, b, w, ws, acc);
+  }
+  finish<S, MT, NT>(p, qx, m0, n0, acc);
+}
+
+// A thread's buffer for unpacked weights, 64-byte aligned.
+template <typename V>
+V* scratch(size_t count) {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<void, Free> memory;
+  thread_local size_t capacity = 0;
+  if (count > capacity) {
+    memory.reset(std::aligned_alloc(64, count * 64));
+    if (!memory) throw std::bad_alloc();
+    capacity = count;
+  }
+  return static_cast<V*>(memory.get());
+}
+
 template <int BITS, typename S, int NT>
 void int_rows(const Problem& p, const IntX& qx, int n0) {
+  switch (p.M) {
+    case 1:
+      return int_direct<BITS, S, 1, NT>(p, qx, n0);
+    case 2:
+      return int_direct<BITS, S, 2, NT>(p, qx, n0);
+    case 3:
+      return int_direct<BITS, S, 3, NT>(p, qx, n0);
+    default:
+      break;
+  }
+  const size_t blocks = static_cast<size_t>(qx.blocks);
+  __m512i* words = scratch<__m512i>(blocks * NT * 5);
+  __m512* scales = reinterpret_cast<__m512*>(words + blocks * NT * 4);
+  prefetch_scales<S, NT>(p, n0);
+  for (int b = 0; b < qx.blocks; ++b) {
+    for (int j = 0; j < NT; ++j) {
+      auto& w = *reinterpret_cast<__m512i(*)[4]>(words + (b * NT + j) * 4);
+      unpack_row<BITS, S>(p, n0 + j, b, w, scales[b * NT + j]);
+    }
+  }
+  const Unpacked u{words, scales};
   int m = 0;
-  for (; m + 4 <= p.M; m += 4) int_tile<BITS, S, 4, NT>(p, qx, m, n0);
+  for (; m + 4 <= p.M; m += 4) int_tile<S, 4, NT>(p, qx, u, m, n0);
   switch (p.M - m) {
     case 3:
-      int_tile<BITS, S, 3, NT>(p, qx, m, n0);
+      int_tile<S, 3, NT>(p, qx, u, m, n0);
       break;
     case 2:
-      int_tile<BITS, S, 2, NT>(p, qx, m, n0);
+      int_tile<S, 2, NT>(p, qx, u, m, n0);
       break;
     case 1:
-      int_tile<BITS, S, 1, NT>(p, qx, m, n0);
+      int_tile<S, 1, NT>(p, qx, u, m, n0);
       break;
     default:
       break;
