@@ -8,6 +8,7 @@ prefix cache has one, the KV cache of its longest cached prefix.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -102,6 +103,10 @@ class Batch:
             self.gen.close()
             self.gen = self._new_generator()
             return
+        # The finished warm-up batches' KV buffers sit in reference cycles of mlx-lm's
+        # generator objects until Python's collector runs; with one op per layer a decode
+        # step allocates few Python objects, so that could be many steps later.
+        gc.collect()
         log.info(
             "warm-up at batch 1 and %d: %.2f s", self.options.max_batch, time.monotonic() - started
         )

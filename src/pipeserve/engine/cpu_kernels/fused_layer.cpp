@@ -427,7 +427,10 @@ DecoderLayer::DecoderLayer(
     weights.insert(weights.end(), {p.w, p.scales, p.biases});
     if (p.bias) weights.push_back(*p.bias);
   }
-  for (auto& w : weights) w = mx::contiguous(w, false, mx::Device::cpu);
+  mx::eval(weights);
+  for (auto& w : weights) {  // a row-contiguous view (an offset into a larger buffer) is kept
+    if (!w.flags().row_contiguous) w = mx::contiguous(w, false, mx::Device::cpu);
+  }
   mx::eval(weights);
   mx::eval(none_);
   weights_ = std::move(weights);
