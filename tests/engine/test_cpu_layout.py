@@ -18,9 +18,10 @@ from pipeserve.engine.loader import load_model
 
 
 def _dense_layers(model: nn.Module) -> list[str]:
-    """Names of the layers the transform would swap (bias-free float32 Linear / Embedding)."""
+    """Names of the bias-free float32 Linear / Embedding layers in nn's (N, K) layout (the
+    transform's targets; their f32_matmul twins, cpu_kernels/layers.py, count too)."""
     return [name for name, m in model.named_modules()
-            if type(m) in (nn.Linear, nn.Embedding) and "bias" not in m and m.weight.dtype == mx.float32]  # fmt: skip
+            if isinstance(m, (nn.Linear, nn.Embedding)) and "bias" not in m and m.weight.dtype == mx.float32]  # fmt: skip
 
 
 def _logits_over_steps(model: nn.Module, prompt: list[int], steps: int) -> list[mx.array]:

@@ -85,6 +85,7 @@ def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = Fa
         count = cpu_layout.pretranspose_dense_weights(model)
         log.info("%s: %d float32 weight matrices stored transposed for the CPU BLAS (%.1f s)",
                  model_dir.name, count, time.monotonic() - started)  # fmt: skip
+    _dense_cpu_kernel(model, model_dir.name)
     return model
 
 
@@ -152,6 +153,21 @@ def _fuse_cpu_ops(model: Any, name: str) -> None:
         ops, blocks = use_fused_ops(model, ext), use_fused_layers(model, ext)
         log.info("%s: %d norm / RoPE layers run as one CPU op each, %d blocks with fused "
                  "projections", name, ops, blocks)  # fmt: skip
+
+
+def _dense_cpu_kernel(model: Any, name: str) -> None:
+    """On the CPU with the native kernels: float32 linears and tied output projections
+    multiply few-row inputs (decode steps) on the kernels' threads (f32_matmul)."""
+    import mlx.core as mx
+
+    from pipeserve.engine.cpu_kernels import kernels
+    from pipeserve.engine.cpu_kernels.layers import use_dense_kernel
+
+    ext = kernels(build=False) if mx.default_device() == mx.cpu else None
+    if ext is not None:
+        count = use_dense_kernel(model, ext)
+        log.info("%s: %d float32 layers multiply few-row inputs through the CPU kernels",
+                 name, count)  # fmt: skip
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

@@ -98,6 +98,7 @@ def self_test(ext: Any) -> None:
         scale = mx.abs(expected).max().item()
         assert error <= SELF_TEST_TOLERANCE * scale, f"self-test: {bits}-bit error {error:.3g}"
     _self_test_fused(ext, x, weights)
+    _self_test_f32_matmul(ext, x, weights)
 
 
 def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
@@ -198,3 +199,19 @@ def _decoder_layer_checks(ext: Any) -> list[tuple[Any, Any]]:
     gate_up = linear(mx.fast.rms_norm(h, norm2, 1e-5), gate_up_p)
     want = h + linear(nn.silu(gate_up[..., :inter]) * gate_up[..., inter:], down_p)
     return [(out, want), (new_k[:, :, : index + 1], all_k), (new_v[:, :, : index + 1], all_v)]
+
+
+def _self_test_f32_matmul(ext: Any, x: Any, weights: Any) -> None:
+    """The few-row float32 matmul in both weight layouts against MLX's matmul, the two
+    layouts bit-identical; more rows than the kernel takes go to MLX's own."""
+    import mlx.core as mx
+
+    bias = weights[5, :37]
+    for rows in (x[:1], x, mx.concatenate([x] * 3)):  # 1, 3 and 9 rows
+        want = rows @ weights.T + bias
+        nk = ext.f32_matmul(rows, weights, False, bias)
+        kn = ext.f32_matmul(rows, mx.contiguous(weights.T), True, bias)
+        error = mx.abs(nk - want).max().item()
+        assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"f32_matmul {error}"
+        kernel = rows.shape[0] <= ext.F32_MATMUL_MAX_ROWS
+        assert mx.array_equal(nk, kn).item() or not kernel, "f32_matmul layouts differ"

@@ -16,7 +16,7 @@ using ProjectionArgs =
     std::tuple<mx::array, mx::array, mx::array, std::optional<mx::array>, int, int>;
 
 NB_MODULE(_pipeserve_cpu, m) {
-  m.doc() = "pipeserve's CPU kernels for MLX: quantized matmul, fused RMSNorm and RoPE";
+  m.doc() = "pipeserve's CPU kernels for MLX: quantized and few-row float32 matmul, fused ops";
   m.def("affine_qmm", &pipeserve::affine_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T in float32, w never expanded.");
@@ -63,6 +63,11 @@ NB_MODULE(_pipeserve_cpu, m) {
            "index"_a, "positions"_a = nb::none(), "mask"_a = nb::none(), nb::kw_only(),
            "stream"_a = nb::none(),
            "(out, keys, values): the step's output and the cache buffers with `index` written.");
+  m.def("f32_matmul", &pipeserve::f32_matmul, "x"_a, "w"_a, "transposed"_a,
+        "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "x @ w (w stored (K, N): transposed) or x @ w.T (w (N, K)), float32, + bias; a few rows"
+        " of x on the kernels' threads, more through MLX's matmul.");
+  m.attr("F32_MATMUL_MAX_ROWS") = pipeserve::F32_MATMUL_MAX_ROWS;
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

@@ -31,6 +31,7 @@ SOURCE_FILES = (
     "fused.cpp",
     "fused_step.cpp",
     "fused_layer.cpp",
+    "f32_matmul.cpp",
     "bindings.cpp",
     "CMakeLists.txt",
 )

@@ -1,6 +1,7 @@
 // The ops pipeserve's CPU extension adds to MLX (bindings.cpp exposes them to Python).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -143,6 +144,33 @@ class DecoderLayer {
   bool q_norm_, k_norm_;
   LayerShape shape_;
 };
+
+// Most rows of x f32_matmul runs itself; more go to MLX's matmul (the BLAS), faster
+// once the products, not the weight reads, bound the time.
+constexpr int F32_MATMUL_MAX_ROWS = 4;
+
+// x @ w for a float32 weight stored (K, N) (transposed) or x @ w.T for one stored (N, K),
+// plus bias (N) if given (f32_matmul.cpp). Up to F32_MATMUL_MAX_ROWS rows of x (all axes
+// but the last): the weight read once for all rows, columns split across the kernels'
+// threads; each output one FMA chain over k in order, so both layouts give the same
+// numbers. More rows, or x not float32: MLX's matmul (addmm with a bias).
+mx::array f32_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    bool transposed,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+// The same product over plain pointers, for other ops: out (M, N) = x (M, K) @ w, rows of
+// x / w / out ldx / ldw / ldo floats apart, bias (N) or null. f32_matmul_rows splits the
+// columns across the kernels' threads (not from inside a parallel_for job: the pool
+// runs one call at a time); f32_matmul_columns computes columns [n0, n1) on the calling
+// thread. Any M (rows are taken 2 at a time per pass over a panel of the weight).
+void f32_matmul_rows(const float* x, int64_t ldx, int M, int K, const float* w, int64_t ldw,
+                     int N, bool transposed, const float* bias, float* out, int64_t ldo);
+void f32_matmul_columns(const float* x, int64_t ldx, int M, int K, const float* w, int64_t ldw,
+                        bool transposed, const float* bias, float* out, int64_t ldo, int n0,
+                        int n1);
 
 // Runs job(0) .. job(chunks - 1) on the kernels' thread pool (affine_qmm.cpp), the
 // calling thread included, and returns when all are done; rethrows a job's exception.

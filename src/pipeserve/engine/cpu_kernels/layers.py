@@ -14,6 +14,11 @@ causal or array mask) through one kernel op: mlx-lm's models call the module-lev
 `scaled_dot_product_attention` of their own module, which is wrapped there (once per
 model module; anything else, attention sinks, a quantized cache, other masks, goes to
 mlx-lm's function unchanged).
+
+`use_dense_kernel(model, ext)` routes float32 linear layers and tied output projections,
+in either layout (cpu_layout's transposed one or nn.Linear's), through `f32_matmul`:
+a few activation rows (decode steps) read the weight once on the kernels' threads,
+more go to MLX's matmul as before; both layouts compute the very same numbers.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pipeserve.engine.cpu_kernels import BITS
+from pipeserve.engine.cpu_layout import TransposedEmbedding, TransposedLinear
 
 QUANT_KEYS = ("scales", "biases")  # kept in their stored dtype (float16 for GGUF files)
 
@@ -199,3 +205,82 @@ def cast_dense(model: nn.Module, dtype: mx.Dtype) -> None:
             updates.append((key, value.astype(dtype)))
     if updates:
         model.update(tree_unflatten(updates))
+
+
+class DenseLinear(nn.Linear):
+    """A float32 `nn.Linear` (same weight and bias) multiplying through `f32_matmul`."""
+
+    def __init__(self, layer: nn.Linear, ext: Any) -> None:
+        nn.Module.__init__(self)
+        self.weight = layer.weight
+        if "bias" in layer:
+            self.bias = layer.bias
+        self._ext = ext
+
+    def __call__(self, x: mx.array) -> mx.array:
+        bias = self.bias if "bias" in self else None
+        y: mx.array = self._ext.f32_matmul(x, self.weight, False, bias)
+        return y
+
+
+class DenseEmbedding(nn.Embedding):
+    """A float32 `nn.Embedding` whose tied output projection runs `f32_matmul`."""
+
+    def __init__(self, layer: nn.Embedding, ext: Any) -> None:
+        nn.Module.__init__(self)
+        self.weight = layer.weight
+        self._ext = ext
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.f32_matmul(x, self.weight, False)
+        return y
+
+
+class DenseTransposedLinear(TransposedLinear):
+    """cpu_layout's transposed linear (same `weight_t`) multiplying through `f32_matmul`."""
+
+    def __init__(self, layer: TransposedLinear, ext: Any) -> None:
+        nn.Module.__init__(self)
+        self.weight_t = layer.weight_t
+        self._ext = ext
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.f32_matmul(x, self.weight_t, True)
+        return y
+
+
+class DenseTransposedEmbedding(TransposedEmbedding):
+    """cpu_layout's transposed embedding whose output projection runs `f32_matmul`."""
+
+    def __init__(self, layer: TransposedEmbedding, ext: Any) -> None:
+        nn.Module.__init__(self)
+        self.weight_t = layer.weight_t
+        self._ext = ext
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.f32_matmul(x, self.weight_t, True)
+        return y
+
+
+_DENSE: dict[type, type[nn.Module]] = {
+    nn.Linear: DenseLinear,
+    nn.Embedding: DenseEmbedding,
+    TransposedLinear: DenseTransposedLinear,
+    TransposedEmbedding: DenseTransposedEmbedding,
+}
+
+
+def _dense_float32(module: nn.Module) -> bool:
+    if type(module) not in _DENSE:  # exact types: quantized and other layers are other classes
+        return False
+    weights = [v for k, v in module.items() if k in ("weight", "weight_t", "bias")]
+    return all(isinstance(v, mx.array) and v.dtype == mx.float32 for v in weights)
+
+
+def use_dense_kernel(model: nn.Module, ext: Any) -> int:
+    """Swap every float32 linear / embedding of `model` (either layout) for its twin that
+    multiplies through `f32_matmul`; returns how many. Run after cpu_layout's transpose."""
+    targets = [(name, m) for name, m in model.named_modules() if name and _dense_float32(m)]
+    for name, module in targets:
+        model.update_modules(tree_unflatten([(name, _DENSE[type(module)](module, ext))]))
+    return len(targets)
