@@ -1,5 +1,5 @@
 """The few-row float32 matmul of the CPU kernels (cpu_kernels/f32_matmul.cpp): against a
-float64 numpy product for 1-4 rows (the kernel) and 7 / 64 rows (MLX's matmul), odd
+float64 numpy product for 1-4 rows (the kernel) and 7-64 rows (MLX's matmul), odd
 shapes, with and without a bias; both weight layouts giving the very same numbers; and
 the layers that route a model's float32 projections through it."""
 
@@ -45,7 +45,16 @@ def _close(got: mx.array, want: np.ndarray) -> None:
 # (rows, K, N): panels of 128 columns, single vectors of 16 and single columns all met
 @pytest.mark.parametrize(
     "rows,k,n",
-    [(1, 512, 1000), (2, 100, 333), (3, 7, 130), (4, 1, 17), (7, 513, 260), (64, 64, 40)],
+    [
+        (1, 512, 1000),
+        (2, 100, 333),
+        (3, 7, 130),
+        (4, 1, 17),
+        (7, 513, 260),
+        (8, 64, 129),
+        (9, 33, 17),
+        (64, 64, 40),
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_numpy_in_both_layouts(ext, rows, k, n, with_bias):

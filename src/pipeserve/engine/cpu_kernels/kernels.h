@@ -145,8 +145,9 @@ class DecoderLayer {
   LayerShape shape_;
 };
 
-// Most rows of x f32_matmul runs itself; more go to MLX's matmul (the BLAS), faster
-// once the products, not the weight reads, bound the time.
+// Most rows of x f32_matmul runs itself; more go to MLX's matmul (the BLAS). At 8 rows
+// the kernel won on a quiet machine but lost under load, when its second thread seldom
+// runs (docs/cpu-kernels.md); up to 4 it won or tied either way.
 constexpr int F32_MATMUL_MAX_ROWS = 4;
 
 // x @ w for a float32 weight stored (K, N) (transposed) or x @ w.T for one stored (N, K),
