@@ -65,13 +65,31 @@ def test_step_costs_interpolate_and_extrapolate_from_what_was_measured() -> None
     assert StepCosts().estimate(4, 1) == 1.0  # nothing known: in units of a step
 
 
+def ratio(learnt: StepCosts) -> float:
+    return learnt.estimate(1, 2) / learnt.estimate(1, 1)
+
+
 def test_step_costs_follow_the_machine_and_resist_one_slow_step() -> None:
-    learnt = costs({1: {2: 10.0}})
-    for _ in range(30):
-        learnt.record(1, 2, 5.0)  # faster kernels, a quieter machine
-    assert learnt.estimate(1, 2) == pytest.approx(5.0, rel=0.01)
-    learnt.record(1, 2, 500.0)  # a pause of the process
-    assert learnt.estimate(1, 2) < 10.0
+    learnt = costs({1: {1: 10.0, 2: 20.0}})
+    for _ in range(30):  # faster kernels for two rows
+        learnt.record(1, 2, 10.0)
+        learnt.record(1, 1, 10.0)
+    assert ratio(learnt) == pytest.approx(1.0, rel=0.1)
+    before = ratio(learnt)
+    learnt.record(1, 2, 1000.0)  # a pause of the process
+    assert ratio(learnt) == pytest.approx(before, rel=0.25)
+
+
+def test_a_loaded_machine_keeps_the_cost_ratios() -> None:
+    """Ordinary steps timed while the machine was busy (3x slower), two-token steps
+    later on a quiet one: the ratio of the two stays near the quiet one (1.3), where an
+    average of each cell's own seconds would give 0.43 (two tokens cheaper than one)."""
+    learnt = costs({1: {1: 10.0, 2: 13.0}})
+    for _ in range(20):
+        learnt.record(1, 1, 30.0)
+    for _ in range(20):
+        learnt.record(1, 2, 13.0)
+    assert ratio(learnt) > 0.8
 
 
 def test_acceptance_falls_with_refusals_and_the_prior_returns_while_idle() -> None:

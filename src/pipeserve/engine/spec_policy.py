@@ -22,7 +22,8 @@ from dataclasses import dataclass
 # batch size: 1 + PRIOR_SLOPE * (W - 1). Slightly below SmolLM2's on a 2-core Zen 4
 # (W2 1.31x, W8 3.45x), so that a width is tried once and then known.
 PRIOR_SLOPE = 0.25
-COST_WEIGHT = 0.2  # weight of the newest step in a (B, W) cost's moving average
+COST_WEIGHT = 0.1  # weight of the newest step in a (B, W) cost's moving average
+SPEED_WEIGHT = 0.3  # ... in the machine's speed (every step, whatever its (B, W))
 OUTLIER = 4.0  # a step slower than this many times its estimate counts as this many
 # Per-token acceptance before a row has proposed anything: prompt lookup, prediction.
 PRIOR_ACCEPTANCE = 0.5
@@ -84,25 +85,34 @@ class Acceptance:
 
 class StepCosts:
     """Seconds per decode step by (batch size, tokens per row), learnt as the engine
-    runs (engine thread only)."""
+    runs (engine thread only). Kept as a shape times a speed: each step's seconds move
+    the speed (the machine's load, its clocks) and, divided by it, its own (B, W) cell;
+    so cells timed at different moments stay comparable, and the choice between widths,
+    which only compares cells of one batch size, does not drift with the load."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, dict[int, float]] = {}  # batch -> width -> seconds
+        self._shape: dict[int, dict[int, float]] = {}  # batch -> width -> seconds / speed
+        self._speed = 1.0
 
     def record(self, batch: int, width: int, seconds: float) -> None:
-        row = self._seconds.setdefault(batch, {})
+        row = self._shape.setdefault(batch, {})
         old = row.get(width)
         if old is None:
-            row[width] = seconds
-        else:
-            row[width] = old + COST_WEIGHT * (min(seconds, OUTLIER * old) - old)
+            row[width] = seconds / self._speed
+            return
+        seen = min(seconds / old, OUTLIER * self._speed)  # this step at this cell's shape
+        self._speed += SPEED_WEIGHT * (seen - self._speed)
+        row[width] = old + COST_WEIGHT * (min(seconds, OUTLIER * old) / self._speed - old)
 
     def measured(self, batch: int, width: int) -> bool:
-        return width in self._seconds.get(batch, {})
+        return width in self._shape.get(batch, {})
 
     def estimate(self, batch: int, width: int) -> float:
         """A (B, W) step's seconds; in units of a 1-token step where none was measured."""
-        row = self._seconds.get(batch, {})
+        return self._speed * self._relative(self._shape.get(batch, {}), width)
+
+    @staticmethod
+    def _relative(row: dict[int, float], width: int) -> float:
         base = row.get(1, 1.0)
         if width in row:
             return row[width]
