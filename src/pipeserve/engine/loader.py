@@ -139,7 +139,7 @@ def _kernel_layout(model: Any, name: str) -> bool:
 def _fuse_cpu_ops(model: Any, name: str) -> None:
     """On the CPU with the native kernels: RMSNorm, RoPE and decode attention as one op
     each, and llama-style layers with fused projections (cpu_kernels/fused_layers.py);
-    float32 models too, once the kernels are built."""
+    float32 models too (they build the kernels as a quantized model does)."""
     import mlx.core as mx
 
     from pipeserve.engine.cpu_kernels import kernels
@@ -148,7 +148,7 @@ def _fuse_cpu_ops(model: Any, name: str) -> None:
 
     if mx.default_device() != mx.cpu:
         return
-    ext = kernels(build=False)  # built by a quantized model's load, or earlier
+    ext = kernels()
     if ext is not None:
         ops, blocks = use_fused_ops(model, ext), use_fused_layers(model, ext)
         log.info("%s: %d norm / RoPE layers run as one CPU op each, %d blocks with fused "
@@ -163,7 +163,7 @@ def _dense_cpu_kernel(model: Any, name: str) -> None:
     from pipeserve.engine.cpu_kernels import kernels
     from pipeserve.engine.cpu_kernels.layers import use_dense_kernel
 
-    ext = kernels(build=False) if mx.default_device() == mx.cpu else None
+    ext = kernels() if mx.default_device() == mx.cpu else None
     if ext is not None:
         count = use_dense_kernel(model, ext)
         log.info("%s: %d float32 layers multiply few-row inputs through the CPU kernels",

@@ -38,13 +38,9 @@ def forced_off() -> bool:
     return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
 
 
-def kernels(build: bool = True) -> ModuleType | None:
-    """The checked extension, or None (logged once per process) where it cannot run.
-    `build=False`: None, silently, unless a build is already cached (float32 models
-    only gain the fused ops: not worth a first start that compiles for minutes)."""
-    from pipeserve.engine.cpu_kernels.build import cached_module
-    from pipeserve.engine.demo import pipeserve_home
-
+def kernels() -> ModuleType | None:
+    """The checked extension (built on first use), or None (logged once per process)
+    where it cannot run."""
     with _lock:
         if forced_off():
             if "off" not in _loaded:
@@ -52,8 +48,6 @@ def kernels(build: bool = True) -> ModuleType | None:
                 _loaded["off"] = None
             return None
         if "ext" not in _loaded:
-            if not build and cached_module(pipeserve_home()) is None:
-                return None
             _loaded["ext"] = _load()
         return _loaded["ext"]
 
