@@ -63,10 +63,6 @@ def test_step_costs_interpolate_and_extrapolate_from_what_was_measured() -> None
     assert learnt.estimate(1, 8) == pytest.approx(10.0 * (1 + 7 * PRIOR_SLOPE))
     assert learnt.estimate(1, 5) == pytest.approx(25.0)
     assert learnt.measured(1, 4) and not learnt.measured(1, 2)
-    # A width not measured at this batch size: as at the nearest one that measured it.
-    other = costs({1: {1: 10.0, 8: 50.0}, 6: {1: 30.0}, 8: {1: 40.0, 2: 80.0}})
-    assert other.estimate(6, 2) == pytest.approx(60.0)
-    assert other.estimate(6, 8) == pytest.approx(150.0)
     fresh = costs({2: {1: 20.0}})
     assert fresh.estimate(2, 3) == pytest.approx(20.0 * (1 + 2 * PRIOR_SLOPE))
     assert StepCosts().estimate(4, 1) == 1.0  # nothing known: in units of a step

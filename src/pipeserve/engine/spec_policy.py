@@ -5,9 +5,8 @@ padded to the longest one), so its cost is that of a B x W forward pass, whateve
 row proposes. `StepCosts` learns that cost per batch size and width from the engine's
 own steps (a moving average per (B, W), measured from the step's start to the next
 one's); widths not measured yet are interpolated between measured ones, and above the
-widest measured taken as at the nearest batch size that measured them, else as
-1 + PRIOR_SLOPE (W - 1) ordinary steps (never cheaper than that widest), so each width
-that may pay is tried once. `Acceptance` estimates the share of a row's
+widest measured taken as 1 + PRIOR_SLOPE (W - 1) ordinary steps (but never cheaper than
+that widest), so each width that may pay is tried once. `Acceptance` estimates the share of a row's
 proposed tokens the model accepts. With per-token acceptance p, a proposal of k tokens
 yields (1 - p^(k+1)) / (1 - p) tokens (the row's next token and the accepted run), so
 `choose_width` takes the W that maximises the batch's expected tokens per second of
@@ -111,10 +110,10 @@ class StepCosts:
 
     def estimate(self, batch: int, width: int) -> float:
         """A (B, W) step's seconds; in units of a 1-token step where none was measured."""
-        return self._speed * self._relative(batch, width)
+        return self._speed * self._relative(self._shape.get(batch, {}), width)
 
-    def _relative(self, batch: int, width: int) -> float:
-        row = self._shape.get(batch, {})
+    @staticmethod
+    def _relative(row: dict[int, float], width: int) -> float:
         base = row.get(1, 1.0)
         if width in row:
             return row[width]
@@ -123,20 +122,10 @@ class StepCosts:
         low = row.get(below, base)
         if above is not None:
             return low + (row[above] - low) * (width - below) / (above - below)
-        # Above the widest measured: as at the nearest batch size that measured this
-        # width, else the prior; never below that widest. Optimistic on purpose (the
-        # kernels' costs go in steps: 4 rows may cost what 2 do), so that a width that
-        # may pay is tried once, and known from then on.
-        ratio = self._nearest_ratio(batch, width)
-        return max(low, base * (ratio if ratio else 1.0 + PRIOR_SLOPE * (width - 1)))
-
-    def _nearest_ratio(self, batch: int, width: int) -> float | None:
-        """A W-token step over a 1-token one at the nearest batch size that has both."""
-        known = [b for b, row in self._shape.items() if width in row and 1 in row]
-        if not known:
-            return None
-        nearest = min(known, key=lambda b: (abs(b - batch), b))
-        return self._shape[nearest][width] / self._shape[nearest][1]
+        # Above the widest measured: the prior, but never below that one. Optimistic on
+        # purpose (the kernels' costs go in steps: 4 rows may cost what 2 do), so that a
+        # width that may pay is tried once, and known from then on.
+        return max(low, base * (1.0 + PRIOR_SLOPE * (width - 1)))
 
 
 def choose_width(
