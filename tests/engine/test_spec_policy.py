@@ -58,10 +58,7 @@ def test_a_row_learning_its_acceptance_explores_at_least_two_tokens() -> None:
 def test_step_costs_interpolate_and_extrapolate_from_what_was_measured() -> None:
     learnt = costs({1: {1: 10.0, 4: 25.0}})
     assert learnt.estimate(1, 2) == pytest.approx(15.0)
-    # Above the widest measured: the prior (optimistic: tried once, then known), or
-    # that widest where the prior is cheaper.
-    assert learnt.estimate(1, 8) == pytest.approx(10.0 * (1 + 7 * PRIOR_SLOPE))
-    assert learnt.estimate(1, 5) == pytest.approx(25.0)
+    assert learnt.estimate(1, 8) == pytest.approx(45.0)  # the measured slope goes on
     assert learnt.measured(1, 4) and not learnt.measured(1, 2)
     fresh = costs({2: {1: 20.0}})
     assert fresh.estimate(2, 3) == pytest.approx(20.0 * (1 + 2 * PRIOR_SLOPE))

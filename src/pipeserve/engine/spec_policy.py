@@ -4,9 +4,8 @@ A verification step feeds every row of the batch W tokens (its next token and a 
 padded to the longest one), so its cost is that of a B x W forward pass, whatever each
 row proposes. `StepCosts` learns that cost per batch size and width from the engine's
 own steps (a moving average per (B, W), measured from the step's start to the next
-one's); widths not measured yet are interpolated between measured ones, and above the
-widest measured taken as 1 + PRIOR_SLOPE (W - 1) ordinary steps (but never cheaper than
-that widest), so each width that may pay is tried once. `Acceptance` estimates the share of a row's
+one's); widths not measured yet are interpolated, or extrapolated from the widths that
+were, or from PRIOR_SLOPE before any was. `Acceptance` estimates the share of a row's
 proposed tokens the model accepts. With per-token acceptance p, a proposal of k tokens
 yields (1 - p^(k+1)) / (1 - p) tokens (the row's next token and the accepted run), so
 `choose_width` takes the W that maximises the batch's expected tokens per second of
@@ -122,10 +121,8 @@ class StepCosts:
         low = row.get(below, base)
         if above is not None:
             return low + (row[above] - low) * (width - below) / (above - below)
-        # Above the widest measured: the prior, but never below that one. Optimistic on
-        # purpose (the kernels' costs go in steps: 4 rows may cost what 2 do), so that a
-        # width that may pay is tried once, and known from then on.
-        return max(low, base * (1.0 + PRIOR_SLOPE * (width - 1)))
+        slope = (low - base) / (below - 1) if below > 1 else PRIOR_SLOPE * base
+        return low + max(slope, 0.0) * (width - below)
 
 
 def choose_width(
