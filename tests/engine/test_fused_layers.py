@@ -279,3 +279,55 @@ def test_one_op_step_leaves_a_held_cache_buffer_alone(ext):
     mx.eval(logits, cache[0].keys)
     assert np.array_equal(np.array(held), before)
     assert not np.array_equal(np.array(cache[0].keys)[:, :, 4], before[:, :, 4])
+
+
+def verify(model: nn.Module, cache: list[Any], tokens: list[list[int]]) -> np.ndarray:
+    """The logits of every position of one pass of `tokens` (a verification's W)."""
+    return np.array(model(mx.array(tokens), cache=cache))
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3])
+def test_verify_steps_match_the_per_op_path(ext, build):
+    """KVCache ("causal" mask): steps of several tokens through the layer op, a trim in
+    between (speculative rollback); more tokens than the op takes go per op."""
+    per_op, one_op = twins(build, ext, True, per_op_steps=True)
+    counters = counted(one_op)
+    prompt = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 70, 12]]
+    steps = [[[7, 1, 44, 3]], "trim 3", [[9, 2, 8]], [[61]], [list(range(20, 36))],
+             [list(range(40, 57))]]  # fmt: skip
+    results = []
+    for model in (per_op, one_op):
+        cache = make_prompt_cache(model)
+        outputs = [verify(model, cache, prompt)]
+        for step in steps:
+            if isinstance(step, str):
+                for layer in cache:
+                    layer.trim(int(step.split()[1]))
+            else:
+                outputs.append(verify(model, cache, step))
+        results.append((outputs, cache[0].offset))
+    assert counters[0].calls == 4  # W 4, 3, 1, 16; the prompt and W 17 per op
+    assert results[1][1] == results[0][1] == 11 + 4 - 3 + 3 + 1 + 16 + 17
+    for got, want in zip(results[1][0], results[0][0], strict=True):
+        assert close(got, want)
+
+
+def test_verify_steps_on_a_padded_batch_then_trimmed(ext):
+    """A left-padded BatchKVCache (its (B, 1, L, S) mask): steps of several tokens, a
+    trim, and more steps; the per-row positions and offsets as the per-op path's."""
+    per_op, one_op = twins(tiny_llama, ext, True, per_op_steps=True)
+    counters = counted(one_op)
+    prompts = [[0, 0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6]]  # row 0: left padding
+    steps = [[[4, 5, 6, 7], [8, 9, 10, 11]], [[30, 31], [32, 33]], [[3], [4]]]
+    results = []
+    for model in (per_op, one_op):
+        cache = [BatchKVCache(left_padding=[3, 0]) for _ in model.layers]
+        outputs = [verify(model, cache, prompts), verify(model, cache, steps[0])]
+        for layer in cache:
+            layer.trim(3)
+        outputs += [verify(model, cache, step) for step in steps[1:]]
+        results.append((outputs, cache[0].offset.tolist(), cache[0]._idx))
+    assert counters[0].calls == 3
+    assert results[1][1:] == results[0][1:] == ([7, 10], 10)
+    for got, want in zip(results[1][0], results[0][0], strict=True):
+        assert close(got, want)

@@ -37,7 +37,7 @@ NB_MODULE(_pipeserve_cpu, m) {
         "k_norm"_a = nb::none(), "eps"_a = 1e-6f, nb::kw_only(), "stream"_a = nb::none(),
         "A fused q/k/v projection split into rotated (B, H, L, D) heads.");
   nb::class_<pipeserve::DecoderLayer>(m, "DecoderLayer",
-      "A llama-style decoder layer whose one-token decode step is one op.")
+      "A llama-style decoder layer whose decode step (1..16 tokens per row) is one op.")
       .def("__init__",
            [](pipeserve::DecoderLayer* self, const std::vector<ProjectionArgs>& projections,
               const mx::array& input_norm, const mx::array& post_norm,
@@ -62,7 +62,9 @@ NB_MODULE(_pipeserve_cpu, m) {
       .def("__call__", &pipeserve::DecoderLayer::operator(), "x"_a, "keys"_a, "values"_a,
            "index"_a, "positions"_a = nb::none(), "mask"_a = nb::none(), nb::kw_only(),
            "stream"_a = nb::none(),
-           "(out, keys, values): the step's output and the cache buffers with `index` written.");
+           "(out, keys, values): the step's output and the cache buffers with index..index + L - 1"
+           " written.");
+  m.attr("DECODER_LAYER_MAX_TOKENS") = pipeserve::DECODER_LAYER_MAX_TOKENS;
   m.def("f32_matmul", &pipeserve::f32_matmul, "x"_a, "w"_a, "transposed"_a,
         "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "x @ w (w stored (K, N): transposed) or x @ w.T (w (N, K)), float32, + bias; a few rows"

@@ -1,4 +1,5 @@
-// A llama-style decoder layer's decode step (one new token per row) as ONE MLX op.
+// A llama-style decoder layer's decode step (1..16 new tokens per row: a decode step or a
+// speculative verification) as ONE MLX op.
 //
 // Even with the layer's glue fused (fused_step.cpp), a decode step of a small model runs
 // ~12 ops per layer, and on the CPU every op costs a dispatch on the stream's thread, a
@@ -8,7 +9,7 @@
 // stream's thread, each stage split over the kernels' pool (parallel_for, affine_qmm_rows).
 //
 // The KV cache keeps MLX's functional semantics: the op takes the cache's key / value
-// buffers as inputs and returns them with position `index` written. Where MLX allows
+// buffers as inputs and returns them with positions index..index + L - 1 written. Where MLX allows
 // (the input is contiguous and nothing else holds it) the output shares the input's
 // buffer, as MLX's own slice update does; otherwise the buffer is copied first.
 
@@ -18,6 +19,7 @@
 #include <optional>
 #include <stdexcept>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -52,15 +54,15 @@ struct ProjectionView {
 // Everything the dispatched job reads and writes, as raw pointers.
 struct Job {
   LayerShape s;
-  int B, hidden, index, capacity;
+  int B, L, hidden, index, capacity;  // L new tokens per row: positions index..index + L - 1
   const float* x;
-  std::vector<int64_t> x_rows;  // each row's first element
+  std::vector<int64_t> x_rows;  // each of the B * L rows' first element
   int64_t x_step;
   const int32_t* positions;  // null: every row at `index`
   int n_positions;
   const void* mask;  // null: none
   bool bool_mask;
-  int64_t mask_b, mask_h, mask_s;  // broadcast strides (0 on size-1 axes)
+  int64_t mask_b, mask_h, mask_l, mask_s;  // broadcast strides (0 on size-1 axes)
   const float *input_norm, *post_norm, *q_norm, *k_norm;
   ProjectionView proj[4];
   float *keys, *values, *out;  // keys / values: (B, Hk, capacity, D), contiguous
@@ -89,33 +91,37 @@ void rms_norm_rows(const float* in, const float* w, float eps, int rows, int d, 
   }
 }
 
-// cos / sin of one position, like mx.fast.rope (and split_heads); the last position's
-// tables are kept, as every layer of a step rotates the same positions.
-struct RopeTable {
-  int position = -1, dims = 0;
+// cos / sin of a position, like mx.fast.rope (and split_heads); the tables are kept, as
+// every layer of a step rotates the same positions (cleared when the RoPE changes).
+struct RopeTables {
+  int dims = 0;
   float base = 0.0f, scale = 0.0f;
-  std::vector<float> cosv, sinv;
+  std::unordered_map<int, std::vector<float>> tables;  // position -> cos (half), sin (half)
 
-  void at(int pos, const LayerShape& s) {
-    if (pos == position && dims == s.rope_dims && base == s.rope_base && scale == s.rope_scale) {
-      return;
+  const float* at(int pos, const LayerShape& s) {
+    if (dims != s.rope_dims || base != s.rope_base || scale != s.rope_scale ||
+        tables.size() > 1024) {
+      tables.clear();
+      dims = s.rope_dims, base = s.rope_base, scale = s.rope_scale;
     }
-    position = pos, dims = s.rope_dims, base = s.rope_base, scale = s.rope_scale;
+    auto [it, fresh] = tables.try_emplace(pos);
+    if (!fresh) return it->second.data();
     const int half = dims / 2;
-    cosv.resize(half);
-    sinv.resize(half);
+    auto& table = it->second;
+    table.resize(2 * half);
     const float p = static_cast<float>(pos) * scale;
     for (int i = 0; i < half; ++i) {
       const float angle = p * std::pow(base, -2.0f * i / dims);
-      cosv[i] = std::cos(angle);
-      sinv[i] = std::sin(angle);
+      table[i] = std::cos(angle);
+      table[half + i] = std::sin(angle);
     }
+    return table.data();
   }
 };
 
 // One head: optional RMSNorm (weight w), then optional RoPE.
 void head_out(const float* in, float* out, const LayerShape& s, const float* w,
-              const RopeTable* rope) {
+              const float* rope) {
   const int d = s.head_dim;
   const float inv = w ? inverse_rms(in, d, s.qk_norm_eps) : 1.0f;
   for (int i = 0; i < d; ++i) out[i] = w ? in[i] * inv * w[i] : in[i];
@@ -125,34 +131,42 @@ void head_out(const float* in, float* out, const LayerShape& s, const float* w,
     const int i1 = s.traditional ? 2 * i : i;
     const int i2 = s.traditional ? 2 * i + 1 : i + half;
     const float x1 = out[i1], x2 = out[i2];
-    out[i1] = x1 * rope->cosv[i] - x2 * rope->sinv[i];
-    out[i2] = x1 * rope->sinv[i] + x2 * rope->cosv[i];
+    const float c = rope[i], sn = rope[half + i];
+    out[i1] = x1 * c - x2 * sn;
+    out[i2] = x1 * sn + x2 * c;
   }
 }
 
-// qkv rows -> rotated q (B, Hq, D), and k / v written into the cache at `index`.
+// qkv rows (B * L) -> rotated q (B * L, Hq, D), and row b's token l's key / value written
+// into the cache at index + l, rotated at the row's position + l.
 void heads(const Job& j, const float* qkv, float* q) {
   const auto& s = j.s;
   const int D = s.head_dim, width = (s.q_heads + 2 * s.kv_heads) * D;
-  thread_local RopeTable rope;
+  thread_local RopeTables rope;
   for (int b = 0; b < j.B; ++b) {
-    rope.at(j.positions ? j.positions[j.n_positions == 1 ? 0 : b] : j.index, s);
-    const float* row = qkv + static_cast<size_t>(b) * width;
-    for (int h = 0; h < s.q_heads; ++h) {
-      head_out(row + h * D, q + (static_cast<size_t>(b) * s.q_heads + h) * D, s, j.q_norm, &rope);
-    }
-    for (int h = 0; h < s.kv_heads; ++h) {
-      const size_t at = ((static_cast<size_t>(b) * s.kv_heads + h) * j.capacity + j.index) * D;
-      head_out(row + (s.q_heads + h) * D, j.keys + at, s, j.k_norm, &rope);
-      head_out(row + (s.q_heads + s.kv_heads + h) * D, j.values + at, s, nullptr, nullptr);
+    const int first = j.positions ? j.positions[j.n_positions == 1 ? 0 : b] : j.index;
+    for (int l = 0; l < j.L; ++l) {
+      const size_t m = static_cast<size_t>(b) * j.L + l;
+      const float* table = rope.at(first + l, s);
+      const float* row = qkv + m * width;
+      for (int h = 0; h < s.q_heads; ++h) {
+        head_out(row + h * D, q + (m * s.q_heads + h) * D, s, j.q_norm, table);
+      }
+      for (int h = 0; h < s.kv_heads; ++h) {
+        const size_t at =
+            ((static_cast<size_t>(b) * s.kv_heads + h) * j.capacity + j.index + l) * D;
+        head_out(row + (s.q_heads + h) * D, j.keys + at, s, j.k_norm, table);
+        head_out(row + (s.q_heads + s.kv_heads + h) * D, j.values + at, s, nullptr, nullptr);
+      }
     }
   }
 }
 
-// One query head of one row against the cache's positions 0..index: out (D).
-void attend(const Job& j, const float* q, int b, int h, float* out) {
+// Query head h of row b's token l against the cache's positions 0..index + l (causal
+// among the new tokens; the mask on top): out (D).
+void attend(const Job& j, const float* q, int b, int l, int h, float* out) {
   const auto& s = j.s;
-  const int D = s.head_dim, S = j.index + 1;
+  const int D = s.head_dim, S = j.index + l + 1;
   const int kh = h / (s.q_heads / s.kv_heads);
   const size_t base = (static_cast<size_t>(b) * s.kv_heads + kh) * j.capacity * D;
   const float* keys = j.keys + base;
@@ -163,7 +177,7 @@ void attend(const Job& j, const float* q, int b, int h, float* out) {
   for (int p = 0; p < S; ++p) {
     float score = dot(q, 1, keys + static_cast<size_t>(p) * D, 1, D) * s.attn_scale;
     if (j.mask != nullptr) {
-      const int64_t at = b * j.mask_b + h * j.mask_h + p * j.mask_s;
+      const int64_t at = b * j.mask_b + h * j.mask_h + l * j.mask_l + p * j.mask_s;
       if (j.bool_mask) {
         if (!static_cast<const bool*>(j.mask)[at]) score = -INFINITY;
       } else {
@@ -188,12 +202,14 @@ void attend(const Job& j, const float* q, int b, int h, float* out) {
 constexpr int64_t PARALLEL_ATTENTION = 1 << 15;  // multiply-adds worth a pool fork / join
 
 void attention(const Job& j, const float* q, float* out) {
-  const int Hq = j.s.q_heads, D = j.s.head_dim, tasks = j.B * Hq;
+  const int Hq = j.s.q_heads, D = j.s.head_dim, tasks = j.B * j.L * Hq;
   auto one = [&](int t) {
-    const size_t at = static_cast<size_t>(t) * D;  // (B, Hq, D) = merged heads (B, Hq * D)
-    attend(j, q + at, t / Hq, t % Hq, out + at);
+    // (B * L, Hq, D) = merged heads (B * L, Hq * D)
+    const size_t at = static_cast<size_t>(t) * D;
+    const int m = t / Hq;
+    attend(j, q + at, m / j.L, m % j.L, t % Hq, out + at);
   };
-  if (static_cast<int64_t>(tasks) * (j.index + 1) * D < PARALLEL_ATTENTION) {
+  if (static_cast<int64_t>(tasks) * (j.index + j.L) * D < PARALLEL_ATTENTION) {
     for (int t = 0; t < tasks; ++t) one(t);
   } else {
     parallel_for(tasks, one);
@@ -202,7 +218,7 @@ void attention(const Job& j, const float* q, float* out) {
 
 void run(const Job& j) {
   const auto& s = j.s;
-  const int B = j.B, H = j.hidden, D = s.head_dim;
+  const int B = j.B * j.L, H = j.hidden, D = s.head_dim;  // B: rows of every matmul
   const int qkv_width = j.proj[QKV].N, heads_width = s.q_heads * D;
   const int inter = j.proj[DOWN].K;
   thread_local std::vector<float> scratch;
@@ -330,6 +346,7 @@ class DecodeLayer : public mx::Primitive {
     Job j{};
     j.s = shape_;
     j.B = x.shape(0);
+    j.L = x.shape(1);
     j.hidden = x.shape(-1);
     j.index = index_;
     j.capacity = inputs[KEYS].shape(2);
@@ -344,7 +361,7 @@ class DecodeLayer : public mx::Primitive {
       j.mask = mask.data<void>();
       j.bool_mask = mask.dtype() == mx::bool_;
       auto stride = [&](int axis) { return mask.shape(axis) == 1 ? 0 : mask.strides()[axis]; };
-      j.mask_b = stride(0), j.mask_h = stride(1), j.mask_s = stride(3);
+      j.mask_b = stride(0), j.mask_h = stride(1), j.mask_l = stride(2), j.mask_s = stride(3);
     }
     int at = WEIGHTS;
     j.input_norm = inputs[at++].data<float>();
@@ -448,10 +465,11 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   const int hidden = weights_[0].shape(0);
-  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) != 1 || x.shape(2) != hidden) {
-    fail("x must be float32 (B, 1, hidden)");
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) < 1 ||
+      x.shape(1) > DECODER_LAYER_MAX_TOKENS || x.shape(2) != hidden) {
+    fail("x must be float32 (B, L, hidden), L = 1.." + std::to_string(DECODER_LAYER_MAX_TOKENS));
   }
-  const int B = x.shape(0);
+  const int B = x.shape(0), L = x.shape(1);
   const mx::Shape cache_shape = {B, shape_.kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0,
                                  shape_.head_dim};
   for (const auto* a : {&keys, &values}) {
@@ -459,7 +477,9 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
       fail("keys and values must be float32 (B, kv_heads, capacity, head_dim)");
     }
   }
-  if (index < 0 || index >= cache_shape[2]) fail("index must be within the cache's capacity");
+  if (index < 0 || index + L > cache_shape[2]) {
+    fail("index..index + L - 1 must be within the cache's capacity");
+  }
   // empty (evaluated, so no op) where there are no per-row positions / no mask
   std::vector<mx::array> inputs = {x, keys, values, none_, none_};
   if (positions) {
@@ -471,11 +491,10 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
         : mx::reshape(mx::astype(*positions, mx::int32, stream), {-1}, stream);
   }
   if (mask) {
-    const mx::Shape full = {B, shape_.q_heads, 1, index + 1};
-    const bool fits = mask->ndim() == 4 && mask->shape(2) == 1 && mask->shape(3) == index + 1 &&
+    const bool fits = mask->ndim() == 4 && mask->shape(2) == L && mask->shape(3) == index + L &&
         (mask->shape(0) == 1 || mask->shape(0) == B) &&
         (mask->shape(1) == 1 || mask->shape(1) == shape_.q_heads);
-    if (!fits) fail("mask must broadcast to (B, q_heads, 1, index + 1)");
+    if (!fits) fail("mask must broadcast to (B, q_heads, L, index + L)");
     if (mask->dtype() != mx::bool_ && mask->dtype() != mx::float32) fail("mask: bool or float32");
     inputs[MASK] = *mask;
   }

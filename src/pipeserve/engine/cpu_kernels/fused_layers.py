@@ -15,12 +15,13 @@ or kernel projections of one kind, the one-op RoPE and norms) as:
     -> o -> add_rms_norm (residual add + next norm: one op) -> gate_up (one matmul)
     -> swiglu (one op) -> down -> add
 
-and, where all four projections are kernel layers, runs each one-token decode step
-(mlx-lm's KVCache or left-padded BatchKVCache with room for the token) as ONE op,
-`ext.DecoderLayer` (fused_layer.cpp): the same stages in C++, the new key and value
-written into the cache's buffers, which the op takes and returns (MLX's functional
-semantics; the buffer is reused where nothing else holds it). Prefills, a full cache
-buffer, other caches and float32 projections take the ops above.
+and, where all four projections are kernel layers, runs each decode step of up to
+`ext.DECODER_LAYER_MAX_TOKENS` tokens per row (one token, or a speculative
+verification's W; mlx-lm's KVCache or left-padded BatchKVCache with room for them) as
+ONE op, `ext.DecoderLayer` (fused_layer.cpp): the same stages in C++, the new keys and
+values written into the cache's buffers, which the op takes and returns (MLX's
+functional semantics; the buffer is reused where nothing else holds it). Prefills, a
+full cache buffer, other caches and masks, and float32 projections take the ops above.
 
 The fused projections concatenate the rows of the weights (MLX's affine layout: the
 quantized words, scales and biases rows too), so the outputs are the very same numbers.
@@ -164,7 +165,7 @@ class FusedMLP(nn.Module):
 
 class FusedBlock(nn.Module):
     """mlx-lm's block with the residual add and the second norm as one op, and each
-    one-token decode step as one op where the block allows (`decoder_layer`)."""
+    decode step (a few tokens per row) as one op where the block allows (`decoder_layer`)."""
 
     def __init__(self, block: Any, ext: Any, one_op_steps: bool = True) -> None:
         super().__init__()
@@ -176,6 +177,7 @@ class FusedBlock(nn.Module):
                 setattr(self, name, value)
         self._ext = ext
         self._decoder: Any = decoder_layer(self, ext) if one_op_steps else None
+        self._max_tokens: int = ext.DECODER_LAYER_MAX_TOKENS
 
     @staticmethod
     def applies(block: Any) -> bool:
@@ -186,25 +188,26 @@ class FusedBlock(nn.Module):
         )
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        step = None if self._decoder is None else decode_step(x, mask, cache)
+        step = None if self._decoder is None else decode_step(x, mask, cache, self._max_tokens)
         if step is not None:
-            return self._step(x, mask, cache, *step)
+            return self._step(x, cache, *step)
         residual = self.self_attn(self.input_layernorm(x), mask, cache)
         norm = self.post_attention_layernorm
         h, normed = self._ext.add_rms_norm(x, residual, norm.weight, norm.eps)
         out: mx.array = h + self.mlp(normed)
         return out
 
-    def _step(self, x: mx.array, mask: Any, cache: Any, index: int,
-              positions: mx.array | None) -> mx.array:  # fmt: skip
+    def _step(self, x: mx.array, cache: Any, index: int, positions: mx.array | None,
+              mask: mx.array | None) -> mx.array:  # fmt: skip
         out, cache.keys, cache.values = self._decoder(
             x, cache.keys, cache.values, index, positions, mask
         )
+        tokens = x.shape[1]  # the offsets advance as the cache's own update_and_fetch does
         if type(cache) is KVCache:
-            cache.offset += 1
+            cache.offset += tokens
         else:
-            cache.offset = cache.offset + 1
-            cache._idx += 1
+            cache.offset = cache.offset + tokens
+            cache._idx += tokens
         result: mx.array = out
         return result
 
@@ -233,10 +236,15 @@ def decoder_layer(block: FusedBlock, ext: Any) -> Any:
         return None
 
 
-def decode_step(x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array | None] | None:
-    """(the cache position the token is written at, per-row RoPE positions or None) when
-    this call is a one-token step the layer op takes, else None."""
-    if x.shape[1] != 1 or x.dtype != mx.float32:
+Step = tuple[int, mx.array | None, mx.array | None]
+
+
+def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int) -> Step | None:
+    """(the cache position the first new token is written at, per-row RoPE positions or
+    None, the mask as the layer op takes it) when this call is a decode step of at most
+    `max_tokens` tokens per row that the op takes, else None."""
+    tokens = x.shape[1]
+    if not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
         return None
     if type(cache) is KVCache:
         index, positions = cache.offset, None
@@ -245,16 +253,29 @@ def decode_step(x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array | Non
     else:
         return None
     keys = cache.keys
-    if keys is None or index >= keys.shape[2] or keys.dtype != mx.float32:
-        return None  # no buffer yet, or a full one: the cache's own update grows it
-    if mask is not None and not (
-        isinstance(mask, mx.array)
-        and mask.dtype in (mx.bool_, mx.float32)
-        and mask.ndim == 4
-        and mask.shape[2:] == (1, index + 1)
-    ):
+    if keys is None or index + tokens > keys.shape[2] or keys.dtype != mx.float32:
+        return None  # no buffer yet, or too small: the cache's own update grows it
+    layer_mask = step_mask(mask, tokens, index + tokens, type(cache) is KVCache)
+    if layer_mask is False:
         return None
-    return index, positions
+    return index, positions, layer_mask
+
+
+def step_mask(mask: Any, tokens: int, keys: int, plain_cache: bool) -> mx.array | None | bool:
+    """The mask the layer op takes (its new tokens see each other causally; a mask adds
+    to that), or False: one it does not. mlx-lm passes None (one token), "causal" (a
+    KVCache's few tokens), or an array (B, 1, L, S) (BatchKVCache: left padding) or (L, S)."""
+    if mask is None:
+        return None if tokens == 1 else False  # several tokens, no mask: not causal
+    if isinstance(mask, str):
+        return None if mask == "causal" and plain_cache else False
+    if not isinstance(mask, mx.array) or mask.dtype not in (mx.bool_, mx.float32):
+        return False
+    if mask.ndim == 2:
+        mask = mask.reshape(1, 1, *mask.shape)
+    if mask.ndim != 4 or mask.shape[2:] != (tokens, keys):
+        return False
+    return mask
 
 
 _FUSED: list[tuple[str, type[FusedAttention] | type[FusedMLP]]] = [

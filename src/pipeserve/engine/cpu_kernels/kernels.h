@@ -108,9 +108,14 @@ struct LayerShape {
   float rope_base, rope_scale, attn_scale, norm_eps, qk_norm_eps;
 };
 
-// A llama-style decoder layer whose one-token decode step is ONE op (fused_layer.cpp):
-// rms_norm -> qkv -> heads (+ per-head norm) + RoPE -> the new key / value written into
-// the cache buffers at `index` -> attention over positions 0..index -> o -> residual add
+// Most new tokens per row a DecoderLayer step takes (a decode step: 1; a speculative
+// verification: its width); prefills take the per-op path.
+constexpr int DECODER_LAYER_MAX_TOKENS = 16;
+
+// A llama-style decoder layer whose decode step of L = 1..16 tokens per row is ONE op
+// (fused_layer.cpp): rms_norm -> qkv -> heads (+ per-head norm) + RoPE -> the L new keys /
+// values written into the cache buffers at index..index + L - 1 -> attention of token l
+// over positions 0..index + l -> o -> residual add
 // + rms_norm -> gate_up -> SwiGLU -> down -> residual add. Projections: qkv, o, gate_up
 // (gate half first), down. The weights are taken (made contiguous) at construction.
 class DecoderLayer {
@@ -123,11 +128,12 @@ class DecoderLayer {
       std::optional<mx::array> k_norm,
       LayerShape shape);
 
-  // x (B, 1, hidden); keys / values the cache buffers (B, Hk, capacity, D), index <
-  // capacity; positions: int32, 1 or B RoPE positions (None: index); mask: boolean or
-  // additive, broadcastable to (B, Hq, 1, index + 1). Returns (out, keys, values): the
-  // cache buffers with position `index` written (the input buffers, donated, where MLX
-  // allows; copies otherwise).
+  // x (B, L, hidden); keys / values the cache buffers (B, Hk, capacity, D), index + L <=
+  // capacity; positions: int32, 1 or B RoPE positions of each row's first new token
+  // (None: index); mask: boolean or additive, broadcastable to (B, Hq, L, index + L), on
+  // top of the causal order of the new tokens. Returns (out, keys, values): the cache
+  // buffers with positions index..index + L - 1 written (the input buffers, donated,
+  // where MLX allows; copies otherwise).
   std::tuple<mx::array, mx::array, mx::array> operator()(
       const mx::array& x,
       const mx::array& keys,
