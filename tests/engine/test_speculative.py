@@ -36,6 +36,7 @@ from pipeserve.engine.spec_policy import StepCosts
 from pipeserve.events import Finish, TokenText, Usage
 from pipeserve.request import OutputFormat, SamplingParams
 from pipeserve.stages.grammar_plan import response_grammar
+from tests.engine.helpers import FreeVerification
 
 pytestmark = pytest.mark.mlx
 
@@ -86,6 +87,8 @@ class Row:
 
 def run(m: Model, rows: list[Row], speculative: SpeculativeOptions | None) -> list[Row]:
     batch = Batch(m.model, EngineOptions(max_batch=8, speculative=speculative), {})
+    if batch.speculation is not None:
+        batch.speculation.costs = FreeVerification()
     courier, detokenizers = Courier(), Detokenizers(m.tokenizer)
     seqs = []
     for key, row in enumerate(rows):
@@ -224,11 +227,11 @@ CPU_COSTS = {1: 1.0, 2: 1.31, 4: 2.12, 8: 3.45}
 
 
 class FixedCosts(StepCosts):
-    """The engine's step timings are ignored: the policy sees CPU_COSTS only."""
+    """The engine's step timings are ignored: the policy sees `costs` (batch 1) only."""
 
-    def __init__(self) -> None:
+    def __init__(self, costs: dict[int, float] = CPU_COSTS) -> None:
         super().__init__()
-        for width, seconds in CPU_COSTS.items():
+        for width, seconds in costs.items():
             super().record(1, width, seconds)
 
     def record(self, batch: int, width: int, seconds: float) -> None:
@@ -236,13 +239,16 @@ class FixedCosts(StepCosts):
 
 
 def verifications(
-    m: Model, row_job: GenerationJob, speculative: SpeculativeOptions | None
+    m: Model,
+    row_job: GenerationJob,
+    speculative: SpeculativeOptions | None,
+    costs: dict[int, float] = CPU_COSTS,
 ) -> tuple[list[tuple[int, int]], RowProposer]:
     """One row decoded alone under FixedCosts: (proposed, accepted) of each step, read
     from the row's own proposer (0 proposed: an ordinary step), and the proposer."""
     batch = Batch(m.model, EngineOptions(max_batch=8, speculative=speculative), {})
     assert batch.speculation is not None
-    batch.speculation.costs = FixedCosts()
+    batch.speculation.costs = FixedCosts(costs)
     courier, detokenizers = Courier(), Detokenizers(m.tokenizer)
     seq = Sequence(row_job, Channel(), detokenizers.new(), m.tokenizer)
     batch.add(0, seq, courier)
@@ -278,3 +284,20 @@ def test_cost_model_proposes_long_where_accepted_and_stops_where_refused(
     verifying = [(proposed, accepted) for proposed, accepted in steps if proposed]
     assert verifying and len(verifying) <= len(steps) // 4, steps
     assert row.accepted * 4 <= row.proposed, steps
+
+
+def test_a_new_row_is_not_checked_where_even_a_whole_acceptance_would_not_pay(
+    smollm2: tuple[Path, Path],
+) -> None:
+    """Costs where W tokens per row take longer than W ordinary steps: no proposal can
+    pay, so even a row whose acceptance is unknown never verifies (its first check would
+    only slow the batch), and its answer is the ordinary one. With CPU_COSTS the same
+    row verifies (the test above)."""
+    m = Model(smollm2[1])
+    code = m.ids(CODE)
+    slow = {1: 1.0, 2: 2.5, 4: 5.0, 8: 10.0}
+    steps, row = verifications(m, job(m, code, 24), LOOKUP_ONLY, slow)
+    assert all(proposed == 0 for proposed, _ in steps), steps
+    assert not row.acceptance.known
+    steps, row = verifications(m, job(m, code, 24), LOOKUP_ONLY)
+    assert any(proposed for proposed, _ in steps), steps

@@ -64,16 +64,17 @@ def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:
         return None
     rows = [spec.proposers.get(uid) for uid in batch.uids]
     rows = [row if row is not None and row.ready() else None for row in rows]
-    # A row whose acceptance is unknown verifies once whatever the costs: its estimate
-    # is the prior until then (and the batch's costs are learnt).
+    # A row whose acceptance is unknown verifies once (its estimate is the prior until
+    # then, and the batch's costs are learnt), but only where a proposal accepted whole
+    # would pay at this batch size's costs: at a batch where verifying never pays, a new
+    # row's first check would only slow every row down.
     exploring = any(row is not None and not row.acceptance.known for row in rows)
-    if not exploring:
-        if not spec.costs.measured(count, 1):
-            return None  # an ordinary step of this batch size is timed first
-        offers = [(row.acceptance.p, row.reach) if row else (0.0, 0) for row in rows]
-        if choose_width(offers, spec.costs, spec.widest) == 1:
-            _skipped(rows)
-            return None  # without waiting for the next tokens: the ordinary step overlaps
+    if not exploring and not spec.costs.measured(count, 1):
+        return None  # an ordinary step of this batch size is timed first
+    offers = [(_hoped(row), row.reach) if row else (0.0, 0) for row in rows]
+    if choose_width(offers, spec.costs, spec.widest) == 1:
+        _skipped(rows)
+        return None  # without waiting for the next tokens: the ordinary step overlaps
     mx.eval(batch._next_tokens)
     started = time.perf_counter()
     inputs: list[int] = batch._next_tokens.tolist()
@@ -88,6 +89,9 @@ def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:
     explore = any(
         row is not None and p and not row.acceptance.known for row, p in zip(rows, proposals)
     )
+    if explore:
+        hoped = [(_hoped(row), len(p)) if row else (0.0, 0) for row, p in zip(rows, proposals)]
+        explore = choose_width(hoped, spec.costs, spec.widest) > 1
     width = choose_width(chosen, spec.costs, spec.widest, 2 if explore else 1)
     if width == 1:
         for row, proposal in zip(rows, proposals):
@@ -105,6 +109,12 @@ def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:
     responses = _respond(batch, outcomes)
     spec.verified(count, width, started)
     return responses
+
+
+def _hoped(row: RowProposer) -> float:
+    """The row's acceptance, or every token accepted while it is unknown (for deciding
+    whether its first check could pay at all)."""
+    return row.acceptance.p if row.acceptance.known else 1.0
 
 
 def _skipped(rows: list[RowProposer | None]) -> None:
