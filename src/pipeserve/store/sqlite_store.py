@@ -114,7 +114,7 @@ class SqliteStore(ResponseStore):
             raise schema_too_new(self.where, version, SCHEMA_VERSION)
         if version == 0:
             conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # before the first table exists
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = self._switch_to_wal(conn)
         if mode != "wal":
             raise StoreError(f"cannot switch the database to WAL mode (got {mode})")
         if version == SCHEMA_VERSION:
@@ -125,6 +125,19 @@ class SqliteStore(ResponseStore):
                 for statement in filter(str.strip, MIGRATIONS[step].split(";")):
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {step}")
+
+    def _switch_to_wal(self, conn: sqlite3.Connection) -> str:
+        """PRAGMA journal_mode = WAL, retried for up to lock_timeout: SQLite answers
+        "database is locked" at once, without its busy handler, while another
+        connection is switching the same new file (servers starting together)."""
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+            except sqlite3.OperationalError as exc:
+                if not _locked(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
 
     @contextmanager
     def _writing(self, conn: sqlite3.Connection) -> Iterator[None]:
