@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from pipeserve.engine import cpu_kernels
 from pipeserve.engine.base import ModelRuntime
+from pipeserve.engine.cpu_kernels.build import missing_tools
 from pipeserve.engine.runtime import build_runtime
 from tests.engine.helpers import entry
 
@@ -42,3 +45,15 @@ def replay_runtime(
     yield get
     for runtime in built.values():
         runtime.engine.close()
+
+
+@pytest.fixture(scope="session")
+def ext() -> Any:
+    """The built and self-tested CPU kernels extension (skips where it cannot build)."""
+    if missing_tools():
+        pytest.skip(f"no {' / '.join(missing_tools())} to build the CPU kernels")
+    if cpu_kernels.forced_off():
+        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=off")
+    module = cpu_kernels.kernels()
+    assert module is not None, "the CPU kernels failed to build or self-test (see the log)"
+    return module

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +22,6 @@ import numpy as np
 import pytest
 
 from pipeserve.engine import cpu_kernels
-from pipeserve.engine.cpu_kernels.build import missing_tools
 from pipeserve.engine.cpu_kernels.layers import KernelEmbedding, KernelLinear, use_kernels
 
 # Of the output's largest magnitude. Up to 64 rows of x the kernel rounds each activation
@@ -32,17 +30,6 @@ from pipeserve.engine.cpu_kernels.layers import KernelEmbedding, KernelLinear, u
 # without (the float path for more rows: float32 sums in another order, ~1e-6).
 TOLERANCE = 1e-4
 INT_PATH_ROWS = 64  # affine_qmm.cpp INT_MAX_M
-
-
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    if missing_tools():
-        pytest.skip(f"no {' / '.join(missing_tools())} to build the CPU kernels")
-    if cpu_kernels.forced_off():
-        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=off")
-    module = cpu_kernels.kernels()
-    assert module is not None, "the CPU kernels failed to build or self-test (see the log)"
-    return module
 
 
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:

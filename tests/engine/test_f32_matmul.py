@@ -5,15 +5,11 @@ the layers that route a model's float32 projections through it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from pipeserve.engine import cpu_kernels
-from pipeserve.engine.cpu_kernels.build import missing_tools
 from pipeserve.engine.cpu_kernels.layers import (
     DenseEmbedding,
     DenseLinear,
@@ -24,17 +20,6 @@ from pipeserve.engine.cpu_kernels.layers import (
 from pipeserve.engine.cpu_layout import pretranspose_dense_weights
 
 TOLERANCE = 2e-6  # of the output's largest magnitude: float32 sums against float64
-
-
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    if missing_tools():
-        pytest.skip(f"no {' / '.join(missing_tools())} to build the CPU kernels")
-    if cpu_kernels.forced_off():
-        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=off")
-    module = cpu_kernels.kernels()
-    assert module is not None, "the CPU kernels failed to build or self-test (see the log)"
-    return module
 
 
 def _close(got: mx.array, want: np.ndarray) -> None:
