@@ -21,7 +21,7 @@ from pipeserve.engine.cpu_kernels.fused_layers import (
     use_fused_layers,
 )
 from pipeserve.engine.cpu_kernels.layers import KernelLinear, use_fused_ops, use_kernels
-from tests.engine.test_cpu_kernels import ext, numpy_rope  # noqa: F401 (fixture)
+from tests.engine.test_cpu_kernels import numpy_rope
 
 pytestmark = pytest.mark.mlx
 
