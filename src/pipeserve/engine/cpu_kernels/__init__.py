@@ -117,7 +117,8 @@ def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
         want = mx.fast.scaled_dot_product_attention(q, keys, keys * 2, scale=0.1, mask=m)
         checks.append((ext.sdpa(q, keys, keys * 2, 0.1, m), want))
     checks += _fused_step_checks(ext, x, weights)
-    checks += _decoder_layer_checks(ext)
+    for tokens in (1, 3):  # a decode step, and a verification step of three tokens
+        checks += _decoder_layer_checks(ext, tokens)
     for got, want in checks:
         error = mx.abs(got - want).max().item()
         assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"fused op error {error}"
@@ -147,9 +148,10 @@ def _fused_step_checks(ext: Any, x: Any, weights: Any) -> list[tuple[Any, Any]]:
     ]
 
 
-def _decoder_layer_checks(ext: Any) -> list[tuple[Any, Any]]:
-    """One decode step of a small layer op (4-bit projections, grouped heads, q/k norms,
-    per-row positions, a mask) and MLX's own ops on the same data: (got, want)."""
+def _decoder_layer_checks(ext: Any, tokens: int) -> list[tuple[Any, Any]]:
+    """One step of `tokens` new tokens per row through a small layer op (4-bit projections,
+    grouped heads, q/k norms, per-row positions, left padding, causal among the new
+    tokens) and MLX's own ops on the same data: (got, want)."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -172,13 +174,15 @@ def _decoder_layer_checks(ext: Any) -> list[tuple[Any, Any]]:
     norm1, norm2, q_norm, k_norm = normal(hidden), normal(hidden), normal(d), normal(d)
     layer = ext.DecoderLayer([qkv_p, o_p, gate_up_p, down_p], norm1, norm2, q_norm, k_norm,
                              heads, kv_heads, d, d, False, 1e4, 1.0, d**-0.5, 1e-5, 1e-6)  # fmt: skip
-    x, cache_k, cache_v = normal(rows, 1, hidden), normal(rows, 2, 8, d), normal(rows, 2, 8, d)
+    x, cache_k, cache_v = normal(rows, tokens, hidden), normal(rows, 2, 8, d), normal(rows, 2, 8, d)
     positions = mx.array([3, index], mx.int32)  # row 0: two positions of left padding
-    mask = mx.arange(index + 1).reshape(1, 1, 1, -1) >= mx.array([2, 0]).reshape(-1, 1, 1, 1)
+    key_at = mx.arange(index + tokens).reshape(1, 1, 1, -1)
+    query_at = index + mx.arange(tokens).reshape(1, 1, -1, 1)
+    mask = (key_at >= mx.array([2, 0]).reshape(-1, 1, 1, 1)) & (key_at <= query_at)
     out, new_k, new_v = layer(x, cache_k, cache_v, index, positions, mask)
 
     qkv = linear(mx.fast.rms_norm(x, norm1, 1e-5), qkv_p)
-    qkv = qkv.reshape(rows, 1, -1, d).transpose(0, 2, 1, 3)
+    qkv = qkv.reshape(rows, tokens, -1, d).transpose(0, 2, 1, 3)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
 
     def rope(a: Any, w: Any) -> Any:
@@ -189,10 +193,11 @@ def _decoder_layer_checks(ext: Any) -> list[tuple[Any, Any]]:
     all_k = mx.concatenate([cache_k[:, :, :index], k], axis=2)
     all_v = mx.concatenate([cache_v[:, :, :index], v], axis=2)
     attended = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=d**-0.5, mask=mask)
-    h = x + linear(attended.transpose(0, 2, 1, 3).reshape(rows, 1, -1), o_p)
+    h = x + linear(attended.transpose(0, 2, 1, 3).reshape(rows, tokens, -1), o_p)
     gate_up = linear(mx.fast.rms_norm(h, norm2, 1e-5), gate_up_p)
     want = h + linear(nn.silu(gate_up[..., :inter]) * gate_up[..., inter:], down_p)
-    return [(out, want), (new_k[:, :, : index + 1], all_k), (new_v[:, :, : index + 1], all_v)]
+    end = index + tokens
+    return [(out, want), (new_k[:, :, :end], all_k), (new_v[:, :, :end], all_v)]
 
 
 def _self_test_f32_matmul(ext: Any, x: Any, weights: Any) -> None:
