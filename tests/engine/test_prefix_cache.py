@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+
+import mlx.core as mx
 import pytest
 
 from pipeserve.engine.runtime import build_runtime
@@ -98,3 +101,24 @@ def test_cached_prefixes_batched_together_give_the_same_tokens(engine_with):
     together = [collect(s) for s in streams]
     assert [got.usage.cached_tokens for got in together] == [len(p) - 1 for p in prompts]
     assert [got.ids for got in together] == [got.ids for got in alone]
+
+
+def test_cached_entries_hold_only_their_own_memory(engine_with):
+    """A batch row's KV extract is a slice of the whole batch's buffers: stored lazily,
+    it pinned every row's full allocation (here 1.6x its own bytes), unseen by max_bytes."""
+    runtime = engine_with()
+
+    def batch_of_four(topics: tuple[str, ...]) -> tuple[int, int]:
+        """(MLX's active bytes, the prefix cache's bytes) after four prompts run as one
+        batch and a short uncached request after them (the stream ran every copy)."""
+        streams = [runtime.engine.submit(job(prompt(runtime, t), max_tokens=4)) for t in topics]
+        for stream in streams:
+            collect(stream)
+        collect(runtime.engine.submit(job(prompt(runtime, topics[0])[:3], max_tokens=1)))
+        gc.collect()  # finished batches can sit in reference cycles
+        return mx.get_active_memory(), runtime.engine.stats()["prefix_cache_bytes"]
+
+    active, cached = batch_of_four(("fig", "grape", "kiwi", "lemon"))  # first-use state settles
+    more_active, more_cached = batch_of_four(("mango", "olive", "peach", "plum"))
+    assert more_cached > cached
+    assert more_active - active <= (more_cached - cached) * 1.25

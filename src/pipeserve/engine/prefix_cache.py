@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from pipeserve.config.models import PrefixCacheOptions
@@ -71,6 +72,9 @@ class PrefixCache:
         nbytes = sum(c.nbytes for c in cache)
         if self.bounded and nbytes > self.options.max_bytes:
             return
+        # A batch's extract is a lazy slice: unevaluated, it pins the whole batch's KV
+        # buffers (all rows, the full allocation) for as long as the entry lives.
+        mx.async_eval([c.state for c in cache])  # no sync: the copy runs in stream order
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
 
     def trim_to_bytes(self, budget: float, scale: float = 1.0) -> int | None:
