@@ -22,6 +22,8 @@ def test_load_names_the_device_and_warms_up(demo_model_dir, demo_model, caplog) 
     caplog.set_level(logging.INFO, logger="pipeserve.engine")
     runtime = build_runtime(entry("demo:qwen3", max_batch=3))
     try:
+        # The load's and the warm-up's freed buffers went back (engine/memory.py).
+        assert mx.get_cache_memory() == 0
         messages = engine_messages(caplog)
         kind = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         assert any(m.startswith(f"model m: runs on {kind}") for m in messages), messages

@@ -38,6 +38,7 @@ from pipeserve.engine.channel import (
     start_os_thread,
 )
 from pipeserve.engine.detokenize import Detokenizers
+from pipeserve.engine.memory import release_free_memory
 from pipeserve.engine.sequence import Sequence
 from pipeserve.engine.stream import EngineStream
 from pipeserve.errors import ApiError, refused_load
@@ -197,6 +198,7 @@ class MlxEngine(AlwaysHealthy):
         log.info("model %s: runs on %s", self.name, describe_device())
         if self.options.warmup:
             batch.warm_up()
+        release_free_memory()  # the load's and the warm-up's garbage (engine/memory.py)
         self._loaded.set()
         courier = Courier()
         try:

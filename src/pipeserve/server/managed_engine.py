@@ -10,7 +10,6 @@ its stream ends or is cancelled; a model with nothing in flight is idle and may 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pipeserve.engine.base import Engine, GenerationJob, TokenStream
 from pipeserve.engine.channel import OsThreadHost
+from pipeserve.engine.memory import release_free_memory
 from pipeserve.errors import ApiError, refused_load
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
 from pipeserve.gevent_support import apply_in_pool, gevent_patched
@@ -190,7 +190,7 @@ class ManagedEngine:
         if engine is not None:
             run_off_hub(engine.close)
             try:
-                run_off_hub(_free_cached_memory)
+                run_off_hub(release_free_memory)
             except Exception:  # best effort: the model is unloaded either way
                 log.exception("model %s: returning freed memory to the system failed", self.name)
         log.info("model %s unloaded (%s)", self.name, reason)
@@ -198,24 +198,6 @@ class ManagedEngine:
     def close(self) -> None:
         self.retired = True
         self.unload("worker stopping")
-
-
-def _free_cached_memory() -> None:
-    """Give the freed weights back to the system: MLX keeps freed buffers cached, and glibc
-    keeps freed memory in the (per-thread) arenas of the engine threads that loaded it (RSS
-    grew ~40 MB per load/unload cycle of the GLM demo model without the trim; flat with it)."""
-    import gc
-
-    gc.collect()
-    try:
-        import mlx.core as mx
-
-        mx.clear_cache()
-    except ImportError:  # a replay-only installation
-        pass
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc (Linux); not on macOS
-    if trim is not None:
-        trim(0)
 
 
 class TrackedStream:
