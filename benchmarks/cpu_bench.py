@@ -15,9 +15,16 @@ token ids for every contestant, greedy, end-of-sequence suppressed so each strea
 decodes exactly --tokens tokens. Per round: one stream (TTFT, decode tok/s from the
 first to the last token), then --streams concurrent streams on pipeserve (aggregate
 tok/s; llama-cpp-python decodes one sequence at a time, so its aggregate is its single
-stream). Then resident memory of each worker over its pre-load baseline (libraries
-imported), right after loading and after the runs (caches, buffers), and a per-op
-profile of one pipeserve decode step (each module evaluated on its own: self times).
+stream). Then each worker's resident memory (RSS, /proc/self/status), in a second
+table: the process before loading (every library the serving path imports and the CPU
+kernels' extension, no model), what the tokenizer adds, what the model adds (weights,
+engine, warm-up), the weights as MLX holds them, and after the runs: as held (the
+allocator keeps freed blocks up to the runs' peak; the prefix cache keeps answered
+prompts' KV, reported apart) and after the worker returns its freed memory
+(pipeserve.engine.memory; malloc_trim for llama.cpp). llama.cpp loads its tokenizer with
+the model and reserves its 2048-token KV cache at load, so its "model" column holds
+both. Last, a per-op profile of one pipeserve decode step (each module evaluated on its
+own: self times).
 """
 
 from __future__ import annotations
@@ -54,16 +61,29 @@ def rss_bytes() -> int:
     return 0
 
 
+def malloc_trim() -> None:
+    import ctypes
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc
+    if trim is not None:
+        trim(0)
+
+
 class LlamaWorker:
     def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
         from llama_cpp import Llama
 
-        self.baseline = rss_bytes()
+        self.baseline = self.tokenized = rss_bytes()  # its tokenizer loads with the model
         self.llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)  # fmt: skip
         self.loaded = rss_bytes()
         self.arrays = 0
         self.bias = {token: -1e9 for token in eos}
+
+    def memory(self) -> dict[str, int]:
+        held = rss_bytes()
+        malloc_trim()
+        return {"held": held, "live": rss_bytes(), "prefix_cache": 0}
 
     def single(self, ids: list[int], tokens: int) -> dict[str, float]:
         self.llm.reset()
@@ -88,18 +108,31 @@ class PipeserveWorker:
     def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
         sys.path.insert(0, str(REPO))
         import mlx.core  # libraries loaded before the baseline, as for llama
-        import mlx_lm  # noqa: F401
 
         from pipeserve.config.models import EngineOptions, ModelEntry
+        from pipeserve.engine.loader import load_tokenizer, resolve_source
         from pipeserve.engine.runtime import build_runtime
 
+        import_serving_path()
         self.baseline = rss_bytes()
+        folder = resolve_source(gguf)
+        tokenizer = load_tokenizer(folder)
+        malloc_trim()  # the tokenizer.json parse's garbage, as the engine's start trims
+        self.tokenized = rss_bytes()
         options = EngineOptions(dtype="auto", max_batch=8)
         entry = ModelEntry(name="smollm2", source=gguf, pipeline="chatml", options=options)
-        self.runtime = build_runtime(entry)
+        self.runtime = build_runtime(entry, tokenizers={folder: tokenizer})
         self.loaded = rss_bytes()
         self.arrays = mlx.core.get_active_memory()  # the weights as MLX holds them
         self.gguf = gguf
+
+    def memory(self) -> dict[str, int]:
+        from pipeserve.engine.memory import release_free_memory
+
+        held = rss_bytes()
+        release_free_memory()
+        prefix = int(self.runtime.engine.stats().get("prefix_cache_bytes", 0))
+        return {"held": held, "live": rss_bytes(), "prefix_cache": prefix}
 
     def _job(self, ids: list[int], tokens: int) -> Any:
         from pipeserve.engine.base import GenerationJob
@@ -127,6 +160,24 @@ class PipeserveWorker:
 
     def profile(self, ids: list[int], steps: int) -> dict[str, Any]:
         return decode_step_profile(self.gguf, ids, steps)
+
+
+def import_serving_path() -> None:
+    """Every module a pipeserve worker imports to serve an MLX model and the CPU kernels'
+    extension (built, mapped and self-tested, as importing llama_cpp maps libllama), so
+    that the baseline holds the libraries and the later deltas only what loading adds."""
+    import mlx_lm
+    import mlx_lm.models.llama  # noqa: F401
+
+    import pipeserve.engine.batching
+    import pipeserve.engine.cpu_kernels.fused_layers
+    import pipeserve.engine.cpu_kernels.layers
+    import pipeserve.engine.gguf.convert
+    import pipeserve.engine.mlx_engine
+    import pipeserve.live_app  # noqa: F401
+    from pipeserve.engine.cpu_kernels import kernels
+
+    kernels()
 
 
 def timing(start: float, stamps: list[float]) -> dict[str, float]:
@@ -212,8 +263,9 @@ def serve_worker(kind: str, gguf: str, threads: int, eos: list[int]) -> None:
         command = json.loads(line)
         op = command.pop("op")
         if op == "rss":
-            result: Any = {"rss": rss_bytes(), "baseline": worker.baseline,
-                           "loaded": worker.loaded, "arrays": worker.arrays}  # fmt: skip
+            result: Any = {"baseline": worker.baseline, "tokenized": worker.tokenized,
+                           "loaded": worker.loaded, "arrays": worker.arrays,
+                           **worker.memory()}  # fmt: skip
         else:
             result = getattr(worker, op)(**command)
         print(json.dumps(result), file=out, flush=True)
@@ -365,24 +417,41 @@ def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
     size = gguf.stat().st_size
     print(f"\nmedians over {args.rounds} alternating rounds, {args.tokens} tokens per stream, "
           f"{args.threads} threads; ratio = contestant / llama.cpp")  # fmt: skip
-    print("| contestant | TTFT s | decode tok/s | agg tok/s | RSS MB loaded (x GGUF) | after "
-          "| MLX arrays MB (x GGUF) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| contestant | TTFT s | decode tok/s | agg tok/s |")
+    print("|---|---|---|---|")
     for c in contestants:
         cell = results[c.name]
         ttft, decode = statistics.median(cell["ttft"]), statistics.median(cell["decode"])
         agg = statistics.median(cell.get("aggregate", cell["decode"]))
-        memory = c.ask("rss")
-        loaded = memory["loaded"] - memory["baseline"]  # the model (and its tokenizer)
-        after = memory["rss"] - memory["baseline"]  # plus caches and buffers after the runs
         print(
             f"| {c.name} | {ttft:.3f} ({ttft / statistics.median(base['ttft']):.2f}x) "
             f"| {decode:.1f} ({decode / statistics.median(base['decode']):.2f}x) "
-            f"| {agg:.1f} ({agg / statistics.median(base['decode']):.2f}x llama single) "
-            f"| {loaded / 1e6:.0f} ({loaded / size:.2f}x) | {after / 1e6:.0f} "
-            f"| {memory['arrays'] / 1e6:.0f} ({memory['arrays'] / size:.2f}x) |"
+            f"| {agg:.1f} ({agg / statistics.median(base['decode']):.2f}x llama single) |"
         )
-    print(f"GGUF file: {size / 1e6:.0f} MB")
+    report_memory(contestants, size)
+
+
+def report_memory(contestants: list[Any], size: int) -> None:
+    """RSS in MB (10^6 bytes) and as a multiple of the GGUF file (x)."""
+
+    def mb(value: int, ratio: bool = False) -> str:
+        return f"{value / 1e6:.0f} ({value / size:.2f}x)" if ratio else f"{value / 1e6:.0f}"
+
+    print(f"\nresident memory, MB (x the {size / 1e6:.0f} MB GGUF): process = RSS before "
+          "loading (libraries imported); tokenizer, model = what each adds (llama.cpp: "
+          "model, tokenizer and its 2048-token KV cache in one); after runs = over the "
+          "process, as held / after returning freed memory, of which prefix cache")  # fmt: skip
+    print("| contestant | process | tokenizer | model | tokenizer + model | weights as held "
+          "| after runs, held | after runs, freed returned | of which prefix cache |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in contestants:
+        m = c.ask("rss")
+        base, tokenizer = m["baseline"], m["tokenized"] - m["baseline"]
+        model, both = m["loaded"] - m["tokenized"], m["loaded"] - base
+        weights = mb(m["arrays"], True) if m["arrays"] else "-"
+        print(f"| {c.name} | {mb(base)} | {mb(tokenizer) if tokenizer else '-'} "
+              f"| {mb(model, True)} | {mb(both, True)} | {weights} | {mb(m['held'] - base)} "
+              f"| {mb(m['live'] - base)} | {mb(m['prefix_cache'])} |")  # fmt: skip
 
 
 def print_profile(profile: dict[str, Any]) -> None:
