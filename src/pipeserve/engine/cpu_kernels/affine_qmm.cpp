@@ -808,6 +808,30 @@ __attribute__((always_inline)) inline void mac_super(const IntX& qx, int m0, int
   }
 }
 
+// The sums of 16 vectors' lanes, lane 4k + t the sum of v[4t + k], in the very order of
+// _mm512_reduce_add_ps (lane l + lane l + 8, then + 4, + 2, + 1; a sum's operands
+// commute exactly), so an output is bit-identical whichever of the two reduced it.
+inline __m512 reduce_sixteen(const __m512 (&v)[16]) {
+  __m512 b[8], c[4], d[2];
+  PIPESERVE_UNROLL
+  for (int k = 0; k < 8; ++k) {  // blocks: v[2k] lanes 0-3 + 8-11, 4-7 + 12-15, then v[2k + 1]'s
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  PIPESERVE_UNROLL
+  for (int k = 0; k < 4; ++k) {  // block t: v[4k + t]'s 8 sums folded to 4
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  PIPESERVE_UNROLL
+  for (int k = 0; k < 2; ++k) {  // 4 -> 2 within each block
+    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // The bias term into the accumulators, then the outputs.
 template <typename S, int MT, int NT>
 void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][NT]) {
@@ -822,9 +846,26 @@ void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][
       }
     }
   }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j)
-      p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  if constexpr (MT >= 2 && NT == 4) {
+    // All the tile's outputs at once: 45 shuffles and adds for 16 accumulators instead
+    // of 8 per accumulator; lane 4i + j is output (i, j).
+    __m512 v[16];
+    PIPESERVE_UNROLL
+    for (int k = 0; k < 16; ++k) v[k] = _mm512_set1_ps(-0.0f);  // x + -0 == x, exactly
+    PIPESERVE_UNROLL
+    for (int i = 0; i < MT; ++i)
+      PIPESERVE_UNROLL
+      for (int j = 0; j < NT; ++j) v[4 * j + i] = acc[i][j];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce_sixteen(v));
+    for (int i = 0; i < MT; ++i) {
+      std::memcpy(p.out + static_cast<size_t>(m0 + i) * p.N + n0, sums + 4 * i, 4 * sizeof(float));
+    }
+  } else {
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NT; ++j)
+        p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
 }
 
 template <typename S, int NT>
