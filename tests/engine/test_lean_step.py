@@ -118,3 +118,36 @@ def test_a_greedy_batch_never_takes_mlx_lm_step_not_even_its_first(
     for prompt, seq in zip(prompts, [*first, late]):
         ids = [e.token_id for e in driver.events(seq)]
         assert ids == reference_ids(model, tokenizer, prompt, 8)
+
+
+def test_rows_ending_together_run_no_forward_pass_past_their_last_token(
+    demo_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step that hands out every row's last token launches no next forward pass (its
+    tokens would be thrown away): N tokens cost N decode passes. The finished rows'
+    prefix-cache entries hold what their caches computed, so a conversation that goes on
+    from an answer reuses all of it but the last token, with the same tokens."""
+    model, tokenizer = demo_model("qwen3")
+    decode_passes = []
+    original = type(model).__call__
+
+    def counted(self, inputs, *args, **kwargs):  # the real forward pass, counted
+        if inputs.shape[1] == 1:
+            decode_passes.append(inputs.shape[0])
+        return original(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", counted)
+    driver = Driver(model, tokenizer)
+    prompts = [list(tokenizer.encode(t)) for t in TEXTS]
+    seqs = [driver.add(job(p, max_tokens=n)) for p, n in zip(prompts, (4, 12, 12))]
+    while driver.batch.seqs:
+        driver.step()
+    assert len(decode_passes) == 12  # one per token of the longest rows, none past them
+    answers = [[e.token_id for e in driver.events(seq)] for seq in seqs]
+    assert answers == [reference_ids(model, tokenizer, p, n) for p, n in zip(prompts, (4, 12, 12))]
+    follow_up = prompts[1] + answers[1] + list(tokenizer.encode(" And then?"))
+    seq = driver.add(job(follow_up, max_tokens=6))
+    assert seq.cached_tokens == len(prompts[1]) + len(answers[1]) - 1
+    while driver.batch.seqs:
+        driver.step()
+    assert [e.token_id for e in driver.events(seq)] == reference_ids(model, tokenizer, follow_up, 6)

@@ -90,18 +90,36 @@ class Speculation:
 class LeanGenerationBatch(GenerationBatch):
     logprobs_wanted = True  # set by the generator before each step
     speculation: Speculation | None = None  # likewise
+    _closing = False  # this step's tokens end every row: no next forward pass
 
     def next(self) -> Any:
         spec = self.speculation
         if spec is None:
-            return super().next()
+            return self._ordinary_next()
         started = spec.step_begins()
         if spec.proposers:
             responses = speculative_next(self, spec)
             if responses is not None:
                 return responses
-        spec.ordinary(len(self.uids), started)
-        return super().next()
+        if self._ends_every_row():
+            spec.untimed()  # no forward pass: not a step's cost
+        else:
+            spec.ordinary(len(self.uids), started)
+        return self._ordinary_next()
+
+    def _ends_every_row(self) -> bool:
+        """Every row reaches its max_tokens with the tokens this step hands out."""
+        batch: Any = self  # mlx-lm's untyped state
+        return bool(batch.uids) and all(
+            done + 1 >= most for done, most in zip(batch._num_tokens, batch.max_tokens)
+        )
+
+    def _ordinary_next(self) -> Any:
+        self._closing = self._ends_every_row()
+        try:
+            return super().next()
+        finally:
+            self._closing = False
 
     def _lean(self) -> bool:
         if self.logprobs_wanted or any(self.logits_processors):
@@ -111,6 +129,8 @@ class LeanGenerationBatch(GenerationBatch):
         return all((fallback if s is None else s) is greedy_sampler for s in samplers)
 
     def _step(self) -> Any:
+        if self._closing:
+            return self._last_tokens()
         if not self._lean():
             return super()._step()
         batch: Any = self  # mlx-lm's untyped state
@@ -125,6 +145,18 @@ class LeanGenerationBatch(GenerationBatch):
         tokens: list[int] = inputs.tolist()
         for history, token in zip(batch.tokens, tokens):
             history.append(token)
+        return tokens, batch._current_logprobs
+
+    def _last_tokens(self) -> Any:
+        """The tokens that end every row, without the next forward pass a step launches
+        (its tokens would be thrown away, and it would hold up the next request's
+        prefill). Their keys and values are not computed, so `tokens` (what the KV cache
+        holds, which a finished row's prefix-cache entry is keyed by) does not take them."""
+        batch: Any = self  # mlx-lm's untyped state
+        batch._current_tokens = inputs = batch._next_tokens
+        batch._current_logprobs = batch._next_logprobs
+        mx.eval(inputs, [row for row in batch._current_logprobs if row is not None])
+        tokens: list[int] = inputs.tolist()
         return tokens, batch._current_logprobs
 
 
