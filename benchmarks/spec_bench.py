@@ -18,6 +18,7 @@ printed, never waited on forever.
 
     python benchmarks/spec_bench.py --shape smollm2 --rounds 3
     python benchmarks/spec_bench.py --spec '{method: prompt_lookup, max_batch: 8}'
+    python benchmarks/spec_bench.py --dtype float32   # SmolLM2 dequantized to float32
 """
 
 from __future__ import annotations
@@ -263,6 +264,12 @@ def main() -> int:
     )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--budget", type=float, default=330.0, help="seconds of rounds at most")
+    parser.add_argument(
+        "--dtype",
+        default="",
+        help="the model's options.dtype for both servers ('' = auto; float32: SmolLM2's"
+        " weights dequantized, the float32 row of issue 21's table)",
+    )
     parser.add_argument("--blas-threads", default="", help="OPENBLAS_NUM_THREADS ('' = default)")
     parser.add_argument(
         "--no-pause",
@@ -276,7 +283,9 @@ def main() -> int:
     model_dir, pipeline = bench_model(args.shape, home)
     work = Path(tempfile.mkdtemp(prefix="pipeserve-spec-bench-"))
     env = bench_environment(home, args.blas_threads)
-    base = {"max_batch": 8, "queue_size": 64}
+    base: dict[str, Any] = {"max_batch": 8, "queue_size": 64}
+    if args.dtype:
+        base["dtype"] = args.dtype
     servers = [
         start_pipeserve(model_dir, work, env, base, pipeline, name="without"),
         start_pipeserve(
@@ -284,7 +293,8 @@ def main() -> int:
         ),  # fmt: skip
     ]
     print(
-        f"model {model_dir.name}; speculative {args.spec}; {args.tokens} tokens per stream;"
+        f"model {model_dir.name} (dtype {args.dtype or 'auto'}); speculative {args.spec};"
+        f" {args.tokens} tokens per stream;"
         f" {args.rounds} alternating rounds; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )

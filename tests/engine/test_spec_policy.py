@@ -24,6 +24,8 @@ def costs(table: dict[int, dict[int, float]]) -> StepCosts:
     for batch, widths in table.items():
         for width, seconds in widths.items():
             learnt.record(batch, width, seconds)
+            if width > 1:
+                learnt.record(batch, width, seconds)  # the first one was the warm-up
     return learnt
 
 
@@ -78,6 +80,16 @@ def test_step_costs_follow_the_machine_and_resist_one_slow_step() -> None:
     before = ratio(learnt)
     learnt.record(1, 2, 1000.0)  # a pause of the process
     assert ratio(learnt) == pytest.approx(before, rel=0.25)
+
+
+def test_a_first_cold_verification_does_not_price_its_width() -> None:
+    """The first W-token step of a process runs cold: it is not a sample (priced that
+    high the width would never be chosen again to correct it)."""
+    learnt = costs({1: {1: 10.0}})
+    learnt.record(1, 2, 25.0)  # cold
+    assert not learnt.measured(1, 2)
+    learnt.record(1, 2, 12.0)
+    assert learnt.estimate(1, 2) == pytest.approx(12.0)
 
 
 def test_a_loaded_machine_keeps_the_cost_ratios() -> None:
