@@ -3,8 +3,12 @@ rows' acceptance and the step costs, and how those two are learnt."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from pipeserve.config.models import SpeculativeOptions
+from pipeserve.engine.proposer import RowProposer
 from pipeserve.engine.spec_policy import (
     PRIOR_SLOPE,
     Acceptance,
@@ -139,3 +143,21 @@ def test_proposals_failing_in_a_row_back_off_longer_and_nothing_to_propose_does_
     twice = steps_until_tried_again(after(3, 2))
     assert steps_until_tried_again(after(3, 5)) > 4 * twice
     assert steps_until_tried_again(after(0, 5)) < twice
+
+
+def test_prompt_lookup_tells_before_the_next_token_when_it_has_nothing() -> None:
+    """A row whose last token begins no earlier 2-gram cannot propose whatever token
+    comes next (so the step need not wait for that token to find out); where it may,
+    some next token gives a proposal."""
+    options = SpeculativeOptions(method="prompt_lookup", ngram_min=2, ngram_max=4)
+    rng = random.Random(7)
+    history = [rng.randrange(12) for _ in range(40)]
+    for end in range(2, len(history)):
+        known = history[:end]
+        row = RowProposer(options, lookup=True)
+        may = row.may_propose(known)
+        proposals = [RowProposer(options, lookup=True).propose(known + [t], 8) for t in range(12)]
+        assert may == any(proposals), (known, may)
+    fresh = RowProposer(options, lookup=True)
+    assert not fresh.may_propose([5, 6, 7])  # 7 begins no 2-gram yet
+    assert fresh.may_propose([5, 6, 7, 5])  # 5 does: (5, 6)

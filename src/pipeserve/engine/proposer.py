@@ -37,6 +37,7 @@ class NgramIndex:
         self.n = n
         self.tokens: list[int] = []
         self.after: dict[tuple[int, ...], list[int]] = {}
+        self.heads: set[tuple[int, ...]] = set()  # the first n - 1 tokens of each n-gram
 
     def extend(self, tokens: list[int]) -> None:
         n, own = self.n, self.tokens
@@ -44,6 +45,12 @@ class NgramIndex:
             own.append(token)
             if len(own) >= n:
                 self.after.setdefault(tuple(own[-n:]), []).append(len(own))
+                self.heads.add(tuple(own[len(own) - n : -1]))
+
+    def may_follow(self, known: list[int]) -> bool:
+        """Whether `known` plus one more token can end with an n-gram seen before (its
+        last n - 1 tokens begin one): else a lookup after the next token finds nothing."""
+        return len(known) >= self.n - 1 and tuple(known[len(known) - self.n + 1 :]) in self.heads
 
     def lookup(self, history: list[int], longest: int, expected: int = -1) -> int:
         """Where the continuation of `history`'s longest suffix n-gram (at most `longest`
@@ -145,6 +152,18 @@ class RowProposer:
     def ready(self) -> bool:
         """Whether it has a source of proposals (configured, or a prediction)."""
         return self.lookup or self.drafted or bool(self.prediction)
+
+    def may_propose(self, known: list[int]) -> bool:
+        """Whether it may have a proposal once the token after `known` (the sequence
+        without the token being decoded) is known. Only prompt lookup can tell before:
+        where the last ngram_min - 1 tokens begin no n-gram seen earlier, it has none,
+        and waiting for the next token to find that out would cost the step its overlap
+        with the one before (a random-weight model's rows: every few steps)."""
+        index = self._history
+        if self.drafted or self.prediction or index is None:
+            return True
+        index.extend(known[len(index.tokens) :])
+        return index.may_follow(known)
 
     def propose(self, history: list[int], room: int, drafted: list[int] | None = None) -> list[int]:
         """Up to `room` (and `reach`) tokens that may follow `history` (the sequence so

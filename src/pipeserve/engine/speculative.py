@@ -71,7 +71,10 @@ def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:
     exploring = any(row is not None and not row.acceptance.known for row in rows)
     if not exploring and not spec.costs.measured(count, 1):
         return None  # an ordinary step of this batch size is timed first
-    offers = [(_hoped(row), row.reach) if row else (0.0, 0) for row in rows]
+    offers = [
+        (_hoped(row), row.reach if row.may_propose(batch.tokens[i]) else 0) if row else (0.0, 0)
+        for i, row in enumerate(rows)
+    ]
     if choose_width(offers, spec.costs, spec.widest) == 1:
         _skipped(rows)
         return None  # without waiting for the next tokens: the ordinary step overlaps
