@@ -49,6 +49,20 @@ def test_add_rms_norm_and_swiglu_match_numpy(ext):
         ext.swiglu(mx.zeros((2, 3)))
 
 
+def test_swiglu_split_over_the_pool_equals_row_by_row(ext):
+    """Enough elements for the kernels' pool (a prefill): every element as computed alone,
+    on contiguous and strided inputs alike."""
+    gate_up = mx.random.normal((70, 2 * 100), key=mx.random.key(2))
+    strided = mx.random.normal((2 * 100, 70), key=mx.random.key(3)).T  # a view, not copied
+    for x in (gate_up, strided):
+        whole = np.array(ext.swiglu(x))
+        rows = np.concatenate([np.array(ext.swiglu(x[i : i + 1])) for i in range(70)])
+        assert np.array_equal(whole, rows)
+        gate, up = np.array(x[:, :100], np.float64), np.array(x[:, 100:], np.float64)
+        want = gate / (1 + np.exp(-gate)) * up
+        assert np.abs(whole - want).max() < 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("norms", [False, True])
 def test_split_heads_matches_numpy(ext, traditional, norms):

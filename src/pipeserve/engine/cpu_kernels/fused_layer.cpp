@@ -244,12 +244,10 @@ void run(const Job& j) {
   for (int i = 0; i < B * H; ++i) h[i] = x[i] + delta[i];
   rms_norm_rows(h, j.post_norm, s.norm_eps, B, H, normed);
   project(j.proj[GATE_UP], normed, B, gate_up);
-  for (int b = 0; b < B; ++b) {
-    const float* gate = gate_up + static_cast<size_t>(b) * 2 * inter;
-    const float* up = gate + inter;
-    float* o = act + static_cast<size_t>(b) * inter;
-    for (int i = 0; i < inter; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-  }
+  thread_local std::vector<int64_t> gate_rows;
+  gate_rows.resize(B);
+  for (int b = 0; b < B; ++b) gate_rows[b] = static_cast<int64_t>(b) * 2 * inter;
+  swiglu_rows(gate_up, gate_rows, 1, inter, act);
   project(j.proj[DOWN], act, B, delta);
   for (int i = 0; i < B * H; ++i) j.out[i] = h[i] + delta[i];
 }

@@ -108,15 +108,7 @@ class SwiGlu : public CpuOnly {
     allocate(outputs, encoder);
     encoder.dispatch([xp = x.data<float>(), op = outputs[0].data<float>(), rows = row_offsets(x),
                       step = x.strides().back(), half = x.shape(-1) / 2]() {
-      for (size_t row = 0; row < rows.size(); ++row) {
-        const float* gate = xp + rows[row];
-        const float* up = gate + half * step;
-        float* o = op + row * half;
-        for (int i = 0; i < half; ++i) {
-          const float g = gate[i * step];
-          o[i] = g / (1.0f + std::exp(-g)) * up[i * step];
-        }
-      }
+      swiglu_rows(xp, rows, step, half, op);
     });
   }
   const char* name() const override {

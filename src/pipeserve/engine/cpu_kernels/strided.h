@@ -2,11 +2,15 @@
 // fused_step.cpp, fused_layer.cpp).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "mlx/array.h"
 #include "mlx/backend/common/utils.h"
+
+#include "kernels.h"
 
 namespace pipeserve {
 
@@ -47,6 +51,35 @@ inline void axpy(float p, const float* v, int64_t step, float* out, int n) {
   } else {
     for (int i = 0; i < n; ++i) out[i] += p * v[i * step];
   }
+}
+
+// Elements of SwiGLU worth a fork / join of the kernels' pool (one std::exp each).
+constexpr int64_t PARALLEL_SWIGLU = 4096;
+
+// silu(gate) * up for each row of a fused gate/up projection: row r's gate at
+// base + rows[r], its up `half * step` after it, elements `step` apart; out (rows, half)
+// contiguous. Split over the kernels' pool in runs of elements (each computed alone, so
+// the result does not depend on the split). Not from inside a parallel_for job.
+inline void swiglu_rows(const float* base, const std::vector<int64_t>& rows, int64_t step,
+                        int half, float* out) {
+  const int64_t total = static_cast<int64_t>(rows.size()) * half;
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin / half, e = begin; e < end; ++row) {
+      const float* gate = base + rows[row];
+      const float* up = gate + half * step;
+      const int64_t first = e - row * half, last = std::min<int64_t>(half, end - row * half);
+      for (int64_t i = first; i < last; ++i, ++e) {
+        const float g = gate[i * step];
+        out[e] = g / (1.0f + std::exp(-g)) * up[i * step];
+      }
+    }
+  };
+  if (total < PARALLEL_SWIGLU) {
+    run(0, total);
+    return;
+  }
+  const int chunks = static_cast<int>(std::min<int64_t>(4 * threads(), total / 1024));
+  parallel_for(chunks, [&](int c) { run(total * c / chunks, total * (c + 1) / chunks); });
 }
 
 }  // namespace pipeserve
