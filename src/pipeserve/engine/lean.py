@@ -55,7 +55,10 @@ class Speculation:
         self._steady = 0  # the batch size of the last untouched ordinary step (0: none)
 
     def clear(self) -> None:
+        """The batch is idle: nothing to propose for, and the time until the next step
+        (the next request's) is no step's cost."""
         self.proposers.clear()
+        self.untimed()
         if self.draft is not None:
             self.draft.clear()
 

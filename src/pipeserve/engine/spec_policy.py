@@ -107,9 +107,15 @@ class StepCosts:
         if old is None:
             row[width] = seconds / self._speed
             return
-        seen = min(seconds / old, OUTLIER * self._speed)  # this step at this cell's shape
-        self._speed += SPEED_WEIGHT * (seen - self._speed)
-        row[width] = old + COST_WEIGHT * (min(seconds, OUTLIER * old) / self._speed - old)
+        seconds = min(seconds, OUTLIER * old * self._speed)  # at most OUTLIER x its estimate
+        self._speed += SPEED_WEIGHT * (seconds / old - self._speed)
+        if width == 1:
+            # A batch size's ordinary step is the unit its widths are priced in: it moves
+            # the speed only. (Moving both from one cell's samples let their split drift
+            # with the noise, without bound: after ~2000 noisy ordinary steps the wider
+            # steps were priced 1e80 times an ordinary one and speculation stopped.)
+            return
+        row[width] = old + COST_WEIGHT * (seconds / self._speed - old)
 
     def measured(self, batch: int, width: int) -> bool:
         return width in self._shape.get(batch, {})
