@@ -98,17 +98,18 @@ class LeanGenerationBatch(GenerationBatch):
     def next(self) -> Any:
         spec = self.speculation
         if spec is None:
-            return self._ordinary_next()
+            return self._ordinary_next(self._ends_every_row())
         started = spec.step_begins()
         if spec.proposers:
             responses = speculative_next(self, spec)
             if responses is not None:
                 return responses
-        if self._ends_every_row():
+        closing = self._ends_every_row()
+        if closing:
             spec.untimed()  # no forward pass: not a step's cost
         else:
             spec.ordinary(len(self.uids), started)
-        return self._ordinary_next()
+        return self._ordinary_next(closing)
 
     def _ends_every_row(self) -> bool:
         """Every row reaches its max_tokens with the tokens this step hands out."""
@@ -117,8 +118,8 @@ class LeanGenerationBatch(GenerationBatch):
             done + 1 >= most for done, most in zip(batch._num_tokens, batch.max_tokens)
         )
 
-    def _ordinary_next(self) -> Any:
-        self._closing = self._ends_every_row()
+    def _ordinary_next(self, closing: bool) -> Any:
+        self._closing = closing
         try:
             return super().next()
         finally:

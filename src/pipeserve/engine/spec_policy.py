@@ -25,9 +25,6 @@ PRIOR_SLOPE = 0.25
 COST_WEIGHT = 0.1  # weight of the newest step in a (B, W) cost's moving average
 SPEED_WEIGHT = 0.3  # ... in the machine's speed (every step, whatever its (B, W))
 OUTLIER = 4.0  # a step slower than this many times its estimate counts as this many
-# The first verification at each (B, W > 1) is a warm-up, not a sample: it runs cold
-# (SmolLM2 here: ~1.6x the steady cost), and a width priced that high is not chosen
-# again, so its price would never be corrected.
 # Per-token acceptance before a row has proposed anything: prompt lookup, prediction.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_PREDICTION_ACCEPTANCE = 0.8
@@ -100,8 +97,11 @@ class StepCosts:
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         if width > 1 and (batch, width) not in self._warm:
+            # The first verification at each (B, W > 1) is a warm-up, not a sample: it
+            # runs cold (SmolLM2 here: ~1.6x the steady cost), and a width priced that
+            # high is not chosen again, so its price would never be corrected.
             self._warm.add((batch, width))
-            return  # the warm-up (above)
+            return
         row = self._shape.setdefault(batch, {})
         old = row.get(width)
         if old is None:
