@@ -21,6 +21,7 @@ from mlx_lm.generate import StopSequences
 from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.channel import Courier
 from pipeserve.engine.constraints import ConstraintSet, SamplerFilters
+from pipeserve.engine.cpu_kernels import kernels
 from pipeserve.engine.draft import DraftProposer
 from pipeserve.engine.lean import LeanBatchGenerator, Speculation
 from pipeserve.engine.prefix_cache import PrefixCache
@@ -41,6 +42,8 @@ class Batch:
         self.stats = stats
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self.stream = mx.default_stream(mx.default_device())  # this (engine) thread's stream
+        # Copies a batch's KV cache rows when rows finish (engine/batch_cache.py).
+        self.cache_ops = kernels() if self.stream.device == mx.cpu else None
         self.prefix = PrefixCache(options.prefix_cache)
         self.speculative = options.speculative or SpeculativeOptions(method="prompt_lookup")
         # A sharded model's ranks replay rank 0's steps: no speculation there (yet).
@@ -77,6 +80,7 @@ class Batch:
             prefill_step_size=self.options.prefill_step_size,
             stream=self.stream,
             speculation=self.speculation,
+            cache_ops=self.cache_ops,
         )
 
     def warm_up(self) -> None:

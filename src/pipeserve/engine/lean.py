@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from pipeserve.engine.batch_cache import keep_rows, row_cache
 from pipeserve.engine.draft import DraftProposer
 from pipeserve.engine.proposer import RowProposer
 from pipeserve.engine.spec_policy import StepCosts
@@ -93,9 +94,14 @@ class Speculation:
 class LeanGenerationBatch(GenerationBatch):
     logprobs_wanted = True  # set by the generator before each step
     speculation: Speculation | None = None  # likewise
+    cache_ops: Any = None  # the CPU kernels' extension (ext.cache_rows), or None; likewise
     _closing = False  # this step's tokens end every row: no next forward pass
+    _copying: list[mx.array] = []  # KV buffers a filter is copying (engine/batch_cache.py)
 
     def next(self) -> Any:
+        if self._copying:  # before this step is queued: its layer ops then write into them
+            mx.eval(self._copying)
+            self._copying = []
         spec = self.speculation
         if spec is None:
             return self._ordinary_next(self._ends_every_row())
@@ -124,6 +130,27 @@ class LeanGenerationBatch(GenerationBatch):
             return super().next()
         finally:
             self._closing = False
+
+    def filter(self, keep: list[int]) -> None:
+        """mlx-lm's filter, with the KV caches' rows kept by engine/batch_cache.py (no
+        wait for the step in flight); the kept rows' next tokens are queued at once, so
+        the next step waits for them alone, not for the whole step it launches."""
+        batch: Any = self  # mlx-lm's untyped state
+        caches, batch.prompt_cache = batch.prompt_cache, []  # mlx-lm's loop skips them
+        try:
+            super().filter(keep)
+        finally:
+            batch.prompt_cache = caches
+        if not keep:
+            caches.clear()
+            return
+        self._copying = keep_rows(caches, keep, self.cache_ops)
+        if batch._next_tokens is not None:
+            mx.async_eval(batch._next_tokens)
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        batch: Any = self  # mlx-lm's untyped state
+        return row_cache(batch.prompt_cache, idx, self.cache_ops)
 
     def _lean(self) -> bool:
         if self.logprobs_wanted or any(self.logits_processors):
@@ -203,12 +230,15 @@ class LeanBatchGenerator(BatchGenerator):
     """BatchGenerator whose decode step is LeanGenerationBatch's; set `logprobs_wanted`
     (any request in the batch asked for logprobs) before each `next()`. With a
     `speculation`, rows with proposers verify proposals in the decode step
-    (engine/speculative.py)."""
+    (engine/speculative.py). `cache_ops`: the CPU kernels' extension, which copies the
+    rows of a batch's KV caches when rows finish (engine/batch_cache.py), or None."""
 
-    def __init__(self, *args: Any, speculation: Speculation | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, speculation: Speculation | None = None,
+                 cache_ops: Any = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.logprobs_wanted = True
         self.speculation = speculation
+        self.cache_ops = cache_ops
         self._generation_batch.__class__ = LeanGenerationBatch
         self._prompt_batch.__class__ = LeanPromptBatch
 
@@ -220,6 +250,7 @@ class LeanBatchGenerator(BatchGenerator):
     def _next(self) -> Any:
         self._generation_batch.logprobs_wanted = self.logprobs_wanted
         self._generation_batch.speculation = self.speculation
+        self._generation_batch.cache_ops = self.cache_ops
         self._prompt_batch.logprobs_wanted = self.logprobs_wanted
         result = super()._next()
         spec = self.speculation

@@ -70,6 +70,12 @@ NB_MODULE(_pipeserve_cpu, m) {
         "x @ w (w stored (K, N): transposed) or x @ w.T (w (N, K)), float32, + bias; a few rows"
         " of x on the kernels' threads, more through MLX's matmul.");
   m.attr("F32_MATMUL_MAX_ROWS") = pipeserve::F32_MATMUL_MAX_ROWS;
+  m.def("cache_rows", &pipeserve::cache_rows, "buffers"_a, "rows"_a, "start"_a, "stop"_a,
+        "capacity"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Rows of KV cache buffers (B, heads, capacity, depth), positions start..stop - 1, as new"
+        " (len(rows), heads, capacity, depth) buffers (zeros after the copied positions).");
+  m.def("cache_copy_bytes", &pipeserve::cache_copy_bytes,
+        "Bytes of KV cache the decoder layer op copied (its input could not be donated).");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

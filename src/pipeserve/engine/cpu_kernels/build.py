@@ -32,6 +32,7 @@ SOURCE_FILES = (
     "fused_step.cpp",
     "fused_layer.cpp",
     "f32_matmul.cpp",
+    "cache_rows.cpp",
     "bindings.cpp",
     "CMakeLists.txt",
 )

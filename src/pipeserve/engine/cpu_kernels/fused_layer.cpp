@@ -276,6 +276,7 @@ CacheCopy take_cache(const mx::array& in, mx::array& out) {
     return {};
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
+  count_cache_copy(static_cast<int64_t>(out.nbytes()));
   return {in.data<float>(), row_offsets(in), in.strides().back(), in.shape(-1)};
 }
 

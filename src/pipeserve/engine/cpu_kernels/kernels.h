@@ -179,6 +179,18 @@ void f32_matmul_columns(const float* x, int64_t ldx, int M, int K, const float* 
                         bool transposed, const float* bias, float* out, int64_t ldo, int n0,
                         int n1);
 
+// Rows `rows` of each KV cache buffer (float32 (B, heads, capacity, depth), any strides),
+// positions start..stop - 1, as new buffers (len(rows), heads, `capacity`, depth) holding
+// them at 0..stop - start - 1 and zeros after: one op for all the buffers (cache_rows.cpp).
+std::vector<mx::array> cache_rows(const std::vector<mx::array>& buffers,
+                                  const std::vector<int>& rows, int start, int stop,
+                                  int capacity, mx::StreamOrDevice s = {});
+
+// Bytes of KV cache the decoder layer op copied because its input buffer could not be
+// donated (something else held it): counted for tests and benchmarks.
+void count_cache_copy(int64_t bytes);
+int64_t cache_copy_bytes();
+
 // Runs job(0) .. job(chunks - 1) on the kernels' thread pool (affine_qmm.cpp), the
 // calling thread included, and returns when all are done; rethrows a job's exception.
 void parallel_for(int chunks, const std::function<void(int)>& job);

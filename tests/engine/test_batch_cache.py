@@ -1,0 +1,105 @@
+"""Rows finishing at different steps (engine/batch_cache.py): the kept rows' caches and a
+finished row's extract equal mlx-lm's BatchKVCache.filter / extract, the tokens equal
+mlx-lm's path, and the decoder layer op writes into the compacted buffers instead of
+copying them again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache
+
+from pipeserve.engine.batch_cache import keep_rows, row_cache
+from pipeserve.engine.lean import GenerationBatch, LeanBatchGenerator, LeanGenerationBatch
+from tests.engine.test_fused_layers import tiny_llama, twins
+
+pytestmark = pytest.mark.mlx
+
+PADDING = [3, 0, 1, 2]  # row 1 has none: without it, every kept row drops one position
+
+
+def padded_caches(layers: int = 2) -> list[BatchKVCache]:
+    """Left-padded BatchKVCaches after a 6-position prefill and two decode steps."""
+    key = mx.random.key(5)
+    caches = []
+    for _ in range(layers):
+        cache = BatchKVCache(PADDING)
+        for length in (6, 1, 1):
+            key, k1, k2 = mx.random.split(key, 3)
+            shape = (len(PADDING), 2, length, 16)
+            cache.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+        caches.append(cache)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def copied(caches: list[BatchKVCache]) -> list[BatchKVCache]:
+    out = []
+    for cache in caches:
+        twin = BatchKVCache([0] * len(PADDING))
+        twin.state = tuple(mx.array(a) if isinstance(a, mx.array) else a for a in cache.state)
+        out.append(twin)
+    return out
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_kept_rows_and_extracts_equal_mlx_lm(ext, kernels):
+    ops = ext if kernels else None
+    theirs = padded_caches()
+    ours = copied(theirs)
+    for index in range(len(PADDING)):
+        for want, got in zip([c.extract(index) for c in theirs], row_cache(ours, index, ops)):
+            assert got.offset == want.offset
+            assert np.array_equal(np.array(got.keys), np.array(want.keys))
+            assert np.array_equal(np.array(got.values), np.array(want.values))
+    keep = [0, 2, 3]
+    for cache in theirs:
+        cache.filter(keep)
+    made = keep_rows(ours, keep, ops)
+    assert len(made) == (2 * len(ours) if kernels else 0)
+    for want, got in zip(theirs, ours):
+        assert got._idx == want._idx == 7  # 8 positions, the common padding (1) dropped
+        assert got.left_padding.tolist() == want.left_padding.tolist() == [2, 0, 1]
+        assert got.offset.tolist() == want.offset.tolist()
+        assert got.keys.shape == want.keys.shape
+        for a, b in ((got.keys, want.keys), (got.values, want.values)):
+            assert np.array_equal(np.array(a)[:, :, : got._idx], np.array(b)[:, :, : got._idx])
+        if kernels:  # the room after the used positions is zeros (a later roll may show it)
+            assert not np.array(got.keys)[:, :, got._idx :].any()
+
+
+def staggered_run(model: Any, ext: Any, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """Greedy tokens of each prompt, decoded together; rows end at different steps."""
+    gen = LeanBatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, cache_ops=ext)
+    gen.logprobs_wanted = False
+    uids = gen.insert(prompts, max_tokens=lengths)
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    done = 0
+    while done < len(uids):
+        for response in gen.next()[1]:
+            tokens[response.uid].append(response.token)
+            done += response.finish_reason is not None
+    gen.close()
+    return {uid: tokens[uid] for uid in uids}
+
+
+def test_finishing_rows_cost_no_second_copy_and_keep_the_tokens(ext, monkeypatch):
+    """The row without left padding ends first, so the others drop a common padding.
+    mlx-lm's filter leaves the layer op a strided view of its gather, which the op copies
+    whole; ours hands it compact buffers it writes into. Same tokens either way."""
+    _, model = twins(tiny_llama, ext, True)
+    prompts = [[5, 17, 3, 88, 41, 9, 60, 2, 33], [7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 7],
+               [40, 41, 42, 43, 44, 45]]  # fmt: skip
+    lengths = [3, 12, 8, 10]
+    before = ext.cache_copy_bytes()
+    ours = staggered_run(model, ext, prompts, lengths)
+    assert ext.cache_copy_bytes() == before
+    monkeypatch.setattr(LeanGenerationBatch, "filter", GenerationBatch.filter)
+    monkeypatch.setattr(LeanGenerationBatch, "extract_cache", GenerationBatch.extract_cache)
+    theirs = staggered_run(model, None, prompts, lengths)
+    assert ext.cache_copy_bytes() > before  # mlx-lm's filter: the layer op copied
+    assert list(ours.values()) == list(theirs.values())
+    assert [len(t) for t in ours.values()] == lengths
