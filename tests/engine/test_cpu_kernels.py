@@ -196,6 +196,72 @@ def test_fused_attention_matches_numpy(ext):
         assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
 
 
+def numpy_attention(q, keys, values, scale, mask=None):
+    qs, ks, vs = (np.array(a, dtype=np.float64) for a in (q, keys, values))
+    group = qs.shape[1] // ks.shape[1]
+    ks, vs = np.repeat(ks, group, axis=1), np.repeat(vs, group, axis=1)
+    scores = qs @ ks.transpose(0, 1, 3, 2) * scale
+    if mask is not None and mask.dtype == mx.bool_:
+        scores = np.where(np.array(mask), scores, -np.inf)
+    elif mask is not None:
+        scores = scores + np.array(mask)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return weights / weights.sum(-1, keepdims=True) @ vs
+
+
+# Head sizes on the vectorised path (64, 128) and off it (24); lengths around its blocks
+# of 16 positions; keys with unit and with strided rows (a transposed buffer).
+@pytest.mark.parametrize("dim", [24, 64, 128])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 40])
+def test_attention_at_every_head_size_and_length_matches_numpy(ext, dim, length):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(dim + length), 4)
+    q = mx.random.normal((2, 4, 2, dim), key=k1)
+    keys = mx.random.normal((2, 2, dim, length), key=k2).transpose(0, 1, 3, 2)  # strided
+    values = mx.random.normal((2, 2, length, dim), key=k3)
+    hidden = np.arange(length)[None, :] < np.array([[0], [length // 2]])  # row 1: padding
+    masks = [None, mx.array(~hidden).reshape(2, 1, 1, length),
+             mx.random.normal((2, 4, 2, length), key=k4)]  # fmt: skip
+    for mask in masks:
+        got = np.array(ext.sdpa(q, keys, values, dim**-0.5, mask))
+        want = numpy_attention(q, keys, values, dim**-0.5, mask)
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_a_query_gets_the_same_numbers_alone_or_among_others(ext):
+    """Speculative verification relies on it: the last of 8 causal query rows, in a batch
+    of 3, is bit-identical to that row decoded alone after the other 7."""
+    k1, k2, k3 = mx.random.split(mx.random.key(9), 3)
+    q = mx.random.normal((3, 9, 8, 64), key=k1)
+    keys, values = (
+        mx.random.normal((3, 3, 70, 64), key=k2),
+        mx.random.normal((3, 3, 70, 64), key=k3),
+    )
+    together = ext.sdpa(q, keys, values, 0.125, None, False, True)
+    alone = ext.sdpa(q[1:2, :, 7:], keys[1:2], values[1:2], 0.125, None, False, True)
+    assert mx.array_equal(together[1:2, :, 7:], alone)
+
+
+@pytest.mark.parametrize("dim", [24, 64])
+@pytest.mark.parametrize("padding", [1, 5, 16])
+def test_left_padding_leaves_a_row_bit_identical(ext, dim, padding):
+    """A batch left-pads its shorter rows (masked positions in front, as many as the
+    longest row needs, and speculation's rollback shifts them): a row's attention must
+    not change by a bit with them, or sampled output differs with speculation on."""
+    k1, k2, k3 = mx.random.split(mx.random.key(padding), 3)
+    q = mx.random.normal((1, 4, 3, dim), key=k1)
+    keys, values = (
+        mx.random.normal((1, 2, 37, dim), key=k2),
+        mx.random.normal((1, 2, 37, dim), key=k3),
+    )
+    plain = ext.sdpa(q, keys, values, 0.3, None, False, True)
+    junk = mx.random.normal((1, 2, padding, dim)) * 100
+    padded_keys, padded_values = (mx.concatenate([junk, a], axis=2) for a in (keys, values))
+    mask = mx.array(np.arange(37 + padding) >= padding).reshape(1, 1, 1, -1)
+    causal = mx.array(np.tril(np.ones((3, 37 + padding), bool), k=34 + padding))
+    padded = ext.sdpa(q, padded_keys, padded_values, 0.3, mask & causal)
+    assert mx.array_equal(plain, padded)
+
+
 # The stress child: three threads, each on its own MLX stream, issue small affine_qmm
 # calls through a 2-thread pool (several chunks per call) and check every result against
 # the numpy reference the parent saved. They print "ready" once each has one call done,

@@ -42,6 +42,7 @@
 #include "mlx/utils.h"
 
 #include "kernels.h"
+#include "simd512.h"
 
 namespace pipeserve {
 
@@ -683,8 +684,6 @@ inline __m512i dot_words(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
-#define PIPESERVE_UNROLL _Pragma("GCC unroll 16")
-
 // 8-bit-like bytes of a superblock (z0: chunks 0-1, z1: chunks 2-3, one byte a value)
 // as the four word vectors: vector 0 the even and 1 the odd values of each chunk's
 // first 16, 2 and 3 those of its last 16.
@@ -806,30 +805,6 @@ __attribute__((always_inline)) inline void mac_super(const IntX& qx, int m0, int
       acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[j], xs), acc[i][j]);
     }
   }
-}
-
-// The sums of 16 vectors' lanes, lane 4k + t the sum of v[4t + k], in the very order of
-// _mm512_reduce_add_ps (lane l + lane l + 8, then + 4, + 2, + 1; a sum's operands
-// commute exactly), so an output is bit-identical whichever of the two reduced it.
-inline __m512 reduce_sixteen(const __m512 (&v)[16]) {
-  __m512 b[8], c[4], d[2];
-  PIPESERVE_UNROLL
-  for (int k = 0; k < 8; ++k) {  // blocks: v[2k] lanes 0-3 + 8-11, 4-7 + 12-15, then v[2k + 1]'s
-    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  PIPESERVE_UNROLL
-  for (int k = 0; k < 4; ++k) {  // block t: v[4k + t]'s 8 sums folded to 4
-    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  PIPESERVE_UNROLL
-  for (int k = 0; k < 2; ++k) {  // 4 -> 2 within each block
-    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // The bias term into the accumulators, then the outputs.

@@ -27,6 +27,9 @@ SOURCES = Path(__file__).resolve().parent
 SOURCE_FILES = (
     "kernels.h",
     "strided.h",
+    "simd512.h",
+    "attention.h",
+    "attention.cpp",
     "affine_qmm.cpp",
     "fused.cpp",
     "fused_step.cpp",

@@ -14,6 +14,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "attention.h"
 #include "kernels.h"
 #include "strided.h"
 
@@ -142,10 +143,88 @@ class Rope : public mx::Primitive {
   float scale_;
 };
 
+constexpr int64_t PARALLEL_SDPA = 1 << 15;  // multiply-adds worth a pool fork / join
+
+// Sdpa's work as raw pointers: tasks of one (batch row, kv head) pair and a run of its
+// query rows (query heads of the kv head's group x query positions), split over the
+// kernels' pool; each query row by attend_query (attention.cpp).
+struct SdpaJob {
+  const float *qp, *kp, *vp;
+  float* op;
+  mx::Strides qs, ks, vs;
+  mx::Shape shape;  // q: (B, Hq, L, D)
+  int S, Hk;
+  const void* mp;
+  mx::Strides ms;
+  int kind;  // 0 no mask, 1 boolean, 2 additive
+  float scale;
+  bool merged, causal;
+
+  // Row b's kv head kh, contiguous in `keys` / `values` unless already so.
+  HeadKeysValues head(int b, int kh, std::vector<float>& keys, std::vector<float>& values) const {
+    const int D = shape[3];
+    const float* k = kp + b * ks[0] + kh * ks[1];
+    const float* v = vp + b * vs[0] + kh * vs[1];
+    auto gather = [&](const float* from, const mx::Strides& st, std::vector<float>& to) {
+      to.resize(static_cast<size_t>(S) * D);
+      for (int s = 0; s < S; ++s)
+        for (int d = 0; d < D; ++d) to[s * D + d] = from[s * st[2] + d * st[3]];
+      return to.data();
+    };
+    const bool k_rows = ks[3] == 1, v_rows = vs[3] == 1;
+    return {k_rows ? k : gather(k, ks, keys), v_rows ? v : gather(v, vs, values),
+            k_rows ? ks[2] : D, v_rows ? vs[2] : D, D};
+  }
+
+  void query(const HeadKeysValues& kv, int b, int h, int l, std::vector<float>& q_row) const {
+    const int Hq = shape[1], L = shape[2], D = shape[3];
+    const float* qr = qp + b * qs[0] + h * qs[1] + l * qs[2];
+    if (qs[3] != 1) {
+      q_row.resize(D);
+      for (int d = 0; d < D; ++d) q_row[d] = qr[d * qs[3]];
+      qr = q_row.data();
+    }
+    QueryMask mask;
+    if (kind != 0) {
+      const int64_t at = b * ms[0] + h * ms[1] + l * ms[2];
+      mask.is_bool = kind == 1;
+      mask.base = kind == 1 ? static_cast<const void*>(static_cast<const bool*>(mp) + at)
+                            : static_cast<const void*>(static_cast<const float*>(mp) + at);
+      mask.step = ms[3];
+    }
+    // causal: query row l sees the keys up to its own position, S - L + l
+    const int seen = causal ? std::min(S, S - L + l + 1) : S;
+    float* o = merged ? op + ((static_cast<int64_t>(b) * L + l) * Hq + h) * D
+                      : op + ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
+    attend_query(kv, qr, seen, scale, mask, o);
+  }
+
+  void run() const {
+    const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
+    const int group = Hq / Hk, pairs = B * Hk, queries = L * group;
+    const int runs = std::min(queries, std::max(1, (2 * threads() + pairs - 1) / pairs));
+    auto task = [&](int t) {
+      thread_local std::vector<float> keys, values, q_row;
+      const int run = t % runs, b = t / runs / Hk, kh = t / runs % Hk;
+      const HeadKeysValues kv = head(b, kh, keys, values);
+      for (int i = queries * run / runs; i < queries * (run + 1) / runs; ++i) {
+        query(kv, b, kh * group + i / L, i % L, q_row);
+      }
+    };
+    const int tasks = pairs * runs;
+    if (static_cast<int64_t>(B) * Hq * L * S * D < PARALLEL_SDPA) {
+      for (int t = 0; t < tasks; ++t) task(t);
+    } else {
+      parallel_for(tasks, task);
+    }
+  }
+};
+
 // Attention for a few query rows (a decode step) or a short prefill (causal): per
 // (batch, query head) the scores against every key of its kv head (grouped-query), the
-// mask, a float32 softmax and the weighted sum of values, in one pass. Keys and values as the cache slices them (any
-// strides); the mask broadcast to (B, Hq, L, S), boolean or additive.
+// mask, a float32 softmax and the weighted sum of values (attend_query), split over the
+// kernels' pool. Keys and values as the cache slices them (any strides); the mask
+// broadcast to (B, Hq, L, S), boolean or additive.
 class Sdpa : public mx::Primitive {
  public:
   Sdpa(mx::Stream stream, float scale, int mask_kind, bool merge_heads, bool causal)
@@ -166,53 +245,12 @@ class Sdpa : public mx::Primitive {
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     const mx::array* mask = mask_kind_ == 0 ? nullptr : &inputs[3];
-    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
-                      op = out.data<float>(), qs = q.strides(), ks = k.strides(),
-                      vs = v.strides(), shape = q.shape(), S = k.shape(2), Hk = k.shape(1),
-                      mp = mask ? mask->data<void>() : nullptr,
-                      ms = mask ? mask->strides() : mx::Strides{}, kind = mask_kind_,
-                      scale = scale_, merged = merge_heads_, causal = causal_]() {
-      const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
-      const int group = Hq / Hk;
-      std::vector<float> scores(S);
-      for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < Hq; ++h) {
-          const int kh = h / group;
-          for (int l = 0; l < L; ++l) {
-            const float* qr = qp + b * qs[0] + h * qs[1] + l * qs[2];
-            // causal: query row l sees the keys up to its own position, S - L + l
-            const int seen = causal ? std::min(S, S - L + l + 1) : S;
-            float top = -INFINITY;
-            for (int s = 0; s < seen; ++s) {
-              const float* kr = kp + b * ks[0] + kh * ks[1] + s * ks[2];
-              float score = dot(qr, qs[3], kr, ks[3], D) * scale;
-              if (kind != 0) {
-                const int64_t at = b * ms[0] + h * ms[1] + l * ms[2] + s * ms[3];
-                if (kind == 1) {
-                  if (!static_cast<const bool*>(mp)[at]) score = -INFINITY;
-                } else {
-                  score += static_cast<const float*>(mp)[at];
-                }
-              }
-              scores[s] = score;
-              top = std::max(top, score);
-            }
-            float* o = merged ? op + ((static_cast<int64_t>(b) * L + l) * Hq + h) * D
-                              : op + ((static_cast<int64_t>(b) * Hq + h) * L + l) * D;
-            for (int d = 0; d < D; ++d) o[d] = 0.0f;
-            if (top == -INFINITY) continue;  // every key masked: zeros
-            float total = 0.0f;
-            for (int s = 0; s < seen; ++s) {
-              const float p = std::exp(scores[s] - top);
-              total += p;
-              axpy(p, vp + b * vs[0] + kh * vs[1] + s * vs[2], vs[3], o, D);
-            }
-            const float inv = 1.0f / total;
-            for (int d = 0; d < D; ++d) o[d] *= inv;
-          }
-        }
-      }
-    });
+    SdpaJob job{q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),
+                q.strides(), k.strides(), v.strides(), q.shape(), static_cast<int>(k.shape(2)),
+                static_cast<int>(k.shape(1)), mask ? mask->data<void>() : nullptr,
+                mask ? mask->strides() : mx::Strides{}, mask_kind_, scale_, merge_heads_,
+                causal_};
+    encoder.dispatch([job = std::move(job)]() { job.run(); });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("sdpa runs on the CPU only");

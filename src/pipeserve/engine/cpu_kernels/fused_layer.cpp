@@ -27,6 +27,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
+#include "attention.h"
 #include "kernels.h"
 #include "strided.h"
 
@@ -166,53 +167,43 @@ void heads(const Job& j, const float* qkv, float* q) {
 // among the new tokens; the mask on top): out (D).
 void attend(const Job& j, const float* q, int b, int l, int h, float* out) {
   const auto& s = j.s;
-  const int D = s.head_dim, S = j.index + l + 1;
+  const int D = s.head_dim;
   const int kh = h / (s.q_heads / s.kv_heads);
   const size_t base = (static_cast<size_t>(b) * s.kv_heads + kh) * j.capacity * D;
-  const float* keys = j.keys + base;
-  const float* values = j.values + base;
-  thread_local std::vector<float> scores;
-  scores.resize(S);
-  float top = -INFINITY;
-  for (int p = 0; p < S; ++p) {
-    float score = dot(q, 1, keys + static_cast<size_t>(p) * D, 1, D) * s.attn_scale;
-    if (j.mask != nullptr) {
-      const int64_t at = b * j.mask_b + h * j.mask_h + l * j.mask_l + p * j.mask_s;
-      if (j.bool_mask) {
-        if (!static_cast<const bool*>(j.mask)[at]) score = -INFINITY;
-      } else {
-        score += static_cast<const float*>(j.mask)[at];
-      }
-    }
-    scores[p] = score;
-    top = std::max(top, score);
+  QueryMask mask;
+  if (j.mask != nullptr) {
+    const int64_t at = b * j.mask_b + h * j.mask_h + l * j.mask_l;
+    mask.is_bool = j.bool_mask;
+    mask.base = j.bool_mask ? static_cast<const void*>(static_cast<const bool*>(j.mask) + at)
+                            : static_cast<const void*>(static_cast<const float*>(j.mask) + at);
+    mask.step = j.mask_s;
   }
-  for (int d = 0; d < D; ++d) out[d] = 0.0f;
-  if (top == -INFINITY) return;  // every position masked: zeros, like sdpa
-  float total = 0.0f;
-  for (int p = 0; p < S; ++p) {
-    const float weight = std::exp(scores[p] - top);
-    total += weight;
-    axpy(weight, values + static_cast<size_t>(p) * D, 1, out, D);
-  }
-  const float inv = 1.0f / total;
-  for (int d = 0; d < D; ++d) out[d] *= inv;
+  const HeadKeysValues head{j.keys + base, j.values + base, D, D, D};
+  attend_query(head, q, j.index + l + 1, s.attn_scale, mask, out);
 }
 
 constexpr int64_t PARALLEL_ATTENTION = 1 << 15;  // multiply-adds worth a pool fork / join
 
+// A task: one row's kv head for a run of its queries (new tokens x the query heads of the
+// kv head's group), which read the same keys and values while they are in cache; a pair's
+// queries are split into runs only where there are too few pairs to keep the pool busy.
 void attention(const Job& j, const float* q, float* out) {
-  const int Hq = j.s.q_heads, D = j.s.head_dim, tasks = j.B * j.L * Hq;
-  auto one = [&](int t) {
-    // (B * L, Hq, D) = merged heads (B * L, Hq * D)
-    const size_t at = static_cast<size_t>(t) * D;
-    const int m = t / Hq;
-    attend(j, q + at, m / j.L, m % j.L, t % Hq, out + at);
+  const int Hq = j.s.q_heads, Hk = j.s.kv_heads, group = Hq / Hk, D = j.s.head_dim;
+  const int pairs = j.B * Hk, queries = j.L * group;
+  const int runs = std::min(queries, std::max(1, (2 * threads() + pairs - 1) / pairs));
+  auto task = [&](int t) {
+    const int run = t % runs, b = t / runs / Hk, kh = t / runs % Hk;
+    for (int i = queries * run / runs; i < queries * (run + 1) / runs; ++i) {
+      const int l = i / group, h = kh * group + i % group;
+      const size_t at = ((static_cast<size_t>(b) * j.L + l) * Hq + h) * D;
+      attend(j, q + at, b, l, h, out + at);
+    }
   };
-  if (static_cast<int64_t>(tasks) * (j.index + j.L) * D < PARALLEL_ATTENTION) {
-    for (int t = 0; t < tasks; ++t) one(t);
+  const int tasks = pairs * runs;
+  if (static_cast<int64_t>(j.B) * j.L * Hq * (j.index + j.L) * D < PARALLEL_ATTENTION) {
+    for (int t = 0; t < tasks; ++t) task(t);
   } else {
-    parallel_for(tasks, one);
+    parallel_for(tasks, task);
   }
 }
 
