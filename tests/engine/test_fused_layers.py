@@ -63,6 +63,19 @@ def test_swiglu_split_over_the_pool_equals_row_by_row(ext):
         assert np.abs(whole - want).max() < 1e-5 * np.abs(want).max()
 
 
+def test_swiglu_at_the_edges_of_float32_exp(ext):
+    """The vectorised exp: 0 and inf at the ends of its range, each element within a few
+    float32 ulps of numpy's silu elsewhere (relative, not only against the largest)."""
+    gate = np.array([-1000, -104, -88, -87.5, -86, -30, -1e-3, 0, 1e-3, 5, 87.5, 89, 1000])
+    gate_up = np.concatenate([gate, np.full_like(gate, 1.5)]).astype(np.float32)[None]
+    got = np.array(ext.swiglu(mx.array(gate_up)))[0]
+    with np.errstate(over="ignore"):  # exp(1000) is inf in float64 too: silu -> -0
+        want = gate / (1 + np.exp(-gate.astype(np.float64))) * 1.5
+    assert np.all(np.isfinite(got))
+    assert np.abs(got - want).max() <= 4e-7 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-37)
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("norms", [False, True])
 def test_split_heads_matches_numpy(ext, traditional, norms):

@@ -2,7 +2,7 @@
 //
 // Scores: on AVX-512, 16 positions at a time, each position's dot product in its own
 // accumulator and the 16 reduced together (reduce_sixteen), instead of one horizontal sum
-// per position. Softmax: a vectorisable exp (below). Values: the weighted sum with two
+// per position. Softmax: a vectorisable exp (vector_math.h). Values: the weighted sum with two
 // positions in flight. Elsewhere (AVX2 builds, head sizes that are not a multiple of 16)
 // the same steps with plain loops.
 
@@ -18,30 +18,11 @@
 
 #include "simd512.h"
 #include "strided.h"
+#include "vector_math.h"
 
 namespace pipeserve {
 
 namespace {
-
-// exp(x) for the softmax's x = score - max <= 0: 2^n * e^r with n = round(x / ln 2) and
-// |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (within ~1 ulp of std::exp), and exactly
-// 0 below -87 (e^-87 is below float32's normal range) and for masked (-inf) scores. No
-// branches or calls, so the loop calling it vectorises for whatever the build targets.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  float r = n * -0.693359375f + clamped;  // x - n ln 2, ln 2 in two parts
-  r = n * 2.12194440e-4f + r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e_r = p * r * r + r + 1.0f;
-  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : e_r * two_n;
-}
 
 float max_of(const float* v, int n) {
   float part[16];
@@ -56,7 +37,7 @@ float max_of(const float* v, int n) {
 
 // v[p] = exp(v[p] - top) in place.
 void exponentiate(float* v, int n, float top) {
-  for (int i = 0; i < n; ++i) v[i] = exp_nonpositive(v[i] - top);
+  for (int i = 0; i < n; ++i) v[i] = fast_exp(v[i] - top);
 }
 
 // The sum of v[0..n) in 16 running sums, v[i] into sum i % 16.

@@ -28,6 +28,7 @@ SOURCE_FILES = (
     "kernels.h",
     "strided.h",
     "simd512.h",
+    "vector_math.h",
     "attention.h",
     "attention.cpp",
     "affine_qmm.cpp",
