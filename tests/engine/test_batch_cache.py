@@ -1,5 +1,6 @@
 """Rows finishing at different steps (engine/batch_cache.py): the kept rows' caches and a
-finished row's extract equal mlx-lm's BatchKVCache.filter / extract, the tokens equal
+finished row's extract equal mlx-lm's BatchKVCache.filter / extract (the kept rows moved
+in place where nothing else holds a buffer, a held one left alone), the tokens equal
 mlx-lm's path, and the decoder layer op writes into the compacted buffers instead of
 copying them again."""
 
@@ -45,30 +46,44 @@ def copied(caches: list[BatchKVCache]) -> list[BatchKVCache]:
     return out
 
 
+def address(a: mx.array) -> int:
+    """Where `a`'s data starts (the numpy view is dropped at once: it would hold `a`)."""
+    return int(np.asarray(a).__array_interface__["data"][0])
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 def test_kept_rows_and_extracts_equal_mlx_lm(ext, kernels):
     ops = ext if kernels else None
     theirs = padded_caches()
     ours = copied(theirs)
     for index in range(len(PADDING)):
-        for want, got in zip([c.extract(index) for c in theirs], row_cache(ours, index, ops)):
+        got_rows, made = row_cache(ours, index, ops)
+        assert len(made) == (2 * len(ours) if kernels else 0)
+        for want, got in zip([c.extract(index) for c in theirs], got_rows):
             assert got.offset == want.offset
             assert np.array_equal(np.array(got.keys), np.array(want.keys))
             assert np.array_equal(np.array(got.values), np.array(want.values))
     keep = [0, 2, 3]
     for cache in theirs:
         cache.filter(keep)
+    held = ours[0].keys  # still held (a prefix-cache entry would): copied, not moved
+    snapshot = np.array(held)
+    places = [address(c.values) for c in ours]
     made = keep_rows(ours, keep, ops)
     assert len(made) == (2 * len(ours) if kernels else 0)
     for want, got in zip(theirs, ours):
         assert got._idx == want._idx == 7  # 8 positions, the common padding (1) dropped
         assert got.left_padding.tolist() == want.left_padding.tolist() == [2, 0, 1]
         assert got.offset.tolist() == want.offset.tolist()
-        assert got.keys.shape == want.keys.shape
+        assert got.keys.shape[:2] == want.keys.shape[:2] and got.keys.shape[2] >= got._idx
         for a, b in ((got.keys, want.keys), (got.values, want.values)):
             assert np.array_equal(np.array(a)[:, :, : got._idx], np.array(b)[:, :, : got._idx])
-        if kernels:  # the room after the used positions is zeros (a later roll may show it)
-            assert not np.array(got.keys)[:, :, got._idx :].any()
+    assert np.array_equal(np.array(held), snapshot)
+    if kernels:
+        # Nothing else held the values: moved in place, no new buffer. The held keys got
+        # a new buffer, zeros after the used positions (a later roll may show them).
+        assert [address(c.values) for c in ours] == places
+        assert not np.array(ours[0].keys)[:, :, ours[0]._idx :].any()
 
 
 def staggered_run(model: Any, ext: Any, prompts: list[list[int]], lengths: list[int]) -> dict:

@@ -12,9 +12,13 @@ Here (same results as mlx-lm's, token for token):
 - the left padding is read from the batch's previous, long evaluated array, and the new
   left padding and offsets (offset = index - left padding, an invariant of every
   BatchKVCache operation) are built from Python ints: nothing waits;
-- on the CPU with the kernels (`ext.cache_rows`), every layer's keys and values are
-  copied in ONE op: only the kept rows' used positions (plus zeroed room after them);
-  the fresh buffers are then donated to the decoder layer op (no second copy);
+- on the CPU with the kernels (`ext.cache_rows`), every layer's keys and values are done
+  by ONE op: the finished row's used positions copied out (queued at once), the kept
+  rows' used positions moved down in place (or, where something else still holds a
+  buffer, copied into a new one). For the move in place the op must be queued after the
+  step in flight and the extracts have ended (their tasks hold the buffers until they
+  run), and the next step's layer ops must be queued after it has run (likewise): the
+  generation batch does both at the start of its next step (lean.py);
 - elsewhere (GPU, float16 caches, no kernels) MLX's gather, as mlx-lm does, minus the wait.
 Other cache types keep mlx-lm's own methods.
 """
@@ -29,9 +33,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 def keep_rows(caches: list[Any], keep: list[int], ext: Any | None) -> list[mx.array]:
     """In place: each cache holds only rows `keep` (non-empty, ascending), its common
-    left padding dropped, like BatchKVCache.filter. Returns the buffers the kernel op
-    copies, queued already: evaluate them before the next step is queued (see
-    `_copy_rows`)."""
+    left padding dropped, like BatchKVCache.filter (the kernel op keeps the capacity).
+    Returns the kernel op's buffers, not yet queued (see the module's note)."""
     shared: dict[tuple[int, ...], tuple[mx.array, mx.array]] = {}
     copies: list[tuple[Any, tuple[int, int, int]]] = []  # layers the kernel op copies
     rows = mx.array(keep)
@@ -53,16 +56,17 @@ def keep_rows(caches: list[Any], keep: list[int], ext: Any | None) -> list[mx.ar
         if cache.keys is None:
             continue
         if _kernel_copies(cache, ext):
-            copies.append((cache, (start, stop, cache.keys.shape[2] - shift)))
+            copies.append((cache, (start, stop, cache.keys.shape[2])))
         else:
             cache.keys = cache.keys[rows][..., shift:, :]
             cache.values = cache.values[rows][..., shift:, :]
     return _copy_rows(copies, keep, ext)
 
 
-def row_cache(caches: list[Any], index: int, ext: Any | None) -> list[Any]:
+def row_cache(caches: list[Any], index: int, ext: Any | None) -> tuple[list[Any], list[mx.array]]:
     """Row `index`'s cache of each layer as a KVCache holding its used positions only
-    (BatchKVCache.extract), other caches by their own `extract`."""
+    (BatchKVCache.extract), other caches by their own `extract`; and the kernel op's
+    buffers, queued already."""
     out: list[Any] = []
     copies: list[tuple[Any, tuple[int, int, int]]] = []
     for cache in caches:
@@ -74,8 +78,10 @@ def row_cache(caches: list[Any], index: int, ext: Any | None) -> list[Any]:
         row.keys, row.values, row.offset = cache.keys, cache.values, cache._idx - start
         out.append(row)
         copies.append((row, (start, cache._idx, cache._idx - start)))
-    _copy_rows(copies, [index], ext)
-    return out
+    made = _copy_rows(copies, [index], ext)
+    if made:
+        mx.async_eval(made)
+    return out, made
 
 
 def _kernel_copies(cache: Any, ext: Any | None) -> bool:
@@ -91,20 +97,16 @@ def _copy_rows(
     copies: list[tuple[Any, tuple[int, int, int]]], rows: list[int], ext: Any
 ) -> list[mx.array]:
     """Each cache's keys / values replaced by rows `rows` of them, positions start..stop - 1
-    at 0.. of a buffer of `capacity`: one kernel op per distinct (start, stop, capacity),
-    queued now (after the step in flight). The new buffers (returned) are outputs of one
-    op, so until its task has run each is also held by that task: the decoder layer op
-    would copy them again rather than write into them (donation needs a sole holder).
-    Evaluating them before the next step is queued avoids that second copy."""
+    at 0.. of a buffer of `capacity`: one kernel op per distinct (start, stop, capacity)
+    (every layer's are the same). Returns the new buffers, not queued."""
     groups: dict[tuple[int, int, int], list[Any]] = {}
     for cache, span in copies:
         groups.setdefault(span, []).append(cache)
     made: list[mx.array] = []
     for (start, stop, capacity), layers in groups.items():
         buffers = [b for layer in layers for b in (layer.keys, layer.values)]
-        made += ext.cache_rows(buffers, rows, start, stop, capacity)
+        out = ext.cache_rows(buffers, rows, start, stop, capacity)
         for i, layer in enumerate(layers):
-            layer.keys, layer.values = made[-len(buffers) + 2 * i], made[-len(buffers) + 2 * i + 1]
-    if made:
-        mx.async_eval(made)
+            layer.keys, layer.values = out[2 * i], out[2 * i + 1]
+        made += out
     return made

@@ -96,12 +96,14 @@ class LeanGenerationBatch(GenerationBatch):
     speculation: Speculation | None = None  # likewise
     cache_ops: Any = None  # the CPU kernels' extension (ext.cache_rows), or None; likewise
     _closing = False  # this step's tokens end every row: no next forward pass
-    _copying: list[mx.array] = []  # KV buffers a filter is copying (engine/batch_cache.py)
+    # engine/batch_cache.py: the kept rows' KV buffers a filter left to compact (its op not
+    # queued yet), and what must end first (the kept rows' next tokens: the step in
+    # flight; the finished rows' extracts).
+    _compacting: list[mx.array] = []
+    _before_compacting: list[mx.array] = []
 
     def next(self) -> Any:
-        if self._copying:  # before this step is queued: its layer ops then write into them
-            mx.eval(self._copying)
-            self._copying = []
+        self._compact()
         spec = self.speculation
         if spec is None:
             return self._ordinary_next(self._ends_every_row())
@@ -144,13 +146,26 @@ class LeanGenerationBatch(GenerationBatch):
         if not keep:
             caches.clear()
             return
-        self._copying = keep_rows(caches, keep, self.cache_ops)
+        self._compacting = keep_rows(caches, keep, self.cache_ops)
         if batch._next_tokens is not None:
             mx.async_eval(batch._next_tokens)
+            self._before_compacting = [*self._before_compacting, batch._next_tokens]
 
     def extract_cache(self, idx: int) -> list[Any]:
         batch: Any = self  # mlx-lm's untyped state
-        return row_cache(batch.prompt_cache, idx, self.cache_ops)
+        cache, made = row_cache(batch.prompt_cache, idx, self.cache_ops)
+        self._before_compacting = [*self._before_compacting, *made]
+        return cache
+
+    def _compact(self) -> None:
+        """Before this step is queued: the kept rows' buffers compacted (in place once the
+        step in flight and the extracts have released them) and done, so that this
+        step's layer ops write into them rather than copy them (a pending op's outputs are
+        held by its task until it runs)."""
+        if self._compacting:
+            mx.eval(self._before_compacting)
+            mx.eval(self._compacting)
+        self._compacting, self._before_compacting = [], []
 
     def _lean(self) -> bool:
         if self.logprobs_wanted or any(self.logits_processors):

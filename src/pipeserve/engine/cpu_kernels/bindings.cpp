@@ -72,8 +72,9 @@ NB_MODULE(_pipeserve_cpu, m) {
   m.attr("F32_MATMUL_MAX_ROWS") = pipeserve::F32_MATMUL_MAX_ROWS;
   m.def("cache_rows", &pipeserve::cache_rows, "buffers"_a, "rows"_a, "start"_a, "stop"_a,
         "capacity"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "Rows of KV cache buffers (B, heads, capacity, depth), positions start..stop - 1, as new"
-        " (len(rows), heads, capacity, depth) buffers (zeros after the copied positions).");
+        "Rows (ascending) of KV cache buffers (B, heads, capacity, depth), positions"
+        " start..stop - 1, as (len(rows), heads, capacity, depth) buffers: in place where a"
+        " buffer may be donated, else new ones (zeros after the copied positions).");
   m.def("cache_copy_bytes", &pipeserve::cache_copy_bytes,
         "Bytes of KV cache the decoder layer op copied (its input could not be donated).");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,

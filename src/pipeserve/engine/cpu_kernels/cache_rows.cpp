@@ -1,15 +1,21 @@
-// Rows of a batch's KV cache buffers as new, compact buffers: one op for all layers.
+// Rows of a batch's KV cache buffers as compact buffers: one op for all layers.
 //
 // When a row of a decoding batch finishes, mlx-lm's BatchKVCache.filter gathers every
 // layer's keys and values (the whole capacity, MLX's generic gather: one op per buffer),
 // and its extract copies the finished row's used positions for the prefix cache (two ops
 // per buffer). On the CPU each op is a dispatch on the stream's thread, and MLX's
 // scheduler lets only a few dozen be in flight: the engine thread then waits for the
-// step in flight before it can queue the next one. Here the rows' used positions of every
-// buffer are copied in one op (memcpy per row and head, split over the kernels' pool);
-// the capacity after them is zeroed (a later roll of the buffer, as speculative decoding
-// does, may bring it into the masked left padding, where a NaN would still poison the
-// attention's weighted sum).
+// step in flight before it can queue the next one. Here every buffer's rows are done by
+// one op, split over the kernels' pool:
+// - where a buffer may be donated (contiguous, nothing else holds it, the same capacity
+//   asked for), in place: each kept row's used positions move down to its new row and
+//   position 0 (memmove, rows in ascending order: a row's new place is never a later
+//   row's source), and the output is the buffer's first rows. Nothing is allocated; the
+//   room after a moved row keeps its old, finite contents (never read: attention stops at
+//   the cache's index);
+// - otherwise the rows' used positions are copied into a new buffer whose room is zeroed
+//   (a speculative rollback's roll may bring it into the masked left padding, where a
+//   NaN would still poison the attention's weighted sum).
 
 #include <algorithm>
 #include <atomic>
@@ -36,67 +42,84 @@ void fail(const std::string& message) {
 // One buffer's part of the job: raw pointers and strides (elements).
 struct Block {
   const float* in;
-  float* out;
+  float* out;  // == in: rows moved in place
   int64_t stride_b, stride_h, stride_p, stride_d;
   int heads, depth;
 };
 
+struct Span {
+  std::vector<int> rows;
+  int start, stop, capacity;
+};
+
+// Row r of the output, head h: the source row's positions start..stop - 1 at 0.., then
+// zeros up to the capacity (a new buffer only).
+void copy_row(const Block& b, const Span& span, int r, int h) {
+  const int used = span.stop - span.start;
+  const float* in = b.in + span.rows[r] * b.stride_b + h * b.stride_h + span.start * b.stride_p;
+  float* out = b.out + (static_cast<size_t>(r) * b.heads + h) * span.capacity * b.depth;
+  if (b.out == b.in) {  // in place: contiguous, and the source is never below the target
+    if (out != in) std::memmove(out, in, sizeof(float) * used * b.depth);
+    return;
+  }
+  if (b.stride_d == 1 && b.stride_p == b.depth) {
+    std::memcpy(out, in, sizeof(float) * used * b.depth);
+  } else {
+    for (int p = 0; p < used; ++p) {
+      for (int d = 0; d < b.depth; ++d) out[p * b.depth + d] = in[p * b.stride_p + d * b.stride_d];
+    }
+  }
+  std::memset(out + static_cast<size_t>(used) * b.depth, 0,
+              sizeof(float) * (span.capacity - used) * b.depth);
+}
+
+void run(const std::vector<Block>& blocks, const Span& span) {
+  const int R = static_cast<int>(span.rows.size());
+  // Tasks: (buffer, head) pairs; rows in ascending order within a task (in place, row r's
+  // target may be an earlier row's source).
+  std::vector<std::pair<int, int>> tasks;
+  for (int i = 0; i < static_cast<int>(blocks.size()); ++i) {
+    for (int h = 0; h < blocks[i].heads; ++h) tasks.push_back({i, h});
+  }
+  const int total = static_cast<int>(tasks.size());
+  const int chunks = std::min(total, 4 * threads());
+  parallel_for(chunks, [&](int c) {
+    for (int t = static_cast<int>(int64_t{total} * c / chunks);
+         t < static_cast<int>(int64_t{total} * (c + 1) / chunks); ++t) {
+      const auto [i, h] = tasks[t];
+      for (int r = 0; r < R; ++r) copy_row(blocks[i], span, r, h);
+    }
+  });
+}
+
 class CacheRows : public mx::Primitive {
  public:
-  CacheRows(mx::Stream stream, std::vector<int> rows, int start, int stop, int capacity)
-      : mx::Primitive(stream),
-        rows_(std::move(rows)),
-        start_(start),
-        stop_(stop),
-        capacity_(capacity) {}
+  CacheRows(mx::Stream stream, Span span) : mx::Primitive(stream), span_(std::move(span)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
+    release_sibling_inputs(inputs, outputs);
     std::vector<Block> blocks;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto& in = inputs[i];
+      auto& out = outputs[i];
       encoder.set_input_array(in);
-      outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-      encoder.set_output_array(outputs[i]);
+      const bool in_place = in.flags().row_contiguous && in.is_donatable() &&
+          in.shape(2) == span_.capacity && !in.is_tracer();
+      if (in_place) {
+        auto flags = in.flags();
+        flags.col_contiguous = out.size() <= 1;
+        out.copy_shared_buffer(in, out_strides(out), flags, out.size());
+      } else {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+      }
+      encoder.set_output_array(out);
       const auto& st = in.strides();
-      blocks.push_back({in.data<float>(), outputs[i].data<float>(), st[0], st[1], st[2], st[3],
+      blocks.push_back({in.data<float>(), out.data<float>(), st[0], st[1], st[2], st[3],
                         in.shape(1), in.shape(3)});
     }
-    encoder.dispatch([blocks = std::move(blocks), rows = rows_, start = start_, stop = stop_,
-                      capacity = capacity_]() {
-      const int R = static_cast<int>(rows.size());
-      int64_t tasks_per_buffer = 0;
-      std::vector<int64_t> first;  // each buffer's first task
-      for (const auto& b : blocks) {
-        first.push_back(tasks_per_buffer);
-        tasks_per_buffer += static_cast<int64_t>(R) * b.heads;
-      }
-      auto copy = [&](int64_t task) {
-        const size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-        const Block& b = blocks[i];
-        const int64_t local = task - first[i];
-        const int r = static_cast<int>(local / b.heads), h = static_cast<int>(local % b.heads);
-        const float* in = b.in + rows[r] * b.stride_b + h * b.stride_h;
-        float* out = b.out + (static_cast<size_t>(r) * b.heads + h) * capacity * b.depth;
-        const int used = stop - start;
-        if (b.stride_d == 1 && b.stride_p == b.depth) {
-          std::memcpy(out, in + start * b.stride_p, sizeof(float) * used * b.depth);
-        } else {
-          for (int p = 0; p < used; ++p) {
-            const float* src = in + (start + p) * b.stride_p;
-            for (int d = 0; d < b.depth; ++d) out[p * b.depth + d] = src[d * b.stride_d];
-          }
-        }
-        std::memset(out + static_cast<size_t>(used) * b.depth, 0,
-                    sizeof(float) * (capacity - used) * b.depth);
-      };
-      const int64_t total = tasks_per_buffer;
-      const int chunks = static_cast<int>(std::min<int64_t>(total, 4 * threads()));
-      parallel_for(chunks, [&](int c) {
-        for (int64_t t = total * c / chunks; t < total * (c + 1) / chunks; ++t) copy(t);
-      });
-    });
+    encoder.dispatch([blocks = std::move(blocks), span = span_]() { run(blocks, span); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -105,15 +128,35 @@ class CacheRows : public mx::Primitive {
   const char* name() const override {
     return "PipeserveCacheRows";
   }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const CacheRows&>(other);
-    return rows_ == o.rows_ && start_ == o.start_ && stop_ == o.stop_ &&
-        capacity_ == o.capacity_;
+  bool is_equivalent(const mx::Primitive&) const override {
+    return false;  // may write its inputs' buffers: never merged with another
   }
 
  private:
-  std::vector<int> rows_;
-  int start_, stop_, capacity_;
+  static mx::Strides out_strides(const mx::array& out) {
+    mx::Strides strides(out.ndim(), 1);
+    for (int axis = out.ndim() - 2; axis >= 0; --axis) {
+      strides[axis] = strides[axis + 1] * out.shape(axis + 1);
+    }
+    return strides;
+  }
+
+  // Each output of a multi-output op holds its own copy of the inputs (make_arrays), so
+  // no input would look donatable (is_donatable: one holder). The other outputs' copies
+  // are dropped here: MLX clears every sibling's inputs once the op is evaluated anyway
+  // (array::detach). Not for tracers (compile, transforms).
+  static void release_sibling_inputs(const std::vector<mx::array>& inputs,
+                                     std::vector<mx::array>& outputs) {
+    for (auto& out : outputs) {
+      if (out.is_tracer()) return;
+    }
+    for (auto& out : outputs) {
+      auto& held = out.inputs();
+      if (&held != &inputs) held.clear();
+    }
+  }
+
+  Span span_;
 };
 
 }  // namespace
@@ -132,6 +175,10 @@ std::vector<mx::array> cache_rows(const std::vector<mx::array>& buffers,
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   if (buffers.empty() || rows.empty()) fail("no buffers or no rows");
+  if (!std::is_sorted(rows.begin(), rows.end()) ||
+      std::adjacent_find(rows.begin(), rows.end()) != rows.end()) {
+    fail("rows must be ascending");
+  }
   if (start < 0 || stop < start || capacity < stop - start) {
     fail("need 0 <= start <= stop and stop - start <= capacity");
   }
@@ -146,9 +193,9 @@ std::vector<mx::array> cache_rows(const std::vector<mx::array>& buffers,
     shapes.push_back({static_cast<int>(rows.size()), b.shape(1), capacity, b.shape(3)});
   }
   std::vector<mx::Dtype> dtypes(buffers.size(), mx::float32);
-  return mx::array::make_arrays(
-      std::move(shapes), dtypes,
-      std::make_shared<CacheRows>(stream, rows, start, stop, capacity), buffers);
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<CacheRows>(stream, Span{rows, start, stop, capacity}),
+                                buffers);
 }
 
 }  // namespace pipeserve
