@@ -70,10 +70,10 @@ def row_cache(caches: list[Any], index: int, ext: Any | None) -> tuple[list[Any]
     out: list[Any] = []
     copies: list[tuple[Any, tuple[int, int, int]]] = []
     for cache in caches:
-        if type(cache) is not BatchKVCache or not _kernel_copies(cache, ext):
-            out.append(cache.extract(index))
+        start = cache.left_padding.tolist()[index] if type(cache) is BatchKVCache else 0
+        if type(cache) is not BatchKVCache or not _kernel_copies(cache, ext) or start >= cache._idx:
+            out.append(cache.extract(index))  # (no positions yet: mlx-lm's empty extract)
             continue
-        start: int = cache.left_padding.tolist()[index]  # evaluated: no wait
         row = KVCache()
         row.keys, row.values, row.offset = cache.keys, cache.values, cache._idx - start
         out.append(row)
