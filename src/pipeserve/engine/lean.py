@@ -103,12 +103,12 @@ class LeanGenerationBatch(GenerationBatch):
     _before_compacting: list[mx.array] = []
 
     def next(self) -> Any:
-        self._compact()
         spec = self.speculation
         if spec is None:
             return self._ordinary_next(self._ends_every_row())
         started = spec.step_begins()
         if spec.proposers:
+            self._compact()  # a verification is queued as it is built
             responses = speculative_next(self, spec)
             if responses is not None:
                 return responses
@@ -145,6 +145,7 @@ class LeanGenerationBatch(GenerationBatch):
             batch.prompt_cache = caches
         if not keep:
             caches.clear()
+            self._compacting, self._before_compacting = [], []
             return
         self._compacting = keep_rows(caches, keep, self.cache_ops)
         if batch._next_tokens is not None:
@@ -158,10 +159,11 @@ class LeanGenerationBatch(GenerationBatch):
         return cache
 
     def _compact(self) -> None:
-        """Before this step is queued: the kept rows' buffers compacted (in place once the
-        step in flight and the extracts have released them) and done, so that this
-        step's layer ops write into them rather than copy them (a pending op's outputs are
-        held by its task until it runs)."""
+        """Before this step's forward pass is queued (it may be built already: MLX decides
+        donation when an op is queued): the kept rows' buffers compacted (in place once
+        the step in flight and the extracts have released them) and done, so that the
+        layer ops write into them rather than copy them (a pending op's outputs are held
+        by its task until it runs). Every step calls it before queuing a forward pass."""
         if self._compacting:
             mx.eval(self._before_compacting)
             mx.eval(self._compacting)
@@ -178,6 +180,7 @@ class LeanGenerationBatch(GenerationBatch):
         if self._closing:
             return self._last_tokens()
         if not self._lean():
+            self._compact()  # mlx-lm's step queues its forward pass as it builds it
             return super()._step()
         batch: Any = self  # mlx-lm's untyped state
         batch._current_tokens = inputs = batch._next_tokens
@@ -185,6 +188,7 @@ class LeanGenerationBatch(GenerationBatch):
         logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
         batch._next_tokens = mx.argmax(logits, axis=-1)  # what greedy_sampler returns
         batch._next_logprobs = [None] * len(batch.uids)
+        self._compact()  # built while the step in flight ran; queued once the rows moved
         mx.async_eval(batch._next_tokens)
         # Rows from a step of mlx-lm's own (a batch that just joined) are still arrays.
         mx.eval(inputs, [row for row in batch._current_logprobs if row is not None])
