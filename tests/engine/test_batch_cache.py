@@ -86,6 +86,21 @@ def test_kept_rows_and_extracts_equal_mlx_lm(ext, kernels):
         assert not np.array(ours[0].keys)[:, :, ours[0]._idx :].any()
 
 
+def test_a_buffer_keeping_few_rows_is_replaced(ext):
+    """Kept in place, a buffer would hold every finished row's memory: under half its
+    rows kept, the rows go to a new, smaller buffer (zeros after them)."""
+    ours = copied(padded_caches(layers=1))
+    place = address(ours[0].values)
+    keep_rows(ours, [0, 2, 3], ext)  # 3 of 4 rows: in place
+    assert address(ours[0].values) == place
+    keep_rows(ours, [1, 2], ext)  # 2 of 3, but of the 4 rows' allocation: in place
+    assert address(ours[0].values) == place
+    keep_rows(ours, [1], ext)  # 1 of the 4 rows' allocation: a new buffer
+    values = np.array(ours[0].values)
+    assert address(ours[0].values) != place
+    assert values.shape[0] == 1 and not values[:, :, ours[0]._idx :].any()
+
+
 def staggered_run(model: Any, ext: Any, prompts: list[list[int]], lengths: list[int]) -> dict:
     """Greedy tokens of each prompt, decoded together; rows end at different steps."""
     gen = LeanBatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, cache_ops=ext)

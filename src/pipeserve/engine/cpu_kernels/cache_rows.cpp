@@ -8,7 +8,7 @@
 // step in flight before it can queue the next one. Here every buffer's rows are done by
 // one op, split over the kernels' pool:
 // - where a buffer may be donated (contiguous, nothing else holds it, the same capacity
-//   asked for), in place: each kept row's used positions move down to its new row and
+//   asked for) and at least half its rows are kept, in place: each kept row's used positions move down to its new row and
 //   position 0 (memmove, rows in ascending order: a row's new place is never a later
 //   row's source), and the output is the buffer's first rows. Nothing is allocated; the
 //   room after a moved row keeps its old, finite contents (never read: attention stops at
@@ -105,8 +105,12 @@ class CacheRows : public mx::Primitive {
       const auto& in = inputs[i];
       auto& out = outputs[i];
       encoder.set_input_array(in);
+      // In place keeps the whole allocation (earlier moves in place kept theirs too): only
+      // while the kept rows fill at least half of it (a new buffer returns the memory of
+      // many finished rows).
       const bool in_place = in.flags().row_contiguous && in.is_donatable() &&
-          in.shape(2) == span_.capacity && !in.is_tracer();
+          in.shape(2) == span_.capacity && !in.is_tracer() &&
+          2 * out.nbytes() >= in.buffer_size();
       if (in_place) {
         auto flags = in.flags();
         flags.col_contiguous = out.size() <= 1;

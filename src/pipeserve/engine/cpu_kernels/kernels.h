@@ -182,8 +182,8 @@ void f32_matmul_columns(const float* x, int64_t ldx, int M, int K, const float* 
 // Rows `rows` (ascending) of each KV cache buffer (float32 (B, heads, capacity, depth),
 // any strides), positions start..stop - 1, as buffers (len(rows), heads, `capacity`,
 // depth) holding them at 0..stop - start - 1: one op for all the buffers
-// (cache_rows.cpp). A buffer that may be donated (same capacity) is compacted in place;
-// otherwise a new buffer gets the rows and zeros after them.
+// (cache_rows.cpp). A buffer that may be donated (same capacity, at least half its rows
+// kept) is compacted in place; otherwise a new buffer gets the rows and zeros after them.
 std::vector<mx::array> cache_rows(const std::vector<mx::array>& buffers,
                                   const std::vector<int>& rows, int start, int stop,
                                   int capacity, mx::StreamOrDevice s = {});
