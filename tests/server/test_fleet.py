@@ -5,6 +5,7 @@ meanwhile; the load is held at a gate so nothing depends on timing."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,11 @@ def test_waiting_stream_pings_while_other_models_serve(
 
     waiting = iter(later.engine.submit(job(prompt)))
     assert isinstance(next(waiting), KeepAlive)  # the load is held: the client gets pings
+    # The fleet's loader thread marks the model loading; on a busy machine the first ping
+    # (10 ms) can come before that thread has run, so wait for it while pinging.
+    deadline = time.monotonic() + 30
+    while later.engine.describe()["state"] != "loading" and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        assert isinstance(next(waiting), KeepAlive)
     assert later.engine.describe()["state"] == "loading"  # type: ignore[attr-defined]
     served = list(resident.engine.submit(job(prompt)))  # another model serves meanwhile
     assert isinstance(served[0], PromptReady) and isinstance(served[-1], Usage)
