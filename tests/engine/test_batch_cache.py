@@ -15,6 +15,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from pipeserve.engine.batch_cache import keep_rows, row_cache
 from pipeserve.engine.lean import GenerationBatch, LeanBatchGenerator, LeanGenerationBatch
+from pipeserve.engine.speculative import trim_rows
 from tests.engine.test_fused_layers import tiny_llama, twins
 
 pytestmark = pytest.mark.mlx
@@ -133,3 +134,25 @@ def test_finishing_rows_cost_no_second_copy_and_keep_the_tokens(ext, monkeypatch
     assert ext.cache_copy_bytes() > before  # mlx-lm's filter: the layer op copied
     assert list(ours.values()) == list(theirs.values())
     assert [len(t) for t in ours.values()] == lengths
+
+
+@pytest.mark.parametrize("stale", [[2, 0, 3, 1], [1, 1, 1, 1], [0, 4, 0, 0]])
+def test_verification_rollback_with_the_kernel_equals_mlx_lm_roll(ext, stale):
+    """A verification's rollback (speculative.trim_rows): rows that keep more stale
+    positions move right. The kernel op moves only their used positions, in place where
+    nothing else holds a buffer; every row's positions equal mlx-lm's dynamic_roll's."""
+    theirs = padded_caches()
+    ours = copied(theirs)
+    before = address(ours[0].keys)
+    trim_rows(theirs, stale)
+    trim_rows(ours, stale, ext)
+    mx.eval([c.state for c in theirs + ours])
+    for mine, reference in zip(ours, theirs):
+        assert mine._idx == reference._idx
+        assert mine.left_padding.tolist() == reference.left_padding.tolist()
+        assert mine.offset.tolist() == reference.offset.tolist()
+        for row, padding in enumerate(reference.left_padding.tolist()):
+            used = slice(padding, reference._idx)
+            assert mx.array_equal(mine.keys[row, :, used], reference.keys[row, :, used])
+            assert mx.array_equal(mine.values[row, :, used], reference.values[row, :, used])
+    assert address(ours[0].keys) == before  # moved in place

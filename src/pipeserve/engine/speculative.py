@@ -108,7 +108,8 @@ def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:
     for row, proposal, outcome in zip(rows, proposals, outcomes):
         if row is not None:
             row.record(proposal, len(outcome.emitted) - 1)
-    _roll_back(batch.prompt_cache, [len(p) for p in proposals], outcomes)
+    _roll_back(batch.prompt_cache, [len(p) for p in proposals], outcomes,
+               getattr(batch, "cache_ops", None))  # fmt: skip
     responses = _respond(batch, outcomes)
     spec.verified(count, width, started)
     return responses
@@ -224,26 +225,52 @@ def _cut_at_stop(outcome: RowOutcome, end: int | None) -> RowOutcome:
     )
 
 
-def _roll_back(cache: list[Any], proposed: list[int], outcomes: list[RowOutcome]) -> None:
+def _roll_back(cache: list[Any], proposed: list[int], outcomes: list[RowOutcome],
+               ext: Any | None) -> None:  # fmt: skip
     width = max(proposed)
-    trim_rows(cache, [width + 1 - len(o.emitted) for o in outcomes])
+    trim_rows(cache, [width + 1 - len(o.emitted) for o in outcomes], ext)
 
 
-def trim_rows(cache: list[Any], stale: list[int]) -> None:
+def trim_rows(cache: list[Any], stale: list[int], ext: Any | None = None) -> None:
     """Forget the last stale[i] positions of row i of a BatchKVCache (per layer): all
-    rows trim the fewest, the others roll right by the rest (their left padding grows)."""
+    rows trim the fewest, the others roll right by the rest (their left padding grows).
+    With the CPU kernels (`ext`, float32 caches) the rows that move move only their used
+    positions, every layer in one op (`ext.roll_rows`); else mlx-lm's `dynamic_roll`
+    of the whole buffers."""
     common = min(stale)
     shifts = [s - common for s in stale]
     if any(shifts):
         by = mx.array(shifts)
+        rolled = _roll_with_kernel(cache, shifts, ext)
         for layer in cache:
-            layer.keys = dynamic_roll(layer.keys, by[:, None], axis=2)
-            layer.values = dynamic_roll(layer.values, by[:, None], axis=2)
+            if id(layer) not in rolled:
+                layer.keys = dynamic_roll(layer.keys, by[:, None], axis=2)
+                layer.values = dynamic_roll(layer.values, by[:, None], axis=2)
             layer.offset = layer.offset - by
             layer.left_padding = layer.left_padding + by
     if common:
         for layer in cache:
             layer.trim(common)
+
+
+def _roll_with_kernel(cache: list[Any], shifts: list[int], ext: Any | None) -> set[int]:
+    """Rows moved right by `shifts` in the layers the kernel op takes (their ids)."""
+    if ext is None:
+        return set()
+    layers = [
+        layer
+        for layer in cache
+        if type(layer) is BatchKVCache and layer.keys is not None
+        and layer.keys.dtype == mx.float32 and layer.values.dtype == mx.float32
+    ]  # fmt: skip
+    if not layers:
+        return set()
+    starts: list[int] = layers[0].left_padding.tolist()  # every layer's are equal
+    buffers = [b for layer in layers for b in (layer.keys, layer.values)]
+    moved = ext.roll_rows(buffers, shifts, starts, layers[0]._idx)
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = moved[2 * i], moved[2 * i + 1]
+    return {id(layer) for layer in layers}
 
 
 def _respond(batch: Any, outcomes: list[RowOutcome]) -> list[Any]:

@@ -75,6 +75,11 @@ NB_MODULE(_pipeserve_cpu, m) {
         "Rows (ascending) of KV cache buffers (B, heads, capacity, depth), positions"
         " start..stop - 1, as (len(rows), heads, capacity, depth) buffers: in place where a"
         " buffer may be donated, else new ones (zeros after the copied positions).");
+  m.def("roll_rows", &pipeserve::roll_rows, "buffers"_a, "shifts"_a, "starts"_a, "stop"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "KV cache buffers (rows, heads, capacity, depth) with row r's positions"
+        " starts[r]..stop - shifts[r] - 1 moved right by shifts[r]: in place where a buffer"
+        " may be donated, else a copy.");
   m.def("cache_copy_bytes", &pipeserve::cache_copy_bytes,
         "Bytes of KV cache the decoder layer op copied (its input could not be donated).");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,

@@ -37,6 +37,8 @@ SOURCE_FILES = (
     "fused_layer.cpp",
     "f32_matmul.cpp",
     "cache_rows.cpp",
+    "roll_rows.cpp",
+    "donation.h",
     "bindings.cpp",
     "CMakeLists.txt",
 )

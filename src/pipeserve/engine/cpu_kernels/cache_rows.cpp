@@ -27,6 +27,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
+#include "donation.h"
 #include "kernels.h"
 
 namespace pipeserve {
@@ -114,7 +115,7 @@ class CacheRows : public mx::Primitive {
       if (in_place) {
         auto flags = in.flags();
         flags.col_contiguous = out.size() <= 1;
-        out.copy_shared_buffer(in, out_strides(out), flags, out.size());
+        out.copy_shared_buffer(in, contiguous_strides(out), flags, out.size());
       } else {
         out.set_data(mx::allocator::malloc(out.nbytes()));
       }
@@ -137,29 +138,6 @@ class CacheRows : public mx::Primitive {
   }
 
  private:
-  static mx::Strides out_strides(const mx::array& out) {
-    mx::Strides strides(out.ndim(), 1);
-    for (int axis = out.ndim() - 2; axis >= 0; --axis) {
-      strides[axis] = strides[axis + 1] * out.shape(axis + 1);
-    }
-    return strides;
-  }
-
-  // Each output of a multi-output op holds its own copy of the inputs (make_arrays), so
-  // no input would look donatable (is_donatable: one holder). The other outputs' copies
-  // are dropped here: MLX clears every sibling's inputs once the op is evaluated anyway
-  // (array::detach). Not for tracers (compile, transforms).
-  static void release_sibling_inputs(const std::vector<mx::array>& inputs,
-                                     std::vector<mx::array>& outputs) {
-    for (auto& out : outputs) {
-      if (out.is_tracer()) return;
-    }
-    for (auto& out : outputs) {
-      auto& held = out.inputs();
-      if (&held != &inputs) held.clear();
-    }
-  }
-
   Span span_;
 };
 

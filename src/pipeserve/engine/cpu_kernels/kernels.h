@@ -188,6 +188,14 @@ std::vector<mx::array> cache_rows(const std::vector<mx::array>& buffers,
                                   const std::vector<int>& rows, int start, int stop,
                                   int capacity, mx::StreamOrDevice s = {});
 
+// A verification's rollback (roll_rows.cpp): in each KV cache buffer (float32 (rows,
+// heads, capacity, depth)), row r's positions starts[r]..stop - shifts[r] - 1 moved right
+// by shifts[r] (rows with shift 0 stay): one op for all the buffers, in place where a
+// buffer may be donated, else into a copy.
+std::vector<mx::array> roll_rows(const std::vector<mx::array>& buffers,
+                                 const std::vector<int>& shifts, const std::vector<int>& starts,
+                                 int stop, mx::StreamOrDevice s = {});
+
 // Bytes of KV cache the decoder layer op copied because its input buffer could not be
 // donated (something else held it): counted for tests and benchmarks.
 void count_cache_copy(int64_t bytes);
