@@ -93,9 +93,9 @@ void run(const std::vector<Block>& blocks, const Span& span) {
   });
 }
 
-class CacheRows : public mx::Primitive {
+class CacheRows : public CacheBufferOp {
  public:
-  CacheRows(mx::Stream stream, Span span) : mx::Primitive(stream), span_(std::move(span)) {}
+  CacheRows(mx::Stream stream, Span span) : CacheBufferOp(stream), span_(std::move(span)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
@@ -127,14 +127,8 @@ class CacheRows : public mx::Primitive {
     encoder.dispatch([blocks = std::move(blocks), span = span_]() { run(blocks, span); });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("cache_rows runs on the CPU only");
-  }
   const char* name() const override {
     return "PipeserveCacheRows";
-  }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return false;  // may write its inputs' buffers: never merged with another
   }
 
  private:

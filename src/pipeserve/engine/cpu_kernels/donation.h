@@ -2,9 +2,12 @@
 // rewrite KV cache buffers (cache_rows.cpp, roll_rows.cpp).
 #pragma once
 
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
+#include "mlx/primitives.h"
 
 namespace pipeserve {
 
@@ -31,5 +34,18 @@ inline void release_sibling_inputs(const std::vector<mlx::core::array>& inputs,
     if (&held != &inputs) held.clear();
   }
 }
+
+// An op that rewrites KV cache buffers, on the CPU only; it may write its inputs' buffers,
+// so it is never merged with another.
+class CacheBufferOp : public mlx::core::Primitive {
+ public:
+  using mlx::core::Primitive::Primitive;
+  void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+  bool is_equivalent(const mlx::core::Primitive&) const override {
+    return false;
+  }
+};
 
 }  // namespace pipeserve

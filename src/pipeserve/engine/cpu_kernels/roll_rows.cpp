@@ -80,9 +80,9 @@ void run(const std::vector<Buffer>& buffers, const Moves& m) {
   });
 }
 
-class RollRows : public mx::Primitive {
+class RollRows : public CacheBufferOp {
  public:
-  RollRows(mx::Stream stream, Moves moves) : mx::Primitive(stream), moves_(std::move(moves)) {}
+  RollRows(mx::Stream stream, Moves moves) : CacheBufferOp(stream), moves_(std::move(moves)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
@@ -106,14 +106,8 @@ class RollRows : public mx::Primitive {
     encoder.dispatch([buffers = std::move(buffers), moves = moves_]() { run(buffers, moves); });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("roll_rows runs on the CPU only");
-  }
   const char* name() const override {
     return "PipeserveRollRows";
-  }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return false;  // may write its inputs' buffers: never merged with another
   }
 
  private:
