@@ -55,7 +55,7 @@ def keep_rows(caches: list[Any], keep: list[int], ext: Any | None) -> list[mx.ar
         cache.left_padding, cache.offset = shared[key]
         if cache.keys is None:
             continue
-        if _kernel_copies(cache, ext):
+        if kernel_rewrites(cache, ext):
             copies.append((cache, (start, stop, cache.keys.shape[2])))
         else:
             cache.keys = cache.keys[rows][..., shift:, :]
@@ -71,7 +71,11 @@ def row_cache(caches: list[Any], index: int, ext: Any | None) -> tuple[list[Any]
     copies: list[tuple[Any, tuple[int, int, int]]] = []
     for cache in caches:
         start = cache.left_padding.tolist()[index] if type(cache) is BatchKVCache else 0
-        if type(cache) is not BatchKVCache or not _kernel_copies(cache, ext) or start >= cache._idx:
+        if (
+            type(cache) is not BatchKVCache
+            or not kernel_rewrites(cache, ext)
+            or start >= cache._idx
+        ):
             out.append(cache.extract(index))  # (no positions yet: mlx-lm's empty extract)
             continue
         row = KVCache()
@@ -84,7 +88,8 @@ def row_cache(caches: list[Any], index: int, ext: Any | None) -> tuple[list[Any]
     return out, made
 
 
-def _kernel_copies(cache: Any, ext: Any | None) -> bool:
+def kernel_rewrites(cache: Any, ext: Any | None) -> bool:
+    """The CPU kernels' cache ops (cache_rows, roll_rows) take this cache's buffers."""
     return (
         ext is not None
         and cache.keys is not None

@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 from mlx_lm.sample_utils import greedy_sampler
 
+from pipeserve.engine.batch_cache import kernel_rewrites
 from pipeserve.engine.constraints import RowConstraint
 from pipeserve.engine.proposer import RowProposer
 from pipeserve.engine.spec_policy import choose_width
@@ -255,15 +256,10 @@ def trim_rows(cache: list[Any], stale: list[int], ext: Any | None = None) -> Non
 
 def _roll_with_kernel(cache: list[Any], shifts: list[int], ext: Any | None) -> set[int]:
     """Rows moved right by `shifts` in the layers the kernel op takes (their ids)."""
-    if ext is None:
-        return set()
     layers = [
-        layer
-        for layer in cache
-        if type(layer) is BatchKVCache and layer.keys is not None
-        and layer.keys.dtype == mx.float32 and layer.values.dtype == mx.float32
-    ]  # fmt: skip
-    if not layers:
+        layer for layer in cache if type(layer) is BatchKVCache and kernel_rewrites(layer, ext)
+    ]
+    if ext is None or not layers:
         return set()
     starts: list[int] = layers[0].left_padding.tolist()  # every layer's are equal
     buffers = [b for layer in layers for b in (layer.keys, layer.values)]
