@@ -33,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_models import build_bench_model
+from bench_models import CODER_PIPELINE, build_bench_model, fetch_coder_model
 from servers import (
     BenchServer,
     bench_environment,
@@ -238,8 +238,13 @@ def main() -> int:
     return 0
 
 
+CODER = "qwen2.5-coder-0.5b"  # a real model that does spec_bench's edit (bench_models.py)
+
+
 def bench_model(shape: str, home: Path) -> tuple[Path, str]:
     """(model folder, pipeline) of a benchmark shape."""
+    if shape == CODER:
+        return fetch_coder_model(home), CODER_PIPELINE
     if shape != "smollm2":
         return build_bench_model(shape, home / "bench"), "qwen3"
     from pipeserve.config import load_server_config

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve_bench import bench_model
+from benchmarks.serve_bench import CODER, bench_model
 from pipeserve.engine.demo import pipeserve_home
 from pipeserve.engine.loader import load_model
 
@@ -43,7 +43,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shape", default="smollm2", choices=["small", "qwen3-0.6b", "smollm2"])
+    parser.add_argument(
+        "--shape", default="smollm2", choices=["small", "qwen3-0.6b", "smollm2", CODER]
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--context", type=int, default=400, help="tokens already cached")
