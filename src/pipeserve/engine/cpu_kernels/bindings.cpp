@@ -82,6 +82,9 @@ NB_MODULE(_pipeserve_cpu, m) {
         " may be donated, else a copy.");
   m.def("cache_copy_bytes", &pipeserve::cache_copy_bytes,
         "Bytes of KV cache the decoder layer op copied (its input could not be donated).");
+  m.def("top_p", &pipeserve::top_p, "logprobs"_a, "top_p"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Top-p (nucleus) filtering of float32 log-probabilities: outside the nucleus -inf.");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

@@ -1,0 +1,103 @@
+"""Top-p (nucleus) filtering on the CPU (cpu_kernels/top_p.cpp, used by engine/sampling.py):
+the kept entries are checked against a float64 numpy reference of mlx-lm's rule (an entry
+is kept when the mass above it, in descending order, is below p times the total; ties
+with the smallest kept entry are kept too), over vocabulary sizes, temperatures of the
+logits, p values, several rows and strided rows; masked (-inf) and NaN entries; and a
+seeded sampler with top_p that draws only from the nucleus, in its proportions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import apply_top_p
+
+from pipeserve.engine.sampling import make_sampler
+from pipeserve.request import SamplingParams
+
+pytestmark = pytest.mark.mlx
+
+# Masses are float64 sums of float32 exps (within ~1 ulp each): the boundary may move by
+# rounding only, far less than one entry's mass at these sizes.
+MASS_TOLERANCE = 1e-9
+
+
+def logprobs(rows: int, vocab: int, scale: float, seed: int) -> mx.array:
+    logits = mx.random.normal((rows, vocab), key=mx.random.key(seed)) * scale
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def check_nucleus(row: np.ndarray, filtered: np.ndarray, top_p: float) -> None:
+    kept = np.isfinite(filtered)
+    assert np.array_equal(filtered[kept], row[kept])  # kept entries unchanged
+    order = np.argsort(-row.astype(np.float64), kind="stable")
+    probs = np.exp(row[order].astype(np.float64))
+    above = np.cumsum(probs) - probs  # mass of the entries before each in descending order
+    target = top_p * probs.sum()
+    in_nucleus = above < target - MASS_TOLERANCE
+    outside = above >= target + MASS_TOLERANCE
+    kept_sorted = kept[order]
+    assert kept_sorted[in_nucleus].all()
+    threshold = row[kept].min()
+    # Outside the nucleus only ties with the smallest kept entry stay.
+    assert (row[order][outside & kept_sorted] == threshold).all()
+    assert not (row < threshold)[kept].any()
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152, 151936])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])
+def test_the_nucleus_matches_a_float64_reference(ext: Any, vocab: int, scale: float) -> None:
+    for seed, top_p in enumerate([0.05, 0.5, 0.9, 0.95, 0.999]):
+        lp = logprobs(3, vocab, scale, seed)
+        filtered = np.array(ext.top_p(lp, top_p))
+        for row, out in zip(np.array(lp), filtered):
+            check_nucleus(row, out, top_p)
+
+
+def test_strided_rows_and_leading_axes(ext: Any) -> None:
+    lp = logprobs(6, 5000, 3.0, 1)
+    strided = lp.T.reshape(5000, 6).T  # a transposed copy's view: not row-contiguous
+    expected = np.array(ext.top_p(mx.array(np.array(lp)), 0.9))
+    assert np.array_equal(np.array(ext.top_p(strided, 0.9)), expected)
+    batched = ext.top_p(lp.reshape(2, 3, 5000), 0.9)
+    assert batched.shape == (2, 3, 5000)
+    assert np.array_equal(np.array(batched).reshape(6, 5000), expected)
+
+
+def test_where_mass_is_concentrated_it_equals_mlx_lm(ext: Any) -> None:
+    """mlx-lm sums in float32, so large flat rows move its boundary by a few tail entries;
+    where the mass sits on few entries both keep the same ones."""
+    for seed, top_p in enumerate([0.3, 0.8, 0.95]):
+        lp = logprobs(4, 49152, 12.0, seed)
+        assert np.array_equal(np.array(ext.top_p(lp, top_p)), np.array(apply_top_p(lp, top_p)))
+
+
+def test_masked_and_non_finite_entries(ext: Any) -> None:
+    inf = float("inf")
+    masked = mx.array([[-inf, np.log(0.6), -inf, np.log(0.3), np.log(0.1)]], dtype=mx.float32)
+    out = np.array(ext.top_p(masked, 0.7))
+    assert np.isfinite(out).tolist() == [[False, True, False, True, False]]
+    only = mx.array([[-inf, 0.0, -inf]], dtype=mx.float32)
+    assert np.array_equal(np.array(ext.top_p(only, 0.5)), np.array(only))
+    nothing = mx.full((1, 4), -inf)
+    assert np.array_equal(np.array(ext.top_p(nothing, 0.5)), np.array(nothing))
+    nan_row = mx.array([[0.0, float("nan"), -1.0]], dtype=mx.float32)
+    assert np.array_equal(np.array(ext.top_p(nan_row, 0.5)), np.array(nan_row), equal_nan=True)
+    with pytest.raises(ValueError):
+        ext.top_p(masked, 0.0)
+    with pytest.raises(ValueError):
+        ext.top_p(masked.astype(mx.float16), 0.5)
+
+
+def test_a_seeded_top_p_sampler_draws_only_from_the_nucleus(ext: Any) -> None:
+    probs = np.array([0.5, 0.3, 0.1, 0.05, 0.03, 0.02])
+    row = mx.array(np.log(probs)[None, :], dtype=mx.float32)
+    # Mass above each: 0, .5, .8, .9, ...: with p = 0.85 the first three stay.
+    sampler = make_sampler(SamplingParams(temperature=1.0, top_p=0.85, seed=3))
+    counts = Counter(int(sampler(row).item()) for _ in range(3000))
+    assert set(counts) == {0, 1, 2}
+    for token, share in enumerate(probs[:3] / probs[:3].sum()):
+        assert abs(counts[token] / 3000 - share) < 0.04, (token, counts)
