@@ -7,11 +7,12 @@ request runs alone or batched with others. Greedy requests share mlx-lm's
 `greedy_sampler` object and unseeded ones with equal parameters share one mlx-lm
 sampler, which lets BatchGenerator sample each group in one batched call.
 
-Top-p on the CPU runs as the CPU kernels' op (cpu_kernels/top_p.cpp): mlx-lm's
-`apply_top_p` sorts the whole vocabulary for every sampled token (3.6 ms at SmolLM2's
-49152 entries, 12 ms at Qwen's 151936, on this project's 2-core machines), the op
-sorts only the entries near the nucleus' edge (0.24 / 0.63 ms). Same rule, float64
-sums; elsewhere (a GPU, no kernels) mlx-lm's own runs.
+Top-p and top-k on the CPU run as the CPU kernels' ops (cpu_kernels/sampling_filters.cpp):
+mlx-lm's `apply_top_p` sorts the whole vocabulary for every sampled token (3.6 ms at
+SmolLM2's 49152 entries, 12 ms at Qwen's 151936, on this project's 2-core machines) and
+`apply_top_k` partitions it; the ops sort only the entries near the edge (top-p 0.24 /
+0.63 ms). Same rules (top-p's masses summed in float64); elsewhere (a GPU, no
+kernels) mlx-lm's own run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -101,15 +103,33 @@ def _filters(top_p: float, min_p: float, top_k: int) -> list[Filter]:
     if min_p > 0.0:
         filters.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:  # a top_k as large as the vocabulary keeps everything
-        filters.append(lambda x: apply_top_k(x, top_k) if top_k < x.shape[-1] else x)
+        filters.append(_top_k_filter(top_k))
     return filters
 
 
+def _cpu_ops() -> Any:
+    """The CPU kernels where the arrays live on the CPU, else None."""
+    return cpu_kernels.kernels() if mx.default_device() == mx.cpu else None
+
+
 def _top_p_filter(top_p: float) -> Filter:
-    ext = cpu_kernels.kernels() if mx.default_device() == mx.cpu else None
+    ext = _cpu_ops()
     if ext is None:
         return lambda x: apply_top_p(x, top_p)
     return lambda x: ext.top_p(x, top_p) if x.dtype == mx.float32 else apply_top_p(x, top_p)
+
+
+def _top_k_filter(top_k: int) -> Filter:
+    ext = _cpu_ops()
+
+    def apply(x: mx.array) -> mx.array:
+        if top_k >= x.shape[-1]:
+            return x
+        if ext is not None and x.dtype == mx.float32:
+            return ext.top_k(x, top_k)
+        return apply_top_k(x, top_k)
+
+    return apply
 
 
 def make_processors(params: SamplingParams) -> list[LogitsProcessor]:

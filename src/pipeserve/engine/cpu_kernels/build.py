@@ -38,7 +38,7 @@ SOURCE_FILES = (
     "f32_matmul.cpp",
     "cache_rows.cpp",
     "roll_rows.cpp",
-    "top_p.cpp",
+    "sampling_filters.cpp",
     "donation.h",
     "bindings.cpp",
     "CMakeLists.txt",

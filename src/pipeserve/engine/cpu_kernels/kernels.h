@@ -201,9 +201,10 @@ std::vector<mx::array> roll_rows(const std::vector<mx::array>& buffers,
 void count_cache_copy(int64_t bytes);
 int64_t cache_copy_bytes();
 
-// Top-p (nucleus) filtering of log-probabilities (..., V), float32, as mlx-lm's
-// apply_top_p: entries outside the nucleus become -inf (top_p.cpp).
+// Top-p (nucleus) and top-k filtering of log-probabilities (..., V), float32, as mlx-lm's
+// apply_top_p / apply_top_k: entries outside become -inf (sampling_filters.cpp).
 mx::array top_p(const mx::array& logprobs, float top_p, mx::StreamOrDevice s = {});
+mx::array top_k(const mx::array& logprobs, int k, mx::StreamOrDevice s = {});
 
 // Runs job(0) .. job(chunks - 1) on the kernels' thread pool (affine_qmm.cpp), the
 // calling thread included, and returns when all are done; rethrows a job's exception.

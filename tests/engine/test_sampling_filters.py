@@ -1,9 +1,12 @@
-"""Top-p (nucleus) filtering on the CPU (cpu_kernels/top_p.cpp, used by engine/sampling.py):
+"""Top-p (nucleus) and top-k filtering on the CPU (cpu_kernels/sampling_filters.cpp, used by
+engine/sampling.py). Top-p:
 the kept entries are checked against a float64 numpy reference of mlx-lm's rule (an entry
 is kept when the mass above it, in descending order, is below p times the total; ties
 with the smallest kept entry are kept too), over vocabulary sizes, temperatures of the
 logits, p values, several rows and strided rows; masked (-inf) and NaN entries; and a
-seeded sampler with top_p that draws only from the nucleus, in its proportions."""
+seeded sampler with top_p that draws only from the nucleus, in its proportions. Top-k:
+exactly k kept, none smaller than a dropped one, ties with the k-th by position, the
+same entries as mlx-lm's apply_top_k where nothing ties."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from pipeserve.engine.sampling import make_sampler
 from pipeserve.request import SamplingParams
@@ -101,3 +104,39 @@ def test_a_seeded_top_p_sampler_draws_only_from_the_nucleus(ext: Any) -> None:
     assert set(counts) == {0, 1, 2}
     for token, share in enumerate(probs[:3] / probs[:3].sum()):
         assert abs(counts[token] / 3000 - share) < 0.04, (token, counts)
+
+
+@pytest.mark.parametrize("vocab", [50, 49152, 151936])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])
+def test_top_k_keeps_the_k_largest(ext: Any, vocab: int, scale: float) -> None:
+    for seed, k in enumerate([1, 5, 20, 40]):
+        lp = logprobs(3, vocab, scale, seed)
+        filtered = np.array(ext.top_k(lp, k))
+        for row, out in zip(np.array(lp), filtered):
+            kept = np.isfinite(out)
+            assert kept.sum() == k and np.array_equal(out[kept], row[kept])
+            assert row[kept].min() >= row[~kept].max()
+        if len({float(v) for v in np.array(lp).ravel()}) == lp.size:  # no ties
+            assert np.array_equal(filtered, np.array(apply_top_k(lp, k)))
+
+
+def test_top_k_ties_masks_and_bounds(ext: Any) -> None:
+    inf = float("inf")
+    ties = mx.array([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    assert np.isfinite(np.array(ext.top_k(ties, 2))).tolist() == [[False, True, True, False, False]]
+    masked = mx.array([[-inf, 0.5, -inf, -inf]])  # fewer finite entries than k
+    assert np.array_equal(np.array(ext.top_k(masked, 2)), np.array(masked))
+    nan_row = mx.array([[0.0, float("nan"), -1.0]])
+    assert np.array_equal(np.array(ext.top_k(nan_row, 1)), np.array(nan_row), equal_nan=True)
+    for k in (0, 5):
+        with pytest.raises(ValueError):
+            ext.top_k(ties, k)
+
+
+def test_a_seeded_top_k_sampler_draws_only_the_k_best(ext: Any) -> None:
+    probs = np.array([0.1, 0.4, 0.05, 0.3, 0.15])
+    row = mx.array(np.log(probs)[None, :], dtype=mx.float32)
+    sampler = make_sampler(SamplingParams(temperature=1.0, top_k=2, seed=4), vocab_size=5)
+    counts = Counter(int(sampler(row).item()) for _ in range(2000))
+    assert set(counts) == {1, 3}
+    assert abs(counts[1] / 2000 - 4 / 7) < 0.05, counts
