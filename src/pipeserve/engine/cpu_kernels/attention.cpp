@@ -193,4 +193,20 @@ void attend_query(const HeadKeysValues& head, const float* q, int seen, float sc
          out);
 }
 
+void for_each_query_run(int batch, int kv_heads, int queries, int64_t work,
+                        const std::function<void(int b, int kh, int first, int last)>& run) {
+  const int pairs = batch * kv_heads;
+  const int runs = std::min(queries, std::max(1, (2 * threads() + pairs - 1) / pairs));
+  auto task = [&](int t) {
+    const int r = t % runs, b = t / runs / kv_heads, kh = t / runs % kv_heads;
+    run(b, kh, queries * r / runs, queries * (r + 1) / runs);
+  };
+  const int tasks = pairs * runs;
+  if (work < PARALLEL_ATTENTION) {
+    for (int t = 0; t < tasks; ++t) task(t);
+  } else {
+    parallel_for(tasks, task);
+  }
+}
+
 }  // namespace pipeserve

@@ -7,7 +7,9 @@
 // verified among W proposals gets the very numbers it gets decoded alone.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
 
 namespace pipeserve {
 
@@ -32,5 +34,18 @@ struct QueryMask {
 // every position is masked (like MLX's sdpa).
 void attend_query(const HeadKeysValues& head, const float* q, int seen, float scale,
                   const QueryMask& mask, float* out);
+
+// Below this many multiply-adds an attention runs on the calling thread (a pool fork /
+// join costs more).
+constexpr int64_t PARALLEL_ATTENTION = 1 << 15;
+
+// How sdpa and the decoder-layer op split attention over the kernels' pool: tasks of one
+// (batch row, kv head) pair and a run of its `queries` query rows (the query heads of the
+// kv head's group x the query positions), which read the same keys and values while they
+// are in cache; a pair's queries are split into runs only where there are too few pairs
+// to keep the pool busy. run(b, kh, first, last) does queries first..last - 1 of a pair,
+// on the calling thread where `work` (multiply-adds) is below PARALLEL_ATTENTION.
+void for_each_query_run(int batch, int kv_heads, int queries, int64_t work,
+                        const std::function<void(int b, int kh, int first, int last)>& run);
 
 }  // namespace pipeserve

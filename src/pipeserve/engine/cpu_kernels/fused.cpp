@@ -143,11 +143,8 @@ class Rope : public mx::Primitive {
   float scale_;
 };
 
-constexpr int64_t PARALLEL_SDPA = 1 << 15;  // multiply-adds worth a pool fork / join
-
-// Sdpa's work as raw pointers: tasks of one (batch row, kv head) pair and a run of its
-// query rows (query heads of the kv head's group x query positions), split over the
-// kernels' pool; each query row by attend_query (attention.cpp).
+// Sdpa's work as raw pointers, split over the kernels' pool by for_each_query_run; each
+// query row by attend_query (attention.cpp).
 struct SdpaJob {
   const float *qp, *kp, *vp;
   float* op;
@@ -201,22 +198,13 @@ struct SdpaJob {
 
   void run() const {
     const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
-    const int group = Hq / Hk, pairs = B * Hk, queries = L * group;
-    const int runs = std::min(queries, std::max(1, (2 * threads() + pairs - 1) / pairs));
-    auto task = [&](int t) {
+    const int group = Hq / Hk;
+    const int64_t work = static_cast<int64_t>(B) * Hq * L * S * D;
+    for_each_query_run(B, Hk, L * group, work, [&](int b, int kh, int first, int last) {
       thread_local std::vector<float> keys, values, q_row;
-      const int run = t % runs, b = t / runs / Hk, kh = t / runs % Hk;
       const HeadKeysValues kv = head(b, kh, keys, values);
-      for (int i = queries * run / runs; i < queries * (run + 1) / runs; ++i) {
-        query(kv, b, kh * group + i / L, i % L, q_row);
-      }
-    };
-    const int tasks = pairs * runs;
-    if (static_cast<int64_t>(B) * Hq * L * S * D < PARALLEL_SDPA) {
-      for (int t = 0; t < tasks; ++t) task(t);
-    } else {
-      parallel_for(tasks, task);
-    }
+      for (int i = first; i < last; ++i) query(kv, b, kh * group + i / L, i % L, q_row);
+    });
   }
 };
 

@@ -182,29 +182,18 @@ void attend(const Job& j, const float* q, int b, int l, int h, float* out) {
   attend_query(head, q, j.index + l + 1, s.attn_scale, mask, out);
 }
 
-constexpr int64_t PARALLEL_ATTENTION = 1 << 15;  // multiply-adds worth a pool fork / join
-
-// A task: one row's kv head for a run of its queries (new tokens x the query heads of the
-// kv head's group), which read the same keys and values while they are in cache; a pair's
-// queries are split into runs only where there are too few pairs to keep the pool busy.
+// Over the kernels' pool by for_each_query_run (attention.cpp); the queries of a pair
+// are its new tokens x the query heads of the kv head's group.
 void attention(const Job& j, const float* q, float* out) {
   const int Hq = j.s.q_heads, Hk = j.s.kv_heads, group = Hq / Hk, D = j.s.head_dim;
-  const int pairs = j.B * Hk, queries = j.L * group;
-  const int runs = std::min(queries, std::max(1, (2 * threads() + pairs - 1) / pairs));
-  auto task = [&](int t) {
-    const int run = t % runs, b = t / runs / Hk, kh = t / runs % Hk;
-    for (int i = queries * run / runs; i < queries * (run + 1) / runs; ++i) {
+  const int64_t work = static_cast<int64_t>(j.B) * j.L * Hq * (j.index + j.L) * D;
+  for_each_query_run(j.B, Hk, j.L * group, work, [&](int b, int kh, int first, int last) {
+    for (int i = first; i < last; ++i) {
       const int l = i / group, h = kh * group + i % group;
       const size_t at = ((static_cast<size_t>(b) * j.L + l) * Hq + h) * D;
       attend(j, q + at, b, l, h, out + at);
     }
-  };
-  const int tasks = pairs * runs;
-  if (static_cast<int64_t>(j.B) * j.L * Hq * (j.index + j.L) * D < PARALLEL_ATTENTION) {
-    for (int t = 0; t < tasks; ++t) task(t);
-  } else {
-    parallel_for(tasks, task);
-  }
+  });
 }
 
 void run(const Job& j) {
