@@ -6,7 +6,10 @@ with the smallest kept entry are kept too), over vocabulary sizes, temperatures 
 logits, p values, several rows and strided rows; masked (-inf) and NaN entries; and a
 seeded sampler with top_p that draws only from the nucleus, in its proportions. Top-k:
 exactly k kept, none smaller than a dropped one, ties with the k-th by position, the
-same entries as mlx-lm's apply_top_k where nothing ties."""
+same entries as mlx-lm's apply_top_k where nothing ties. The draw (categorical): the
+softmax's frequencies over 6 and 5000 entries (across its blocks of partial sums), never
+a -inf entry, the uniform's ends, rows without a finite weight, a seeded sampler's
+repeatability and its temperature."""
 
 from __future__ import annotations
 
@@ -140,3 +143,54 @@ def test_a_seeded_top_k_sampler_draws_only_the_k_best(ext: Any) -> None:
     counts = Counter(int(sampler(row).item()) for _ in range(2000))
     assert set(counts) == {1, 3}
     assert abs(counts[1] / 2000 - 4 / 7) < 0.05, counts
+
+
+def draws(ext: Any, logits: np.ndarray, count: int, seed: int) -> np.ndarray:
+    rows = mx.broadcast_to(mx.array(logits[None, :]), (count, logits.shape[0]))
+    uniforms = mx.random.uniform(shape=(count, 2), key=mx.random.key(seed))
+    return np.array(ext.categorical(rows, uniforms))
+
+
+def test_categorical_draws_the_softmax(ext: Any) -> None:
+    probs = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0])
+    logits = np.where(probs > 0, np.log(np.where(probs > 0, probs, 1.0)), -np.inf)
+    drawn = draws(ext, logits.astype(np.float32), 40000, 0)
+    assert drawn.max() < 5  # never the -inf entry
+    assert np.abs(np.bincount(drawn, minlength=6) / 40000 - probs).max() < 0.01
+    # 5000 entries: the partial sums per block of entries find the right block.
+    logits = np.random.default_rng(0).normal(size=5000).astype(np.float32) * 2
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    frequencies = np.bincount(draws(ext, logits, 100000, 1), minlength=5000) / 100000
+    top = np.argsort(-probs)[:20]
+    assert np.abs(frequencies[top] - probs[top]).max() < 0.003
+
+
+def test_categorical_at_the_uniforms_ends_and_on_rows_without_weight(ext: Any) -> None:
+    inf = float("inf")
+    row = mx.array([[-inf, 1.0, -inf, 2.0, -inf]], dtype=mx.float32)
+    low = mx.array([[0.0, 0.0]], dtype=mx.float32)
+    high = mx.array([[1.0 - 2**-23, 1.0 - 2**-23]], dtype=mx.float32)
+    assert ext.categorical(row, low).item() == 1  # the first entry with weight
+    assert ext.categorical(row, high).item() == 3  # the last
+    assert ext.categorical(mx.full((1, 4), -inf), low).item() == 0
+    nan_row = mx.array([[0.0, float("nan"), 3.0, 3.0]], dtype=mx.float32)
+    assert ext.categorical(nan_row, high).item() == 2  # the first largest, as argmax
+    columns = mx.array([[-inf, -inf], [0.0, 0.0], [-inf, -inf]])
+    strided = columns.T  # (2, 3) rows read with a stride: [-inf, 0, -inf] each
+    assert np.array(ext.categorical(strided, mx.zeros((2, 2)))).tolist() == [1, 1]
+    with pytest.raises(ValueError):
+        ext.categorical(row, mx.zeros((1, 3)))
+
+
+def test_a_seeded_sampler_repeats_and_follows_its_temperature(ext: Any) -> None:
+    row = mx.array(np.log([[0.6, 0.3, 0.1]]), dtype=mx.float32)
+
+    def run(temperature: float, seed: int) -> list[int]:
+        sampler = make_sampler(SamplingParams(temperature=temperature, seed=seed))
+        return [int(sampler(row).item()) for _ in range(2000)]
+
+    assert run(1.0, 7) == run(1.0, 7)
+    assert run(1.0, 7) != run(1.0, 8)
+    sharp = Counter(run(0.5, 9))  # p^2 renormalised: 0.78, 0.196, 0.022
+    assert abs(sharp[0] / 2000 - 0.36 / 0.46) < 0.04, sharp

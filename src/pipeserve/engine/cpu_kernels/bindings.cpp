@@ -85,6 +85,9 @@ NB_MODULE(_pipeserve_cpu, m) {
   m.def("top_p", &pipeserve::top_p, "logprobs"_a, "top_p"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "Top-p (nucleus) filtering of float32 log-probabilities: outside the nucleus -inf.");
+  m.def("categorical", &pipeserve::categorical, "logits"_a, "uniforms"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "One index per row drawn from softmax(logits) at two float32 uniforms (..., 2).");
   m.def("top_k", &pipeserve::top_k, "logprobs"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The k largest float32 log-probabilities of each row kept, the rest -inf.");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,

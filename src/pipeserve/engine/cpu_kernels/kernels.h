@@ -205,6 +205,11 @@ int64_t cache_copy_bytes();
 // apply_top_p / apply_top_k: entries outside become -inf (sampling_filters.cpp).
 mx::array top_p(const mx::array& logprobs, float top_p, mx::StreamOrDevice s = {});
 mx::array top_k(const mx::array& logprobs, int k, mx::StreamOrDevice s = {});
+// One index per row of logits (..., V) drawn from softmax(logits), by inverting the
+// cumulative distribution at uniforms (..., 2), two float32 uniforms per row
+// (sampling_filters.cpp).
+mx::array categorical(const mx::array& logits, const mx::array& uniforms,
+                      mx::StreamOrDevice s = {});
 
 // Runs job(0) .. job(chunks - 1) on the kernels' thread pool (affine_qmm.cpp), the
 // calling thread included, and returns when all are done; rethrows a job's exception.
