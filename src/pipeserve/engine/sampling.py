@@ -4,8 +4,8 @@ BatchGenerator accepts one sampler per sequence but has no per-request seed (mlx
 samplers draw from the global random state). A seeded request gets its own PRNG key,
 split once per decode step, so the same seed gives the same tokens whether the
 request runs alone or batched with others. Greedy requests share mlx-lm's
-`greedy_sampler` object and unseeded ones with equal parameters share one mlx-lm
-sampler, which lets BatchGenerator sample each group in one batched call.
+`greedy_sampler` object and unseeded ones with equal parameters share one sampler,
+which lets BatchGenerator sample each group in one batched call.
 
 Top-p and top-k on the CPU run as the CPU kernels' ops (cpu_kernels/sampling_filters.cpp):
 mlx-lm's `apply_top_p` sorts the whole vocabulary for every sampled token (3.6 ms at
@@ -70,43 +70,46 @@ def make_sampler(params: SamplingParams, vocab_size: int | None = None) -> Sampl
 @functools.lru_cache(maxsize=256)
 def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
     """Unseeded requests with equal parameters share one sampler object, so
-    BatchGenerator samples them in one batched call (global random state). mlx-lm's
-    make_sampler, with the filters below."""
-    filters = _filters(top_p, min_p, top_k)
-    inverse_temperature, ext = 1.0 / temperature, _cpu_ops()
-
-    def sampler(logprobs: mx.array) -> mx.array:
-        for apply in filters:
-            logprobs = apply(logprobs)
-        return _draw(ext, logprobs * inverse_temperature, None)
-
-    return sampler
+    BatchGenerator samples them in one batched call (global random state)."""
+    return _chain(temperature, top_p, min_p, top_k, lambda: None)
 
 
 def _seeded_sampler(params: SamplingParams, seed: int) -> Sampler:
-    filters = _filters(params.top_p, params.min_p, params.top_k)
-    inverse_temperature, ext = 1.0 / params.temperature, _cpu_ops()
     state = {"key": mx.random.key(seed)}
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        state["key"], step_key = mx.random.split(state["key"])
-        for apply in filters:
-            logprobs = apply(logprobs)
-        return _draw(ext, logprobs * inverse_temperature, step_key)
+    def step_key() -> mx.array:
+        state["key"], key = mx.random.split(state["key"])
+        return key
 
-    return sampler
+    return _chain(params.temperature, params.top_p, params.min_p, params.top_k, step_key)
 
 
-def _filters(top_p: float, min_p: float, top_k: int) -> list[Filter]:
-    """mlx-lm's filters in mlx-lm's order: top-p, min-p, top-k."""
+def _chain(
+    temperature: float,
+    top_p: float,
+    min_p: float,
+    top_k: int,
+    step_key: Callable[[], mx.array | None],
+) -> Sampler:
+    """mlx-lm's make_sampler: its filters in its order (top-p, min-p, top-k), then a draw
+    at the temperature, with the key step_key gives (None: the global random state)."""
+    ext = _cpu_ops()
     filters: list[Filter] = []
     if 0 < top_p < 1.0:
-        filters.append(_top_p_filter(top_p))
+        filters.append(_top_p_filter(ext, top_p))
     if min_p > 0.0:
         filters.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:  # a top_k as large as the vocabulary keeps everything
-        filters.append(_top_k_filter(top_k))
-    return filters
+        filters.append(_top_k_filter(ext, top_k))
+    inverse_temperature = 1.0 / temperature
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        key = step_key()
+        for apply in filters:
+            logprobs = apply(logprobs)
+        return _draw(ext, logprobs * inverse_temperature, key)
+
+    return sampler
 
 
 def _cpu_ops() -> Any:
@@ -123,16 +126,13 @@ def _draw(ext: Any, logits: mx.array, key: mx.array | None) -> mx.array:
     return ext.categorical(logits, uniforms)
 
 
-def _top_p_filter(top_p: float) -> Filter:
-    ext = _cpu_ops()
+def _top_p_filter(ext: Any, top_p: float) -> Filter:
     if ext is None:
         return lambda x: apply_top_p(x, top_p)
     return lambda x: ext.top_p(x, top_p) if x.dtype == mx.float32 else apply_top_p(x, top_p)
 
 
-def _top_k_filter(top_k: int) -> Filter:
-    ext = _cpu_ops()
-
+def _top_k_filter(ext: Any, top_k: int) -> Filter:
     def apply(x: mx.array) -> mx.array:
         if top_k >= x.shape[-1]:
             return x
