@@ -23,6 +23,7 @@
 #include <functional>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -129,10 +130,12 @@ void top_p_row(const float* row, int64_t step, int n, float top_p, float* out) {
   for (int i = 0; i < n; ++i) out[i] = row[i * step] < threshold ? drop : row[i * step];
 }
 
-// Applies a row filter to every row of (..., n) float32, rows over the kernels' pool.
+// Applies a row filter (top-p or top-k: `name`, its `parameter`) to every row of (..., n)
+// float32, rows over the kernels' pool.
 class RowFilter : public mx::Primitive {
  public:
-  explicit RowFilter(mx::Stream stream) : mx::Primitive(stream) {}
+  RowFilter(mx::Stream stream, const char* name, float parameter, RowJob job)
+      : mx::Primitive(stream), name_(name), parameter_(parameter), job_(std::move(job)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
@@ -142,8 +145,8 @@ class RowFilter : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_output_array(out);
-    // The job holds the parameters by value: the primitive may be gone when it runs.
-    encoder.dispatch([job = row_job(), xp = x.data<float>(), op = out.data<float>(),
+    // The task holds its own copy of the job: the primitive may be gone when it runs.
+    encoder.dispatch([job = job_, xp = x.data<float>(), op = out.data<float>(),
                       rows = row_offsets(x), step = x.strides().back(), n = x.shape(-1)]() {
       auto run = [&](int r) { job(xp + rows[r], step, n, op + static_cast<int64_t>(r) * n); };
       if (rows.size() == 1) {
@@ -156,55 +159,21 @@ class RowFilter : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("sampling filters run on the CPU only");
   }
+  const char* name() const override {
+    return name_;
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& filter = static_cast<const RowFilter&>(other);
+    return std::string(name_) == filter.name_ && parameter_ == filter.parameter_;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
 
- protected:
-  virtual RowJob row_job() const = 0;
-};
-
-class TopK : public RowFilter {
- public:
-  TopK(mx::Stream stream, int k) : RowFilter(stream), k_(k) {}
-  const char* name() const override {
-    return "PipeserveTopK";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return k_ == static_cast<const TopK&>(other).k_;
-  }
-
- protected:
-  RowJob row_job() const override {
-    return [k = k_](const float* row, int64_t step, int n, float* out) {
-      top_k_row(row, step, n, k, out);
-    };
-  }
-
  private:
-  int k_;
-};
-
-class TopP : public RowFilter {
- public:
-  TopP(mx::Stream stream, float top_p) : RowFilter(stream), top_p_(top_p) {}
-
-  const char* name() const override {
-    return "PipeserveTopP";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return top_p_ == static_cast<const TopP&>(other).top_p_;
-  }
-
- protected:
-  RowJob row_job() const override {
-    return [top_p = top_p_](const float* row, int64_t step, int n, float* out) {
-      top_p_row(row, step, n, top_p, out);
-    };
-  }
-
- private:
-  float top_p_;
+  const char* name_;
+  float parameter_;
+  RowJob job_;
 };
 
 constexpr int LANES = 16;  // independent partial results, so that the loops vectorise
@@ -358,7 +327,11 @@ mx::Stream filter_stream(const mx::array& logprobs, mx::StreamOrDevice s, const 
 mx::array top_p(const mx::array& logprobs, float top_p, mx::StreamOrDevice s) {
   auto stream = filter_stream(logprobs, s, "top_p");
   if (!(top_p > 0.0f && top_p <= 1.0f)) throw std::invalid_argument("top_p: 0 < top_p <= 1");
-  return mx::array(logprobs.shape(), mx::float32, std::make_shared<TopP>(stream, top_p),
+  RowJob job = [top_p](const float* row, int64_t step, int n, float* out) {
+    top_p_row(row, step, n, top_p, out);
+  };
+  return mx::array(logprobs.shape(), mx::float32,
+                   std::make_shared<RowFilter>(stream, "PipeserveTopP", top_p, std::move(job)),
                    {logprobs});
 }
 
@@ -376,7 +349,13 @@ mx::array categorical(const mx::array& logits, const mx::array& uniforms, mx::St
 mx::array top_k(const mx::array& logprobs, int k, mx::StreamOrDevice s) {
   auto stream = filter_stream(logprobs, s, "top_k");
   if (k <= 0 || k >= logprobs.shape(-1)) throw std::invalid_argument("top_k: 0 < k < V");
-  return mx::array(logprobs.shape(), mx::float32, std::make_shared<TopK>(stream, k), {logprobs});
+  RowJob job = [k](const float* row, int64_t step, int n, float* out) {
+    top_k_row(row, step, n, k, out);
+  };
+  return mx::array(logprobs.shape(), mx::float32,
+                   std::make_shared<RowFilter>(stream, "PipeserveTopK", static_cast<float>(k),
+                                               std::move(job)),
+                   {logprobs});
 }
 
 }  // namespace pipeserve
