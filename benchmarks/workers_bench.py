@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_models import build_bench_model
 from serve_bench import stream_once
 
-from pipeserve.engine.demo import pipeserve_home
+from pipeserve.settings import pipeserve_home
 from tests.server.serverproc import server_process
 
 REPO = Path(__file__).resolve().parents[1]

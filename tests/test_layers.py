@@ -1,4 +1,5 @@
-"""No module imports a layer above its own (docs/architecture.md, "Layers").
+"""No module imports a layer above its own (docs/architecture.md, "Layers"), and no
+modules import each other in a cycle.
 
 Every import statement under src/pipeserve counts, including imports inside functions
 and under TYPE_CHECKING. api and stages are peers: neither imports the other (the
@@ -8,6 +9,7 @@ per-request context, the events and the request are below both).
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -44,6 +46,7 @@ LAYERS: dict[str, int] = {
     "pipeserve.live_app": ROOT,  # a worker's app, rebuilt in place by a config reload
     "pipeserve.reload": ROOT,  # SIGHUP: validate in the master, apply in the workers
     "pipeserve.serving": ROOT,
+    "pipeserve.prefetch": ROOT,  # model sources fetched before forking (serving, reload)
     "pipeserve.cli": ROOT,
     "pipeserve.__main__": ROOT,
 }
@@ -112,3 +115,89 @@ def test_the_check_sees_upward_sideways_and_lazy_imports(tmp_path: Path) -> None
     assert len(found) == 2
     assert "pipeserve.api.peer (pipeserve.api) imports pipeserve.stages" in found[0]
     assert "pipeserve.engine.bad (pipeserve.engine) imports pipeserve.stages.base" in found[1]
+
+
+# -- import cycles ---------------------------------------------------------------------
+
+
+def import_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Each module of src/pipeserve -> the modules of src/pipeserve it imports (every
+    import statement: module level, inside functions, under TYPE_CHECKING). `from P
+    import name` is an import of the module P.name where that is a module, else of P."""
+    files = {module_name(p, src): p for p in (src / "pipeserve").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for base, names in _imports(path, module):
+            modules = [f"{base}.{n}" for n in names if f"{base}.{n}" in files]
+            targets.update(modules or [base])
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def _imports(path: Path, module: str) -> Iterator[tuple[str, list[str]]]:
+    """(module, names imported from it) per import statement; relative ones resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            yield base, [alias.name for alias in node.names]
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_modules_import_each_other_in_a_cycle() -> None:
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    package = tmp_path / "pipeserve"
+    (package / "engine").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "engine" / "__init__.py").write_text("")
+    (package / "engine" / "a.py").write_text("from pipeserve.engine import b\n")
+    (package / "engine" / "b.py").write_text("def f():\n    from pipeserve.engine.a import x\n")
+    (package / "engine" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n"
+    )
+    (package / "engine" / "d.py").write_text("import pipeserve.engine.c\n")
+    (package / "engine" / "e.py").write_text("from pipeserve.engine import a\n")  # no cycle
+    assert import_cycles(import_graph(tmp_path)) == [
+        ["pipeserve.engine.a", "pipeserve.engine.b"],
+        ["pipeserve.engine.c", "pipeserve.engine.d"],
+    ]

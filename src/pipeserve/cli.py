@@ -218,8 +218,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from pipeserve import backend, blas
     from pipeserve.cluster.auth import cluster_token, token_problem
     from pipeserve.config.memory import parse_size
-    from pipeserve.engine.demo import pipeserve_home
-    from pipeserve.settings import Settings
+    from pipeserve.settings import Settings, pipeserve_home
 
     try:
         memory = parse_size(args.memory) if args.memory else None
@@ -270,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_models(args: argparse.Namespace) -> int:
-    from pipeserve.engine.demo import build_demo_models
+    from pipeserve.engine.weights.demo.build import build_demo_models
 
     try:
         paths = build_demo_models(args.out, args.families)

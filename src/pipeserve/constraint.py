@@ -2,8 +2,8 @@
 
 Stages describe how their family frames reasoning and the answer (Envelope) or hand
 the generate stage a grammar to enforce (GrammarPlan, e.g. a forced tool call);
-stages/grammar_plan.py turns them into an llguidance grammar, engine/grammar.py
-compiles it and engine/constraints.py enforces it while decoding.
+stages/grammar_plan.py turns them into an llguidance grammar, engine/sampling/grammar.py
+compiles it and engine/sampling/constraints.py enforces it while decoding.
 """
 
 from __future__ import annotations

@@ -76,6 +76,11 @@ class LoadRefused(RuntimeError):
     model's machines are unreachable or too small): logged as one line, no traceback."""
 
 
+class PlacementError(LoadRefused):
+    """A sharded model cannot be placed on its machines now (unreachable, too few or too
+    small for its shapes): the message says why; the caller may retry later."""
+
+
 def refused_load(exc: BaseException) -> LoadRefused | None:
     """The LoadRefused that caused `exc` (a load failure wraps its reason), if any."""
     seen: BaseException | None = exc

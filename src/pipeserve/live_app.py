@@ -28,10 +28,11 @@ from pipeserve.config.memory import budget_bytes
 from pipeserve.config.models import ModelEntry
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.engine.base import Engine
+from pipeserve.gevent_support import run_off_hub
 from pipeserve.server.console.config_view import ConfigSource
 from pipeserve.server.fleet import Fleet, FleetView
 from pipeserve.server.fleet_metrics import FleetCollector
-from pipeserve.server.managed_engine import ManagedEngine, run_off_hub
+from pipeserve.server.managed_engine import ManagedEngine
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel, StageDecl, build_chain
 from pipeserve.server.remote.client import HostClient, RemoteEngine

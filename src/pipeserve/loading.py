@@ -13,7 +13,7 @@ def build_app_from_config(path: Path | str, api_keys: Sequence[str] = ()) -> Liv
     """Everything a worker needs: one runtime per model, one chain per model."""
     from pipeserve.config import load_server_config
     from pipeserve.config.auto import resolve_auto_with
-    from pipeserve.engine.loader import resolve_source
+    from pipeserve.engine.weights.loader import resolve_source
 
     loaded = load_server_config(Path(path))
     sha256 = {entry.source: entry.sha256 for entry in loaded.config.models}

@@ -90,7 +90,7 @@ def reread(app: Any, log: Any) -> Any:
     """The new config, validated, fetched and resolved; None (logged) when it is unusable."""
     from pipeserve.config import ConfigError, load_server_config
     from pipeserve.config.auto import resolve_auto
-    from pipeserve.serving import fetch_sources
+    from pipeserve.prefetch import fetch_sources
 
     def refuse(problems: list[Any], why: str) -> None:
         for problem in problems:

@@ -21,7 +21,8 @@ from gunicorn.app.base import BaseApplication
 
 from pipeserve import backend, blas
 from pipeserve.logs import logging_config
-from pipeserve.settings import Settings
+from pipeserve.prefetch import fetch_sources
+from pipeserve.settings import Settings, pipeserve_home
 
 log = logging.getLogger("pipeserve.serving")
 
@@ -193,7 +194,7 @@ def serve(
     if problem:
         print(f"pipeserve: refusing to start: {problem}", file=sys.stderr)
         return 1
-    home = settings.home or default_home()
+    home = settings.home.expanduser() if settings.home else pipeserve_home()
     cpu = backend.cpu_backend()
     not_used = blas.reexec_with_openblas(settings.blas, home) if cpu else None
     log_level = settings.log_level or config.server.log_level
@@ -229,38 +230,6 @@ def serve(
     application.host_logs = (config.server.log_format, log_level)
     application.run()
     return 0
-
-
-def fetch_sources(config: Any, known: dict[str, Path] | None = None) -> dict[str, Path] | None:
-    """Build demo models and download hub models once, before forking: a worker that
-    spends minutes downloading would be killed by gunicorn's timeout. Returns each model's
-    folder (None after reporting a failure); `known` (source -> folder) are not fetched again.
-
-    It runs in a spawned child, never in the master: building a demo model runs MLX, and
-    MLX's stream threads do not survive gunicorn's fork (a worker forked from a master
-    that ran MLX hung at its first `mx.clear_cache`, waiting on a thread it does not have).
-    """
-    known = known or {}
-    folders = {e.name: known[e.source] for e in config.models if e.source in known}
-    missing = [e for e in config.models if e.source not in known]
-    if not missing:
-        return folders
-    from pipeserve.engine.loader import resolve_source
-
-    with ProcessPoolExecutor(
-        max_workers=1, mp_context=multiprocessing.get_context("spawn")
-    ) as child:
-        for entry in missing:
-            try:
-                path = child.submit(resolve_source, entry.source, entry.sha256).result()
-            except Exception as exc:  # report every kind of failure plainly, then refuse to start
-                message = f"pipeserve: model {entry.name!r}: cannot get {entry.source!r}: {exc}"
-                print(message, file=sys.stderr)
-                log.error("%s", message)
-                return None
-            log.info("model %s: source %s is at %s", entry.name, entry.source, path)
-            folders[entry.name] = path
-    return folders
 
 
 def check_response_store(config: Any, config_dir: Path) -> bool:
@@ -302,11 +271,6 @@ def check_response_store(config: Any, config_dir: Path) -> bool:
     else:
         log.info("responses are stored in %s", checked.where)
     return True
-
-
-def default_home() -> Path:
-    env = os.environ.get("PIPESERVE_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "pipeserve"
 
 
 def describe_blas(not_used: str | None) -> str:

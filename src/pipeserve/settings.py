@@ -6,6 +6,7 @@ YAML and override where it binds, plus process-level switches.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field
@@ -40,3 +41,10 @@ class Settings(BaseSettings):
         keys = [self.api_key] if self.api_key else []
         keys += (self.api_keys or "").replace(",", " ").split()
         return keys
+
+
+def pipeserve_home() -> Path:
+    """The cache folder for demo models, converted files, kernels and the default store:
+    PIPESERVE_HOME (with `~` expanded), else ~/.cache/pipeserve."""
+    env = os.environ.get("PIPESERVE_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pipeserve"

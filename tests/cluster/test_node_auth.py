@@ -27,7 +27,7 @@ from pipeserve.cluster.node import NodeAgent, NodeHandler, NodeServer
 from pipeserve.cluster.planning import explain_lines
 from pipeserve.cluster.wire import NodeUntrusted, call
 from pipeserve.config.models import ShardingOptions
-from pipeserve.engine.demo import ensure_demo_model
+from pipeserve.engine.weights.demo.build import ensure_demo_model
 
 TOKEN = "the-real-cluster-secret-123"
 TB = 10**12

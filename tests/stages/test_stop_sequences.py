@@ -136,9 +136,9 @@ def test_reasoning_scanned_only_when_asked() -> None:
 
 def test_qwen3_multi_token_stop_never_leaks_a_prefix() -> None:
     """A stop string the real Qwen3 tokenizer splits into 4 tokens, through the qwen3 stages."""
-    from pipeserve.engine.demo import pipeserve_home
-    from pipeserve.engine.demo_families import FAMILIES
-    from pipeserve.engine.vocab import build_tokenizer
+    from pipeserve.engine.weights.demo.families import FAMILIES
+    from pipeserve.engine.weights.demo.vocab import build_tokenizer
+    from pipeserve.settings import pipeserve_home
 
     spec = FAMILIES["qwen3"]
     tokenizer = build_tokenizer(spec.vocab, spec.specials(), pipeserve_home() / "cache")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pipeserve.constraint import Envelope
-from pipeserve.engine.grammar import GrammarCompiler, GrammarError
+from pipeserve.engine.sampling.grammar import GrammarCompiler, GrammarError
 from pipeserve.request import OutputFormat, ToolSpec
 from pipeserve.stages.toolfmt.call_grammar import auto_call_plan
 from pipeserve.stages.toolfmt.json_format import JsonParams

@@ -102,7 +102,7 @@ def discover(cluster: str, timeout: float) -> list[str]:
 
 def browse_in_child(cluster: str, timeout: float) -> list[str]:
     """browse() in a child process (safe from a gevent worker's OS thread)."""
-    from pipeserve.engine.sharding.procs import unpatched_os as _unpatched_os
+    from pipeserve.gevent_support import unpatched_os as _unpatched_os
 
     with tempfile.TemporaryFile() as out:
         argv = [sys.executable, "-m", __name__, "--cluster", cluster, "--timeout", str(timeout)]

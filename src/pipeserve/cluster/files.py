@@ -26,9 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeserve.cluster.auth import RequestVerifier
 from pipeserve.cluster.placement import LAYER_NAME, tensor_sizes
 from pipeserve.cluster.wire import open_download
-from pipeserve.engine.channel import start_os_thread
-from pipeserve.engine.sharding.control import os_socket_class
 from pipeserve.engine.sharding.load import PARTIAL_MARKER
+from pipeserve.gevent_support import os_socket_class, start_os_thread
 
 log = logging.getLogger("pipeserve.cluster")
 

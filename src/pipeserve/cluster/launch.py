@@ -22,14 +22,13 @@ from typing import Any
 from pipeserve.cluster.auth import cluster_token, group_secret
 from pipeserve.cluster.files import FileServer, manifest
 from pipeserve.cluster.node import Assignment
-from pipeserve.cluster.placement import PlacementError
 from pipeserve.cluster.planning import ClusterPlan, plan_cluster
 from pipeserve.cluster.wire import NodeRefused, NodeUnreachable, call, split_address
 from pipeserve.config.models import EngineOptions
-from pipeserve.engine.channel import start_os_thread
-from pipeserve.engine.sharding.control import os_sleep, os_socket_class
 from pipeserve.engine.sharding.engine import ShardedEngine
 from pipeserve.engine.sharding.group import GroupLost, Peer, RankGroup
+from pipeserve.errors import PlacementError
+from pipeserve.gevent_support import os_sleep, os_socket_class, start_os_thread
 
 log = logging.getLogger("pipeserve.cluster")
 

@@ -20,12 +20,9 @@ from typing import Any
 
 from pipeserve.engine.sharding.pipeline import layer_ranges
 from pipeserve.engine.sharding.support import sharding_problems
+from pipeserve.errors import PlacementError
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class PlacementError(ValueError):
-    """The model cannot be placed on these machines (the message says why)."""
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ from typing import Any
 
 from pipeserve.cluster.auth import cluster_token, token_problem
 from pipeserve.cluster.discovery import discover
-from pipeserve.cluster.placement import PlacementError, Plan, model_sizes, place
+from pipeserve.cluster.placement import Plan, model_sizes, place
 from pipeserve.cluster.report import as_machine, machine_report
 from pipeserve.cluster.wire import NodeRefused, NodeUnreachable, NodeUntrusted, call
 from pipeserve.config.memory import parse_size
 from pipeserve.config.models import ShardingOptions
+from pipeserve.errors import PlacementError
 
 log = logging.getLogger("pipeserve.cluster")
 THIS_MACHINE = "this machine"

@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from pipeserve.cluster.auth import SIGNATURE_HEADER, TOKEN_ENV, response_signed, sign_request
-from pipeserve.engine.sharding.control import os_socket_class
+from pipeserve.gevent_support import os_socket_class
 
 DEFAULT_NODE_PORT = 7337
 

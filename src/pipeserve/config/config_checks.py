@@ -249,7 +249,7 @@ def _check_demo_family(
 
 def _demo_families() -> tuple[str, ...]:
     try:
-        from pipeserve.engine.demo import DEMO_FAMILIES
+        from pipeserve.engine.weights.demo.build import DEMO_FAMILIES
     except ImportError:  # the demo builder is optional for validation
         return ()
     return tuple(DEMO_FAMILIES)

@@ -22,7 +22,7 @@ Locate = Callable[[str], Path | None]
 
 def local_folder(source: str) -> Path | None:
     """The model folder of a source when it is here (demo models are built), else None."""
-    from pipeserve.engine.demo import demo_source, ensure_demo_model
+    from pipeserve.engine.weights.demo.build import demo_source, ensure_demo_model
 
     family = demo_source(source)
     if family is not None:

@@ -2,7 +2,7 @@
 
 `pydantic_problems` turns each pydantic error back into the YAML node it came from, with a
 "did you mean" hint for unknown keys and literal values. This module is the base of the
-config package: it imports nothing from it at run time (YamlDoc only for annotations).
+config package: it imports nothing from it (a YAML document is any `PositionedDoc`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from types import UnionType
 from typing import (
-    TYPE_CHECKING,
     Any,
     Protocol,
     TypeAlias,
@@ -24,9 +23,6 @@ from typing import (
 )
 
 from pydantic import BaseModel, ValidationError
-
-if TYPE_CHECKING:
-    from pipeserve.config.loader import YamlDoc
 
 PathKey: TypeAlias = tuple[str | int, ...]
 
@@ -69,8 +65,16 @@ def suggestion(word: object, choices: Iterable[str]) -> str:
     return f" (known: {', '.join(options)})"
 
 
+class PositionedDoc(Protocol):
+    """A parsed YAML document that knows where each value came from (config.loader.YamlDoc)."""
+
+    data: Any
+
+    def problem(self, path: PathKey, message: str, *, prefer_key: bool = False) -> Problem: ...
+
+
 def pydantic_problems(
-    doc: YamlDoc, exc: ValidationError, model: type[BaseModel], prefix: PathKey = ()
+    doc: PositionedDoc, exc: ValidationError, model: type[BaseModel], prefix: PathKey = ()
 ) -> list[Problem]:
     """Map each pydantic error of validating the data at `prefix` back to its node."""
     problems = []

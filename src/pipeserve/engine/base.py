@@ -16,7 +16,7 @@ from pipeserve.events import Event
 from pipeserve.request import SamplingParams
 
 if TYPE_CHECKING:
-    from pipeserve.engine.grammar import Constraint, GrammarCompiler
+    from pipeserve.engine.sampling.grammar import Constraint, GrammarCompiler
 
 
 @dataclass(slots=True)

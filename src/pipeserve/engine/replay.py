@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.engine.base import AlwaysHealthy, GenerationJob
-from pipeserve.engine.channel import Channel, Courier, os_lock, os_simple_queue, start_os_thread
-from pipeserve.engine.detokenize import Detokenizers
-from pipeserve.engine.sequence import Sequence
-from pipeserve.engine.stream import EngineStream
+from pipeserve.engine.output.channel import Channel, Courier
+from pipeserve.engine.output.detokenize import Detokenizers
+from pipeserve.engine.output.request_state import RequestState
+from pipeserve.engine.output.stream import EngineStream
 from pipeserve.errors import ApiError
+from pipeserve.gevent_support import os_lock, os_simple_queue, start_os_thread
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -34,7 +35,7 @@ BURST = 32  # tokens per job per loop turn when there is no delay
 
 @dataclass
 class _Replay:
-    seq: Sequence
+    seq: RequestState
     tokens: list[int]
     position: int = 0
     stop_at: int | None = None  # index of the first EOS token in `tokens`
@@ -92,7 +93,7 @@ class ReplayEngine(AlwaysHealthy):
             self._stats["requests_total"] += 1
         key = next(self._keys)
         channel = Channel()
-        seq = Sequence(job, channel, self._detokenizers.new(), self.tokenizer)
+        seq = RequestState(job, channel, self._detokenizers.new(), self.tokenizer)
         replay = _Replay(seq, tokens, stop_at=stop_at, key=key)
         self._inbox.put(("submit", replay))
         return EngineStream(

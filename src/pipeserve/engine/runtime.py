@@ -1,4 +1,6 @@
-"""From a configured model entry to a running ModelRuntime (tokenizer + engine).
+"""From a configured model entry to a running ModelRuntime (tokenizer + engine): the one
+factory that chooses the engine (replay, MLX, sharded over processes, sharded over
+`pipeserve node` machines).
 
 runtime = build_runtime(entry)      # loads the tokenizer (and the model for mlx)
 stream = runtime.engine.submit(job) # from any request greenlet / thread
@@ -13,11 +15,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pipeserve.config.models import ModelEntry
+from pipeserve.config.models import EngineOptions, ModelEntry
 from pipeserve.engine.base import Engine, ModelRuntime
-from pipeserve.engine.channel import OsThreadHost
-from pipeserve.engine.grammar import GrammarCompiler
-from pipeserve.engine.loader import (
+from pipeserve.engine.sampling.grammar import GrammarCompiler
+from pipeserve.engine.weights.loader import (
     context_length,
     eos_token_ids,
     load_tokenizer,
@@ -26,6 +27,7 @@ from pipeserve.engine.loader import (
     sampling_defaults,
 )
 from pipeserve.errors import LoadRefused
+from pipeserve.gevent_support import OsThreadHost
 
 log = logging.getLogger("pipeserve.engine")
 
@@ -99,8 +101,6 @@ def start_engine(
         )  # fmt: skip
         engine.max_tokens_limit = options.max_tokens_limit
     else:
-        from pipeserve.engine.mlx_engine import build_mlx_engine
-
         load_draft = draft_loader(entry, tokenizer, draft)
         engine = build_mlx_engine(
             entry.name, model_dir, tokenizer, options, host=host, load_draft=load_draft
@@ -123,10 +123,47 @@ def draft_loader(
         return None
     if draft is None:
         raise LoadRefused(f"model {entry.name}: draft model {spec.draft!r} is not configured")
-    from pipeserve.engine.draft import check_draft
-    from pipeserve.engine.loader import load_model
+    from pipeserve.engine.speculative.draft import check_draft
+    from pipeserve.engine.weights.loader import load_model
 
     draft_dir = resolve_source(draft.source, draft.sha256)
     check_draft(entry.name, draft.name, tokenizer, load_tokenizer(draft_dir))
     options = draft.options
     return partial(load_model, draft_dir, options.dtype, options.cpu_pretranspose)
+
+
+def build_mlx_engine(
+    name: str,
+    model_dir: Path,
+    tokenizer: Any,
+    options: EngineOptions,
+    host: OsThreadHost | None = None,
+    load_draft: Callable[[], Any] | None = None,
+    **kwargs: Any,
+) -> Engine:
+    """An engine over the MLX model in `model_dir`: sharded over `pipeserve node`
+    machines (sharding.nodes), over processes (sharding), or one engine thread.
+    host: the thread to run on (a model loaded on demand reuses one across loads);
+    load_draft: method draft's loader of the draft model (run on the engine thread).
+    The engines are imported here only: each brings MLX, which a process that only
+    validates or replays never loads."""
+    if options.sharding is not None and options.sharding.nodes is not None:
+        from pipeserve.cluster.launch import ClusterShardedEngine
+
+        return ClusterShardedEngine(name, model_dir, tokenizer, options, **kwargs)
+    if options.sharding is not None:  # loaded once at start-up: no host
+        from pipeserve.engine.sharding.engine import ShardedEngine
+
+        return ShardedEngine(name, model_dir, tokenizer, options, **kwargs)
+    from pipeserve.engine.mlx.engine import MlxEngine
+    from pipeserve.engine.weights.loader import load_model
+
+    return MlxEngine(
+        name,
+        lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose),
+        tokenizer,
+        options,
+        host=host,
+        load_draft=load_draft,
+        **kwargs,
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import Engine
 from pipeserve.errors import ApiError
-from pipeserve.server.managed_engine import ManagedEngine, draft_bytes, weights_bytes
+from pipeserve.server.managed_engine import ManagedEngine, Ticket, draft_bytes, weights_bytes
 
 log = logging.getLogger("pipeserve.fleet")
 REAP_INTERVAL = 1.0
@@ -39,26 +39,6 @@ class FleetView:
     budget: int | None = None
     loads: dict[str, int] = field(default_factory=dict)
     unloads: dict[tuple[str, str], int] = field(default_factory=dict)
-
-
-class Ticket:
-    """One waiting request's view of a load: wait() -> None (not yet), True or the error."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.result: bool | ApiError | None = None
-
-    def set(self, result: bool | ApiError) -> None:
-        self.result = result
-        self._event.set()
-
-    def wake(self) -> None:
-        self._event.set()
-
-    def wait(self, timeout: float) -> bool | ApiError | None:
-        if not self._event.wait(timeout):
-            return None
-        return self.result if self.result is not None else True
 
 
 class Fleet:

@@ -16,33 +16,48 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pipeserve.engine.base import Engine, GenerationJob, TokenStream
-from pipeserve.engine.channel import OsThreadHost
-from pipeserve.engine.memory import release_free_memory
+from pipeserve.engine.weights.memory import release_free_memory
 from pipeserve.errors import ApiError, refused_load
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
-from pipeserve.gevent_support import apply_in_pool, gevent_patched
+from pipeserve.gevent_support import OsThreadHost, run_off_hub
 
 if TYPE_CHECKING:
     from pipeserve.config.models import ModelEntry
-    from pipeserve.server.fleet import Fleet
 
 log = logging.getLogger("pipeserve.fleet")
 State = Literal["unloaded", "loading", "loaded"]
 DEFAULT_WAIT_PING = 5.0
 
 
-def run_off_hub(fn: Callable[[], Any]) -> Any:
-    """Run a blocking call (loading weights, joining an engine thread) on a real OS thread,
-    so that under gevent only the calling greenlet waits, not the whole worker; its
-    exception is raised here only (gevent's pool would also print its traceback)."""
-    if gevent_patched():
-        import gevent
+class Ticket:
+    """One waiting request's view of a load: wait() -> None (not yet), True or the error."""
 
-        return apply_in_pool(gevent.get_hub().threadpool, fn)
-    return fn()
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.result: bool | ApiError | None = None
+
+    def set(self, result: bool | ApiError) -> None:
+        self.result = result
+        self._event.set()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool | ApiError | None:
+        if not self._event.wait(timeout):
+            return None
+        return self.result if self.result is not None else True
+
+
+class LoadQueue(Protocol):
+    """What a managed engine asks of its fleet (pipeserve.server.fleet.Fleet)."""
+
+    def request_load(self, engine: ManagedEngine) -> Ticket: ...
+
+    def notify(self) -> None: ...
 
 
 def weights_bytes(model_dir: Path) -> int:
@@ -54,7 +69,7 @@ def draft_bytes(draft: ModelEntry | None) -> int:
     """The weights of a draft model that loads inside the engine it drafts for."""
     if draft is None:
         return 0
-    from pipeserve.engine.loader import resolve_source
+    from pipeserve.engine.weights.loader import resolve_source
 
     return weights_bytes(resolve_source(draft.source, draft.sha256))
 
@@ -64,7 +79,7 @@ class ManagedEngine:
         self,
         name: str,
         start: Callable[..., Engine],
-        fleet: Fleet,
+        fleet: LoadQueue,
         *,
         pinned: bool,
         keep_alive: float | None,

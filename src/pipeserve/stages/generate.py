@@ -19,9 +19,10 @@ from pydantic import Field
 
 from pipeserve.constraint import GrammarPlan
 from pipeserve.engine.base import GenerationJob, ModelRuntime
-from pipeserve.engine.grammar import Constraint, GrammarError, run_off_hub
+from pipeserve.engine.sampling.grammar import Constraint, GrammarError
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event, TokenText
+from pipeserve.gevent_support import run_off_hub
 from pipeserve.request import GenerationRequest, SamplingParams
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 from pipeserve.stages.grammar_plan import response_grammar

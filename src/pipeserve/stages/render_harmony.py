@@ -16,7 +16,7 @@ from typing import Any
 from pipeserve.errors import ApiError
 from pipeserve.request import GenerationRequest, Message
 from pipeserve.stages.base import BuildEnv
-from pipeserve.stages.render_template import RenderParams, RenderStage
+from pipeserve.stages.render_base import RenderParams, RenderStage
 
 SYSTEM_KWARGS = ("model_identity", "knowledge_cutoff", "conversation_start_date")
 EFFORTS = {"minimal": "LOW", "low": "LOW", "medium": "MEDIUM", "high": "HIGH"}
@@ -26,7 +26,7 @@ EFFORTS = {"minimal": "LOW", "low": "LOW", "medium": "MEDIUM", "high": "HIGH"}
 def harmony_encoding() -> Any:
     """openai-harmony's GPT-OSS encoding, loaded offline (our o200k_base.tiktoken)."""
     if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        from pipeserve.engine.demo import ensure_tiktoken_base
+        from pipeserve.engine.weights.demo.build import ensure_tiktoken_base
 
         ensure_tiktoken_base()
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding

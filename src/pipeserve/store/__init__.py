@@ -31,7 +31,7 @@ def store_path(options: ResponsesStoreOptions, config_dir: Path) -> Path:
     if options.path:
         path = Path(options.path).expanduser()
         return path if path.is_absolute() else config_dir / path
-    from pipeserve.engine.demo import pipeserve_home
+    from pipeserve.settings import pipeserve_home
 
     return pipeserve_home() / DEFAULT_FILE
 

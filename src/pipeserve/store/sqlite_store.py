@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeserve.engine.channel import os_lock
+from pipeserve.gevent_support import os_lock
 from pipeserve.store.base import (
     PRUNE_ROUNDS,
     ResponseStore,

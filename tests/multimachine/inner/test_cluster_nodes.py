@@ -25,8 +25,9 @@ import httpx
 import pytest
 
 from pipeserve.cluster.wire import NodeRefused, NodeUntrusted, call
-from pipeserve.engine.demo import pipeserve_home, write_demo_model
-from pipeserve.engine.demo_families import QWEN3
+from pipeserve.engine.weights.demo.build import write_demo_model
+from pipeserve.engine.weights.demo.families import QWEN3
+from pipeserve.settings import pipeserve_home
 from tests.multimachine.harness import Cluster, Machine, wait_port
 from tests.multimachine.inner.sharded import secrets_in_listings
 from tests.server.serverproc import REPO, pipeserve_command, server_process

@@ -87,7 +87,8 @@ import sys
 from pathlib import Path
 from pipeserve.config.models import ShardingOptions
 from pipeserve.engine.sharding.group import SSH_OPTIONS
-from pipeserve.engine.sharding.placement import PlacementError, place
+from pipeserve.engine.sharding.placement import place
+from pipeserve.errors import PlacementError
 options = ShardingOptions(strategy="pipeline", hostfile=sys.argv[1])
 try:
     print("placed", place(options, Path(sys.argv[2]), SSH_OPTIONS)[1].ranks)

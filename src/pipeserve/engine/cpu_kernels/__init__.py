@@ -1,7 +1,7 @@
 """Native CPU kernels for quantized models: the weights stay quantized in memory.
 
 MLX's own quantized matmul on x86 is a scalar single-threaded loop, so without these
-kernels quantized weights are dequantized to float32 at load (engine/weight_layout.py)
+kernels quantized weights are dequantized to float32 at load (engine/weights/dtype.py)
 and every token reads four to eight times the bytes. `affine_qmm(x, w, scales, biases,
 group_size, bits)` multiplies MLX's affine layout (4, 5 or 8 bits, any group size that
 is a multiple of 32, float16 or float32 scales and biases) with SIMD (AVX-512 or
@@ -54,7 +54,7 @@ def kernels() -> ModuleType | None:
 
 def _load() -> ModuleType | None:
     from pipeserve.engine.cpu_kernels.build import BuildError, built_module, import_module
-    from pipeserve.engine.demo import pipeserve_home
+    from pipeserve.settings import pipeserve_home
 
     try:
         ext = import_module(built_module(pipeserve_home()))

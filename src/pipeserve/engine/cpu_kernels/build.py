@@ -153,7 +153,8 @@ def _run(command: list[str]) -> tuple[int, str]:
     if "gevent.monkey" not in sys.modules:
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
         return done.returncode, done.stdout + done.stderr
-    from pipeserve.engine.sharding.procs import exit_codes, unpatched_os
+    from pipeserve.engine.sharding.procs import exit_codes
+    from pipeserve.gevent_support import unpatched_os
 
     with tempfile.TemporaryFile() as out:
         dup2 = os.POSIX_SPAWN_DUP2

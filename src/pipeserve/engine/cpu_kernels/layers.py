@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pipeserve.engine.cpu_kernels import BITS
-from pipeserve.engine.cpu_layout import TransposedEmbedding, TransposedLinear
+from pipeserve.engine.cpu_kernels.transposed import TransposedEmbedding, TransposedLinear
 
 QUANT_KEYS = ("scales", "biases")  # kept in their stored dtype (float16 for GGUF files)
 

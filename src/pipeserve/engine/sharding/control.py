@@ -17,8 +17,7 @@ import pickle
 import struct
 from typing import Any
 
-from pipeserve.engine.channel import os_lock
-from pipeserve.gevent_support import gevent_patched
+from pipeserve.gevent_support import os_lock
 
 _LENGTH = struct.Struct("!I")
 MAX_FRAME = 1 << 30
@@ -26,28 +25,6 @@ MAX_FRAME = 1 << 30
 
 class ChannelClosed(ConnectionError):
     """The other end of a control connection is gone."""
-
-
-def os_socket_class() -> Any:
-    """socket.socket, unpatched when gevent patched it."""
-    if gevent_patched("socket"):
-        from gevent import monkey
-
-        return monkey.get_original("socket", "socket")
-    import socket
-
-    return socket.socket
-
-
-def os_sleep(seconds: float) -> None:
-    if gevent_patched("time"):
-        from gevent import monkey
-
-        monkey.get_original("time", "sleep")(seconds)
-    else:
-        import time
-
-        time.sleep(seconds)
 
 
 class Connection:

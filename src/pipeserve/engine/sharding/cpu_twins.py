@@ -14,13 +14,13 @@ import mlx.core as mx
 from mlx import nn
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 
-from pipeserve.engine import cpu_layout
+from pipeserve.engine.cpu_kernels import transposed
 
 
 class TransposedAllToSharded(nn.Module):
     def __init__(self, linear: AllToShardedLinear) -> None:
         super().__init__()
-        self.weight_t = cpu_layout.transposed(linear.weight)
+        self.weight_t = transposed.transposed(linear.weight)
 
     @property
     def weight(self) -> mx.array:
@@ -33,7 +33,7 @@ class TransposedAllToSharded(nn.Module):
 class TransposedShardedToAll(nn.Module):
     def __init__(self, linear: ShardedToAllLinear) -> None:
         super().__init__()
-        self.weight_t = cpu_layout.transposed(linear.weight)
+        self.weight_t = transposed.transposed(linear.weight)
         self.group: Any = linear.group
 
     @property
@@ -45,6 +45,6 @@ class TransposedShardedToAll(nn.Module):
 
 
 def register() -> None:
-    """Let cpu_layout.pretranspose_dense_weights swap the sharded linears too."""
-    cpu_layout._REPLACEMENTS.setdefault(AllToShardedLinear, TransposedAllToSharded)
-    cpu_layout._REPLACEMENTS.setdefault(ShardedToAllLinear, TransposedShardedToAll)
+    """Let transposed.pretranspose_dense_weights swap the sharded linears too."""
+    transposed._REPLACEMENTS.setdefault(AllToShardedLinear, TransposedAllToSharded)
+    transposed._REPLACEMENTS.setdefault(ShardedToAllLinear, TransposedShardedToAll)

@@ -22,14 +22,14 @@ from typing import Any
 import mlx.core as mx
 
 from pipeserve.config.models import EngineOptions
-from pipeserve.engine.batching import Batch
-from pipeserve.engine.channel import Courier, start_os_thread
-from pipeserve.engine.mlx_engine import MlxEngine
-from pipeserve.engine.sharding.control import os_sleep
+from pipeserve.engine.mlx.engine import MlxEngine
+from pipeserve.engine.mlx.scheduler import Scheduler
+from pipeserve.engine.output.channel import Courier
 from pipeserve.engine.sharding.group import RankGroup, group_joined
 from pipeserve.engine.sharding.load import load_shard, weight_bytes
 from pipeserve.engine.sharding.lockstep import Rank0Batch
 from pipeserve.errors import ApiError
+from pipeserve.gevent_support import os_sleep, start_os_thread
 
 log = logging.getLogger("pipeserve.sharding")
 
@@ -95,7 +95,7 @@ class ShardedEngine(MlxEngine):
                  len(self.shard_report), self.group.pids(), self.shard_report)  # fmt: skip
         return model
 
-    def _new_batch(self, model: Any) -> Batch:
+    def _new_batch(self, model: Any) -> Scheduler:
         self._batch = Rank0Batch(model, self.options, self._stats, self.group)
         return self._batch
 

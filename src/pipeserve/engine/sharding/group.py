@@ -39,11 +39,11 @@ from socket import SO_REUSEADDR, SOL_SOCKET
 from typing import Any
 
 from pipeserve.config.models import EngineOptions, ShardingOptions
-from pipeserve.engine.channel import os_lock, start_os_thread
-from pipeserve.engine.sharding.control import ChannelClosed, Connection, os_sleep, os_socket_class
+from pipeserve.engine.sharding.control import ChannelClosed, Connection
 from pipeserve.engine.sharding.placement import Placement, place
 from pipeserve.engine.sharding.procs import reap, spawn
 from pipeserve.errors import LoadRefused
+from pipeserve.gevent_support import os_lock, os_sleep, os_socket_class, start_os_thread
 
 log = logging.getLogger("pipeserve.sharding")
 

@@ -17,11 +17,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from pipeserve.config.models import EngineOptions
-from pipeserve.engine import cpu_layout
-from pipeserve.engine.loader import DTYPES
+from pipeserve.engine.cpu_kernels import transposed
 from pipeserve.engine.sharding import support
 from pipeserve.engine.sharding.cpu_twins import register as register_cpu_twins
 from pipeserve.engine.sharding.pipeline import split_layers
+from pipeserve.engine.weights.dtype import DTYPES
 
 log = logging.getLogger("pipeserve.sharding")
 
@@ -48,9 +48,9 @@ def load_shard(model_dir: Path, options: EngineOptions, group: Any) -> Any:
             raise ValueError(f"unknown dtype {options.dtype!r}")
         model.set_dtype(getattr(mx, options.dtype))
     mx.eval(model.parameters())
-    if options.cpu_pretranspose and cpu_layout.applies_here():
+    if options.cpu_pretranspose and transposed.applies_here():
         register_cpu_twins()
-        count = cpu_layout.pretranspose_dense_weights(model)
+        count = transposed.pretranspose_dense_weights(model)
         log.info("rank %d: %d matrices stored transposed for the CPU BLAS", group.rank(), count)
     total, layers = weight_bytes(model)
     log.info("rank %d/%d: %s; weights %d bytes, of which transformer layers %d (%.1f s)",

@@ -1,6 +1,6 @@
 """The batch in lockstep on every rank: rank 0 decides, the other ranks replay.
 
-Every rank runs the same `Batch` (mlx-lm's BatchGenerator) on its engine thread's one
+Every rank runs the same `Scheduler` (mlx/scheduler.py, over mlx-lm's BatchGenerator) on its engine thread's one
 MLX stream, so the model's collectives are issued in the same order everywhere. The
 batch may change only through the log rank 0 sends before each step: a new request
 with its prompt token ids and a resolved sampling seed, a cancel, a removal after a
@@ -32,17 +32,17 @@ from typing import Any
 
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob
-from pipeserve.engine.batching import Batch
-from pipeserve.engine.channel import Courier
-from pipeserve.engine.prefix_cache import PrefixCache
-from pipeserve.engine.sampling import make_sampler
-from pipeserve.engine.sequence import Sequence
+from pipeserve.engine.kv.prefix_cache import PrefixCache
+from pipeserve.engine.mlx.scheduler import Scheduler
+from pipeserve.engine.output.channel import Courier
+from pipeserve.engine.output.request_state import RequestState
+from pipeserve.engine.sampling.samplers import make_sampler
 from pipeserve.engine.sharding.group import GroupLost, RankGroup
 
 log = logging.getLogger("pipeserve.sharding")
 
 
-class LockstepBatch(Batch):
+class LockstepBatch(Scheduler):
     """What every rank's batch shares: a prefix cache that only trims when told."""
 
     def __init__(self, model: Any, options: EngineOptions, stats: dict[str, float]) -> None:
@@ -75,7 +75,7 @@ def resolve_seed(job: GenerationJob, vocab_size: int | None) -> None:
         if make_sampler(job.sampling, vocab_size) is make_sampler(job.sampling, vocab_size):
             return  # greedy or one shared sampler: no seed of its own
     except ValueError:
-        return  # invalid parameters: every rank's Batch.add rejects the request alike
+        return  # invalid parameters: every rank's Scheduler.add rejects the request alike
     job.sampling = dataclasses.replace(job.sampling, seed=random.getrandbits(63))
 
 
@@ -104,7 +104,7 @@ class Rank0Batch(LockstepBatch):
         self._kv_scale = kv_scale(model, group.sharding)
         self._prefix_fault = False
 
-    def add(self, key: int, seq: Sequence, courier: Courier) -> None:
+    def add(self, key: int, seq: RequestState, courier: Courier) -> None:
         if self.lost:
             seq.finish(courier, "error", f"model unavailable: {self.group.reason}")
             self._count_finished("requests_failed")
@@ -176,7 +176,7 @@ class Rank0Batch(LockstepBatch):
 
 
 class PeerSequence:
-    """A request on a rank other than 0: the engine's Sequence without events."""
+    """A request on a rank other than 0: the engine's RequestState without events."""
 
     def __init__(self, job: GenerationJob, cached_on_rank0: int | None = None) -> None:
         self.job = job
@@ -226,7 +226,7 @@ class ProtocolError(RuntimeError):
     """A rank got a message it cannot follow (out of step, unknown kind)."""
 
 
-def replay(batch: Batch, message: tuple[Any, ...], expected_step: int) -> bool:
+def replay(batch: Scheduler, message: tuple[Any, ...], expected_step: int) -> bool:
     """Apply one message from rank 0 on another rank; False when the group closes."""
     kind = message[0]
     if kind == "close":

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.settings == "stdin":
         read_settings()
-    from pipeserve.engine.sharding.control import Connection, os_socket_class
+    from pipeserve.engine.sharding.control import Connection
+    from pipeserve.gevent_support import os_socket_class
 
     host, port = setting("PIPESERVE_SHARD_CONTROL").rsplit(":", 1)
     sock = os_socket_class()()
@@ -172,8 +173,8 @@ def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
 def grammar_compiler(model_dir: Path) -> object:
     """Structured output's compiler for this model, as rank 0 builds it (engine/runtime.py);
     its llguidance tokenizer is built in the background from now on."""
-    from pipeserve.engine.grammar import GrammarCompiler
-    from pipeserve.engine.loader import eos_token_ids, load_tokenizer, read_config
+    from pipeserve.engine.sampling.grammar import GrammarCompiler
+    from pipeserve.engine.weights.loader import eos_token_ids, load_tokenizer, read_config
 
     tokenizer = load_tokenizer(model_dir)
     eos = eos_token_ids(tokenizer, model_dir)

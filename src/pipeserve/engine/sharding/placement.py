@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.config.models import ShardingOptions
-from pipeserve.engine.sharding.control import os_socket_class
 from pipeserve.engine.sharding.hostfile import read_hostfile
 from pipeserve.engine.sharding.procs import exit_codes, spawn
 from pipeserve.engine.sharding.support import sharding_problems
-from pipeserve.errors import LoadRefused
+from pipeserve.errors import PlacementError
+from pipeserve.gevent_support import os_socket_class
 
 log = logging.getLogger("pipeserve.sharding")
 PROBE_TIMEOUT = 4  # seconds a machine gets to answer over ssh
@@ -36,10 +36,6 @@ FIRST_PORT = 32323
 # What the probe runs on each machine: it answers (exit 0) and says its free memory.
 PROBE_COMMAND = "grep -s MemAvailable /proc/meminfo; exit 0"
 MEMINFO = Path("/proc/meminfo")
-
-
-class PlacementError(LoadRefused):
-    """The model cannot be placed now (machines unreachable, or too few for its shapes)."""
 
 
 @dataclass(frozen=True)
@@ -138,12 +134,11 @@ def _available(meminfo: str) -> int | None:
 def _rank_bytes(model_dir: Path) -> Callable[[int], int] | None:
     """Weights a rank holds at each rank count, from the safetensors headers: the layers
     shared out (the largest share), embeddings, norm and head whole."""
-    from pipeserve.cluster.placement import PlacementError as NoSizes
     from pipeserve.cluster.placement import model_sizes
 
     try:
         sizes = model_sizes(model_dir)
-    except (NoSizes, OSError, ValueError):
+    except (PlacementError, OSError, ValueError):
         return None
     return lambda count: sizes.other + -(-sum(sizes.layers) // count)
 

@@ -7,20 +7,9 @@ Rank 0's side runs on OS threads of a process gevent may have patched; gevent's 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from typing import Any
 
-from pipeserve.engine.sharding.control import os_sleep
-
-
-def unpatched_os(name: str) -> Any:
-    """os.<name> as the OS has it: gevent's versions need the hub of the main thread."""
-    if "gevent.monkey" in sys.modules:
-        from gevent import monkey
-
-        return monkey.get_original("os", name)
-    return getattr(os, name)
+from pipeserve.gevent_support import os_sleep, unpatched_os
 
 
 def spawn(

@@ -25,8 +25,8 @@ import gevent.event
 import gevent.lock
 
 from pipeserve.engine.base import GenerationJob
-from pipeserve.engine.channel import Channel
-from pipeserve.engine.stream import EngineStream
+from pipeserve.engine.output.channel import Channel
+from pipeserve.engine.output.stream import EngineStream
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, PromptReady, TokenText, Usage
 from pipeserve.server.fleet import FleetView

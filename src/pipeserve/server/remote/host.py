@@ -2,7 +2,7 @@
 
 Started by the master (supervisor.py) as `python -m pipeserve.server.remote.host`. It
 runs under gevent like a worker: the engines' OS threads hand each step's events to
-its hub (engine/channel.py), a greenlet per job forwards them to the job's connection,
+its hub (engine/output/channel.py), a greenlet per job forwards them to the job's connection,
 and one writer greenlet per connection sends what a step produced for that worker in
 one frame. The models are a Fleet of ManagedEngines, as in a single worker: load on
 demand, the memory budget (the whole budget: there is one copy), keep_alive, and
@@ -49,9 +49,10 @@ from gevent.server import StreamServer
 from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.config.memory import budget_bytes
 from pipeserve.engine.base import ModelRuntime, TokenStream
-from pipeserve.engine.grammar import GrammarError, run_off_hub
+from pipeserve.engine.sampling.grammar import GrammarError
 from pipeserve.errors import ApiError
 from pipeserve.events import Event, KeepAlive
+from pipeserve.gevent_support import run_off_hub
 from pipeserve.server.fleet import Fleet
 from pipeserve.server.remote.wire import (
     ConstraintSpec,
@@ -402,9 +403,9 @@ def placeable(entry: Any) -> None:
     sharding = entry.options.sharding
     if sharding is None or not sharding.hostfile:
         return
-    from pipeserve.engine.loader import resolve_source
     from pipeserve.engine.sharding.group import SSH_OPTIONS
     from pipeserve.engine.sharding.placement import place
+    from pipeserve.engine.weights.loader import resolve_source
 
     place(sharding, resolve_source(entry.source, entry.sha256), SSH_OPTIONS, quiet=True)
 
@@ -457,4 +458,4 @@ if __name__ == "__main__":
     code = main()
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(code)  # engine threads are parked daemons (engine/mlx_engine.py _park)
+    os._exit(code)  # engine threads are parked daemons (engine/mlx/engine.py _park)

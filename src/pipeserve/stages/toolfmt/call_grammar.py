@@ -27,7 +27,7 @@ import json
 from typing import Any
 
 from pipeserve.constraint import Envelope, GrammarPlan, Tokens
-from pipeserve.engine.grammar import GrammarError
+from pipeserve.engine.sampling.grammar import GrammarError
 from pipeserve.request import OutputFormat, ToolSpec
 from pipeserve.stages.grammar_plan import (
     ANY_TEXT,

@@ -33,7 +33,7 @@ _ENDS = ("<|end|>", "<|call|>", "<|return|>")
 def load_encoding() -> Any:
     """The GPT-OSS Harmony encoding (needs o200k_base.tiktoken; written offline if absent)."""
     if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        from pipeserve.engine.demo import ensure_tiktoken_base
+        from pipeserve.engine.weights.demo.build import ensure_tiktoken_base
 
         ensure_tiktoken_base()
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding

@@ -1,0 +1,258 @@
+"""MlxEngine: one OS thread per model runs mlx-lm's BatchGenerator (continuous batching).
+
+Requests (and cancellations) reach the engine thread through an inbox that blocks the
+OS thread, never the gevent hub. Each loop turn the thread applies every pending
+message (a new request joins the running batch, a cancelled one leaves it at once),
+runs one BatchGenerator step (a decode step plus, when there is room, a prefill
+chunk) and hands the step's events to the waiting requests in one delivery per hub.
+The model is loaded on the engine thread: MLX arrays and streams belong to the
+thread that made them (docs/architecture.md, "Threading model").
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import itertools
+import logging
+import queue
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from pipeserve.backend import describe_device
+from pipeserve.config.models import EngineOptions
+from pipeserve.engine.base import AlwaysHealthy, GenerationJob
+from pipeserve.engine.mlx.scheduler import Scheduler
+from pipeserve.engine.output.channel import Channel, Courier
+from pipeserve.engine.output.detokenize import Detokenizers
+from pipeserve.engine.output.request_state import RequestState
+from pipeserve.engine.output.stream import EngineStream
+from pipeserve.engine.weights.memory import release_free_memory
+from pipeserve.errors import ApiError, refused_load
+from pipeserve.gevent_support import OsFlag, OsThreadHost, os_lock, os_simple_queue, start_os_thread
+
+log = logging.getLogger("pipeserve.engine")
+
+_CLOSE = ("close",)
+RETRY_AFTER_SECONDS = 1.0
+MAX_RETRY_AFTER = 60.0
+
+
+class MlxEngine(AlwaysHealthy):
+    """Engine for a loaded mlx-lm model; `submit` is safe from any thread or greenlet.
+
+    Unhealthy while one step has run longer than options.stall_seconds: a wedged step
+    (a hung device, a lost peer) would otherwise leave /health saying ok forever.
+    """
+
+    accepts_mock_response = False
+
+    def __init__(
+        self,
+        name: str,
+        load_model: Callable[[], Any],
+        tokenizer: Any,
+        options: EngineOptions | None = None,
+        host: OsThreadHost | None = None,
+        load_draft: Callable[[], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.options = options or EngineOptions()
+        self.max_tokens_limit = self.options.max_tokens_limit
+        self._capacity = self.options.max_batch + self.options.queue_size
+        self._detokenizers = Detokenizers(tokenizer)
+        self._inbox = os_simple_queue()
+        self._lock = os_lock()
+        self._in_flight = 0
+        self._closed = False
+        self._keys = itertools.count(1)
+        self._stats: dict[str, float] = {"requests_total": 0, "overloaded_total": 0}
+        self._load_error: BaseException | None = None
+        self._step_started: float | None = None  # monotonic start of the running step
+        self._loaded = OsFlag()
+        self._stopped = OsFlag()
+        self._load_model = load_model
+        self._load_draft = load_draft  # method draft: its weights, on the engine thread too
+        if host is not None:  # a reused thread: it returns to its host when the engine stops
+            host.run(self._serve)
+        else:
+            start_os_thread(self._run, name=f"pipeserve-engine-{name}")
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise RuntimeError(
+                f"model {name}: loading failed: {self._load_error}"
+            ) from self._load_error
+        # Stop decoding before interpreter shutdown tears down what the thread uses.
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- request side (any thread / greenlet) ------------------------------------
+
+    def submit(self, job: GenerationJob) -> EngineStream:
+        self._admit()
+        key = next(self._keys)
+        channel = Channel()
+        sequence = RequestState(job, channel, self._detokenizers.new(), self.tokenizer)
+        stream = EngineStream(
+            channel, lambda: self._inbox.put(("cancel", key)), job.keepalive_interval
+        )
+        self._inbox.put(("submit", key, sequence))
+        return stream
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise ApiError("unavailable", f"model {self.name} is shutting down")
+            if self._in_flight >= self._capacity:
+                self._stats["overloaded_total"] += 1
+                raise ApiError(
+                    "overloaded",
+                    f"model {self.name} is at capacity ({self._in_flight} requests in flight); retry later",
+                    retry_after=self._retry_after(),
+                )
+            self._in_flight += 1
+            self._stats["requests_total"] += 1
+
+    def _retry_after(self) -> float:
+        """About when a place frees up: with max_batch running, one ends every mean/max_batch s."""
+        mean = float(self._stats.get("mean_request_seconds") or RETRY_AFTER_SECONDS)
+        return min(MAX_RETRY_AFTER, max(RETRY_AFTER_SECONDS, mean / self.options.max_batch))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def stats(self) -> dict[str, float]:
+        """Live counters for metrics: queue depth, active sequences, cache hits, tokens.
+
+        A request counts from submit to its Usage: the first max_batch are active (in
+        the batch, or joining it at the next step), the rest wait in the queue.
+        """
+        out = dict(self._stats)
+        in_flight = self._in_flight
+        out["in_flight"] = in_flight
+        out["active_sequences"] = min(in_flight, self.options.max_batch)
+        out["queue_depth"] = in_flight - out["active_sequences"]
+        return out
+
+    @property
+    def healthy(self) -> bool:
+        return self._stalled_seconds() is None
+
+    @property
+    def health_reason(self) -> str:
+        stalled = self._stalled_seconds()
+        if stalled is None:
+            return ""
+        return (
+            f"an engine step has been running for {stalled:.0f} s (stall_seconds:"
+            f" {self.options.stall_seconds:g}): the model may be stuck"
+        )
+
+    def _stalled_seconds(self) -> float | None:
+        started = self._step_started
+        running = 0.0 if started is None else time.monotonic() - started
+        return running if running > self.options.stall_seconds else None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: requests still running end with an error; later submits are refused."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inbox.put(_CLOSE)
+        self._stopped.wait(timeout)
+
+    # -- engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._serve()
+        self._park()
+
+    def _serve(self) -> None:
+        """Load, decode until closed, free the model; returns (the caller parks or reuses)."""
+        try:
+            batch = self._new_batch(self._load_model())
+            if self._load_draft is not None:
+                batch.use_draft(self._load_draft())
+        except BaseException as exc:  # reported to the constructor's caller
+            if refused_load(exc) is None:
+                log.exception("model %s failed to load", self.name)
+            self._load_error = exc
+            self._loaded.set()
+            self._stopped.set()
+            return
+        self._load_model = self._load_draft = lambda: None  # drop the loader closures
+        log.info("model %s: runs on %s", self.name, describe_device())
+        if self.options.warmup:
+            batch.warm_up()
+        release_free_memory()  # the load's and the warm-up's garbage (engine/weights/memory.py)
+        self._loaded.set()
+        courier = Courier()
+        try:
+            self._loop(batch, courier)
+        finally:
+            batch.close(courier)
+            courier.flush()
+            del batch  # free MLX state on the thread that made it (mlx_lm.server does too)
+            try:
+                mx.synchronize()
+            except RuntimeError:  # a sharded model's ring reports its closed peers here
+                log.debug("model %s: synchronize at close failed", self.name, exc_info=True)
+            gc.collect()
+            self._stopped.set()
+
+    def _new_batch(self, model: Any) -> Scheduler:
+        return Scheduler(model, self.options, self._stats)
+
+    def _park(self) -> None:
+        """Never let the engine thread exit.
+
+        MLX keeps a per-thread compile cache whose thread-exit destructor takes the
+        GIL; if that races with interpreter shutdown the process aborts ("terminate
+        called without an active exception"). A parked daemon thread never runs it.
+        """
+        while True:
+            self._inbox.get()
+
+    def _loop(self, batch: Scheduler, courier: Courier) -> None:
+        running = True
+        while running:
+            try:
+                running = self._drain(batch, courier, block=batch.idle)
+                if running and not batch.idle:
+                    self._step_started = time.monotonic()
+                    batch.step(courier)
+            except Exception as exc:  # a bug must not kill the engine thread
+                log.exception("engine loop failed; failing the requests in the batch")
+                batch.fail_all(courier, f"engine fault: {type(exc).__name__}: {exc}")
+            self._step_started = None
+            for _ in range(batch.reap()):
+                self._release()
+            courier.flush()
+
+    def _drain(self, batch: Scheduler, courier: Courier, block: bool) -> bool:
+        """Apply every pending message; False when the engine must stop."""
+        while True:
+            try:
+                message = self._inbox.get() if block else self._inbox.get(block=False)
+            except queue.Empty:
+                return True
+            block = False
+            kind = message[0]
+            if kind == "submit":
+                batch.add(message[1], message[2], courier)
+            elif kind == "cancel":
+                batch.cancel(message[1], courier)
+            elif kind == "close":
+                return False
+
+
+def _close_at_exit(ref: weakref.ref[MlxEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close(timeout=5.0)
