@@ -1,5 +1,5 @@
 // A speculative verification's rollback of a batch's KV cache buffers: one op for all
-// layers (engine/speculative.py, trim_rows).
+// layers (engine/kv/rows.py, trim_rows).
 //
 // After a verification, rows that accepted fewer proposed tokens hold more stale
 // positions at the end of their cache. BatchKVCache keeps one end for all rows, so those

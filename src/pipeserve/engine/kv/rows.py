@@ -19,7 +19,7 @@ Here (same results as mlx-lm's, token for token):
   buffer, copied into a new one). For the move in place the op must be queued after the
   step in flight and the extracts have ended (their tasks hold the buffers until they
   run), and the next step's layer ops must be queued after it has run (likewise): the
-  generation batch does both at the start of its next step (lean.py);
+  generation batch does both at the start of its next step (mlx/generator.py);
 - elsewhere (GPU, float16 caches, no kernels) MLX's gather, as mlx-lm does, minus the wait.
 Other cache types keep mlx-lm's own methods.
 """

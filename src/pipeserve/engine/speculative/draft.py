@@ -13,7 +13,7 @@ compares them with the row's sequence (prompt, output and the token about to be
 decoded). Whatever the target did meanwhile (accepted part of a proposal, emitted tokens
 while drafting was paused or the batch too large to speculate, cut a step at a stop
 string) shows as a common prefix: the rest is forgotten (rows roll right and trim, the
-scheme speculative.py uses for the target) and the missing tokens are fed, right-padded
+scheme verify.py uses for the target) and the missing tokens are fed, right-padded
 to the longest catch-up, in the first draft forward. A row that joins is prefilled
 alone with its whole prompt (a target prompt served partly from the prefix cache still
 needs all of it here) and then merged in; rows that left the target's batch (finished,

@@ -1,6 +1,6 @@
 """What each offline demo model is made of: architecture config, vocab, special tokens.
 
-Per-family facts are data here; the builder in `demo.py` is family-neutral.
+Per-family facts are data here; the builder in `build.py` is family-neutral.
 Dims are tiny (random weights; the output is gibberish) but the architectures are the
 real mlx-lm ones, so loading, caching, batching and sharding code paths are exercised.
 """
