@@ -31,6 +31,7 @@ from pipeserve.store import (
     sqlite_store,
     worker_response_store,
 )
+from pipeserve.store.base import Owner
 from tests.postgres_cluster import Cluster
 
 
@@ -230,23 +231,26 @@ def test_the_schema_version_is_recorded_and_a_newer_one_refused(backend: Backend
     backend.new_store().save(response("resp_v", "x"), [], None)
     backend.new_store()  # the current version: opened as it is
     backend.set_version(99)
-    with pytest.raises(StoreError, match="schema version 99, newer than the 1 this pipeserve"):
+    known = backend.module.SCHEMA_VERSION
+    with pytest.raises(StoreError, match=f"schema version 99, newer than the {known} this"):
         backend.new_store()
 
 
 def test_a_later_version_migrates_the_database_in_place(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A (test-only) migration 2 runs once on a version-1 database; its data stays."""
+    """A (test-only) next migration runs once on a current database; its data stays."""
     backend.new_store().save(response("resp_m", "kept"), [], None)
     table = "migrated_extra" if backend.name == "sqlite" else "pipeserve_migrated_extra"
-    steps = {**backend.module.MIGRATIONS, 2: f"CREATE TABLE {table} (x integer)"}
+    following = backend.module.SCHEMA_VERSION + 1
+    steps = {**backend.module.MIGRATIONS, following: f"CREATE TABLE {table} (x integer)"}
     monkeypatch.setattr(backend.module, "MIGRATIONS", steps)
-    monkeypatch.setattr(backend.module, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(backend.module, "SCHEMA_VERSION", following)
     store = backend.new_store()
-    assert backend.version() == 2 and backend.execute(f"SELECT count(*) FROM {table}") == [(0,)]
+    assert backend.version() == following
+    assert backend.execute(f"SELECT count(*) FROM {table}") == [(0,)]
     assert store.get("resp_m") == response("resp_m", "kept")
-    backend.new_store()  # version 2 now: nothing to apply again
+    backend.new_store()  # the new version now: nothing to apply again
 
 
 def test_servers_starting_together_on_an_empty_database_do_not_race(backend: Backend) -> None:
@@ -264,7 +268,8 @@ def test_servers_starting_together_on_an_empty_database_do_not_race(backend: Bac
     store = backend.new_store()
     assert all(store.get(rid) is not None for rid in ids)
     if backend.name == "postgres":
-        assert backend.execute("SELECT version FROM pipeserve_schema") == [(1,)]
+        versions = backend.execute("SELECT version FROM pipeserve_schema ORDER BY version")
+        assert versions == [(v,) for v in range(1, backend.module.SCHEMA_VERSION + 1)]
 
 
 def test_stores_sharing_a_database_lose_nothing(backend: Backend) -> None:
@@ -482,3 +487,102 @@ def test_a_lock_wait_under_gevent_leaves_the_hub_running(
     assert probe.returncode == 0, probe.stderr[-2000:]
     error, ticks = probe.stdout.split()
     assert error == "StoreBusy" and int(ticks) > 1
+
+
+# ---------------------------------------------------------------- owners (issue 34)
+
+ALICE = Owner("k:alice")
+BOB = Owner("k:bob")
+
+
+def test_a_response_is_seen_only_by_the_key_that_stored_it(backend: Backend) -> None:
+    """Another key gets nothing: no body, no input items, no continuation, no item, no
+    delete; the owner still sees all of it afterwards."""
+    store = backend.new_store()
+    store.save(response("resp_a", "secret"), [{"id": "msg_in_a", "type": "message"}], None,
+               ALICE, "secret-model")  # fmt: skip
+    assert store.get("resp_a", BOB) is None and store.get("resp_a") is None
+    assert store.input_items("resp_a", None, 5, "asc", BOB) is None
+    with pytest.raises(MissingResponse):
+        store.history("resp_a", BOB)
+    assert store.items(["msg_resp_a_0", "msg_in_a"], BOB) == {}
+    assert not store.delete("resp_a", BOB)
+    assert store.get("resp_a", ALICE) == response("resp_a", "secret")
+    assert [i["id"] for i in store.history("resp_a", ALICE)] == ["msg_in_a", "msg_resp_a_0"]
+    assert set(store.items(["msg_resp_a_0", "msg_in_a"], ALICE)) == {"msg_resp_a_0", "msg_in_a"}
+    assert store.delete("resp_a", ALICE)
+
+
+def test_a_key_sees_only_responses_of_models_in_its_scope(backend: Backend) -> None:
+    store = backend.new_store()
+    store.save(response("resp_s", "x"), [{"id": "msg_in_s"}], None, ALICE, "secret")
+    public_only = Owner(ALICE.key, frozenset({"public"}))
+    assert store.get("resp_s", public_only) is None
+    assert store.input_items("resp_s", None, 5, "asc", public_only) is None
+    assert store.items(["msg_resp_s_0"], public_only) == {}
+    with pytest.raises(MissingResponse):
+        store.history("resp_s", public_only)
+    assert not store.delete("resp_s", Owner(ALICE.key, frozenset()))
+    assert store.get("resp_s", Owner(ALICE.key, frozenset({"public", "secret"}))) is not None
+
+
+def test_an_input_item_cannot_take_over_another_keys_item_id(backend: Backend) -> None:
+    """Bob stores an input item with the id of Alice's output item: Alice's reference
+    still resolves to her own item, and so does Bob's own (an output item's id is the
+    server's, and wins over an input item sent with the same id)."""
+    store = backend.new_store()
+    store.save(response("resp_a", "mine"), [], None, ALICE, "m")
+    forged = {"id": "msg_resp_a_0", "type": "message", "text": "forged"}
+    store.save(response("resp_b", "x"), [forged], None, BOB, "m")
+    assert store.items(["msg_resp_a_0"], ALICE)["msg_resp_a_0"]["text"] == "mine"
+    assert store.items(["msg_resp_a_0"], BOB)["msg_resp_a_0"]["text"] == "forged"
+    store.save(response("resp_c", "x"), [forged], None, ALICE, "m")  # her own, later
+    assert store.items(["msg_resp_a_0"], ALICE)["msg_resp_a_0"]["text"] == "mine"
+
+
+def test_a_chain_through_another_keys_response_is_broken_there(backend: Backend) -> None:
+    store = backend.new_store()
+    store.save(response("resp_1", "a"), [], None, BOB, "m")
+    store.save(response("resp_2", "b"), [], "resp_1", ALICE, "m")  # (only a bug could)
+    with pytest.raises(MissingResponse) as missing:
+        store.history("resp_2", ALICE)
+    assert missing.value.response_id == "resp_1"
+
+
+def test_version_1_rows_migrate_to_the_keyless_owner_with_their_model(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database written by the previous pipeserve (schema 1) migrates in place: its
+    responses keep answering a server without keys, no key sees them, and their model
+    column comes from the stored body."""
+    with monkeypatch.context() as old:
+        old.setattr(backend.module, "SCHEMA_VERSION", 1)
+        old.setattr(backend.module, "MIGRATIONS", {1: backend.module.MIGRATIONS[1]})
+        store = backend.new_store()
+        body = {**response("resp_old", "kept"), "model": "public"}
+        table = backend.responses
+        store._call(lambda conn: _insert_v1(backend, conn, table, body))
+    migrated = backend.new_store()
+    assert backend.version() == backend.module.SCHEMA_VERSION
+    assert migrated.get("resp_old") == body
+    assert migrated.get("resp_old", ALICE) is None
+    assert migrated.get("resp_old", Owner("", frozenset({"public"}))) == body
+    assert migrated.get("resp_old", Owner("", frozenset({"other"}))) is None
+
+
+def _insert_v1(backend: Backend, conn: Any, table: str, body: dict[str, Any]) -> None:
+    """A row as schema 1 wrote it (its own column list), with its one output item."""
+    import json
+
+    head = json.dumps({k: v for k, v in body.items() if k != "output"})
+    item = json.dumps(body["output"][0])
+    mark = "?" if backend.name == "sqlite" else "%s"
+    items = "items" if backend.name == "sqlite" else "pipeserve_items"
+    columns = "(id, stored_at, previous_id, body)"
+    values = [body["id"], time.time(), None, head]
+    if backend.name == "postgres":
+        columns, values = "(id, stored_at, previous_id, size, body)", [*values[:3], 10, head]
+    conn.execute(f"INSERT INTO {table} {columns} VALUES ({', '.join([mark] * len(values))})",
+                 values)  # fmt: skip
+    conn.execute(f"INSERT INTO {items} VALUES ({', '.join([mark] * 5)})",
+                 (body["id"], "output", 0, body["output"][0]["id"], item))  # fmt: skip

@@ -75,7 +75,10 @@ def create_app(
         add_endpoint(app, endpoint, served[endpoint.route], table, options, metrics)
         if store is not None and served[endpoint.route].stores_responses:
             served[endpoint.route].use_store(store)
-            add_stored_response_routes(app, endpoint.route, served[endpoint.route], store, options)
+            allowed = set(endpoint.models) if endpoint.models else None
+            add_stored_response_routes(
+                app, endpoint.route, served[endpoint.route], store, options, allowed
+            )
     app.add_error_handler(falcon.HTTPError, RoutingErrors(served, protocols["openai-chat"]()))
     models_resource = ModelsResource(table, keys)
     app.add_route("/v1/models", models_resource)

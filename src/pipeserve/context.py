@@ -23,6 +23,7 @@ class RequestContext:
     request: GenerationRequest
     request_id: str
     model_name: str
+    served_model: str = ""  # the served model's own name (model_name may be an alias)
     dry_run: bool = False  # prepare only (count_tokens): never submit to the engine
     keepalive_interval: float | None = None  # server default for the KeepAlive interval
     prompt: str | None = None  # rendered prompt text (render stage)

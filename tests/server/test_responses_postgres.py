@@ -133,6 +133,8 @@ def test_a_newer_schema_stops_the_start(shared: Shared, tmp_path: Path) -> None:
     naming the store and the versions (checked in a child of the master)."""
     import psycopg
 
+    from pipeserve.store import postgres_store
+
     cluster = shared.cluster
     with psycopg.connect(cluster.url_with_password, autocommit=True) as conn:
         conn.execute("DROP DATABASE IF EXISTS newer")
@@ -153,7 +155,8 @@ def test_a_newer_schema_stops_the_start(shared: Shared, tmp_path: Path) -> None:
     )
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"the response store PostgreSQL {url} cannot be used" in result.stderr
-    assert "schema version 99, newer than the 1 this pipeserve understands" in result.stderr
+    known = postgres_store.SCHEMA_VERSION
+    assert f"schema version 99, newer than the {known} this pipeserve understands" in result.stderr
 
 
 def status_of(base: str, method: str, path: str, **body: Any) -> tuple[int, dict[str, Any]]:

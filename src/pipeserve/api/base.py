@@ -16,6 +16,7 @@ from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
 from pipeserve.request import GenerationRequest
+from pipeserve.store.base import NOBODY_IN_PARTICULAR, Owner
 
 if TYPE_CHECKING:
     from pipeserve.store import ResponseStore
@@ -28,6 +29,9 @@ class RequestMeta:
     route: str
     headers: Mapping[str, str] = field(default_factory=dict)
     query: Mapping[str, str | list[str]] = field(default_factory=dict)
+    # Whose stored responses the request may continue and reference (its API key and the
+    # models that key may use on this route).
+    store_owner: Owner = NOBODY_IN_PARTICULAR
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ and the given key's digest is compared with every one of them (hmac.compare_dige
 early exit), so neither a key's length nor its position leaks through timing. A key
 scoped to some models sees the others as not found, in the protocol's own shape. No key
 is ever logged: a request log names the key by its `name` (or `key-N`).
+
+Stored responses belong to the key that stored them (`Grant.owner`): an id derived from
+the key itself (a keyed digest, so names, their order and the environment's keys cannot
+make two keys one owner), never the key.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from pipeserve.api.openai_common import openai_error_body
 from pipeserve.config.models import ApiKeyEntry
 from pipeserve.errors import ApiError
 from pipeserve.server.request_log import annotate
+from pipeserve.store.base import Owner
+
+OWNER_CONTEXT = b"pipeserve response owner\0"
 
 UNRESTRICTED = "this API key is limited to some models; {what} needs an unrestricted key"
 MISSING_KEY = "invalid or missing API key (send Authorization: Bearer KEY or x-api-key)"
@@ -32,6 +39,7 @@ class Grant:
 
     key_name: str | None = None
     models: frozenset[str] | None = None
+    owner: str = ""  # whose stored responses it sees ("": the server has no keys)
 
     def scope(self, allowed: set[str] | None) -> set[str] | None:
         """The endpoint's model restriction narrowed to this key's models."""
@@ -61,11 +69,13 @@ class KeyRing:
                 Grant(
                     entry.name or f"key-{i + 1}",
                     frozenset(entry.models) if entry.models is not None else None,
+                    _owner(_digest(entry.key.get_secret_value())),
                 ),
             )
             for i, entry in enumerate(entries)
         ]
-        keys += [_Key(_digest(key), Grant("env-key")) for key in env_keys if key]
+        keys += [_Key(_digest(key), Grant("env-key", owner=_owner(_digest(key))))
+                 for key in env_keys if key]  # fmt: skip
         return cls(keys)
 
     @property
@@ -95,6 +105,19 @@ def presented_keys(req: falcon.Request) -> tuple[str, str]:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _owner(digest: bytes) -> str:
+    """The store's owner id of a key: not its digest (a store's reader learns nothing
+    that the key ring compares against)."""
+    return "k:" + hashlib.sha256(OWNER_CONTEXT + digest).hexdigest()[:32]
+
+
+def store_owner(grant: Grant, allowed: set[str] | None) -> Owner:
+    """Whose stored responses a request may see: its key's, of the models it may use on
+    the route (`allowed`: the endpoint's models, None for every one)."""
+    scope = grant.scope(allowed)
+    return Owner(grant.owner, None if scope is None else frozenset(scope))
 
 
 def openai_auth(req: falcon.Request, resp: falcon.Response, keys: KeyRing) -> Grant | None:
@@ -131,5 +154,6 @@ __all__ = [
     "KeyRing",
     "openai_auth",
     "presented_keys",
+    "store_owner",
     "unrestricted",
 ]

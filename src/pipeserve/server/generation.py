@@ -17,12 +17,13 @@ from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, Usage
 from pipeserve.request import GenerationRequest
-from pipeserve.server.auth import KeyRing
+from pipeserve.server.auth import KeyRing, store_owner
 from pipeserve.server.body import read_json_body, replace_lone_surrogates
 from pipeserve.server.disconnect import StalledWriteGuard, watch_disconnect
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.request_log import LoggedBody, RequestRecord, record_of
+from pipeserve.store.base import NOBODY_IN_PARTICULAR, Owner
 
 log = logging.getLogger("pipeserve.http")
 MOCK_HEADER = "x-mock-response"
@@ -105,7 +106,7 @@ class GenerationResource(ProtocolRoute):
         try:
             grant = self.options.keys.authenticate(req)
             record.key = grant.key_name
-            request = self.decode(req)
+            request = self.decode(req, store_owner(grant, self.allowed))
             record.stream = request.stream
             served = self.models.resolve(request.model, grant.scope(self.allowed))
             label = record.model = served.name
@@ -114,6 +115,7 @@ class GenerationResource(ProtocolRoute):
                 request=request,
                 request_id=request_id(req),
                 model_name=request.model,
+                served_model=served.name,
                 keepalive_interval=self.options.keepalive_interval,
             )
             served.chain.prepare(ctx)
@@ -144,9 +146,9 @@ class GenerationResource(ProtocolRoute):
                 f"model {served.name} output_format"
             )
 
-    def decode(self, req: falcon.Request) -> GenerationRequest:
+    def decode(self, req: falcon.Request, owner: Owner) -> GenerationRequest:
         body = read_json_body(req, self.options.max_body_bytes, self.options.body_read_timeout)
-        meta = request_meta(req, self.route)
+        meta = request_meta(req, self.route, owner)
         request = self.protocol.decode(body, meta)
         mock = req.get_header(MOCK_HEADER)
         if request.mock_response is None and mock is not None:
@@ -249,9 +251,11 @@ def closing_stream(
         ctx.cancel("response_closed")
 
 
-def request_meta(req: falcon.Request, route: str) -> RequestMeta:
+def request_meta(
+    req: falcon.Request, route: str, owner: Owner = NOBODY_IN_PARTICULAR
+) -> RequestMeta:
     headers = {k.lower(): v for k, v in req.headers.items()}
-    return RequestMeta(route=route, headers=headers, query=dict(req.params))
+    return RequestMeta(route=route, headers=headers, query=dict(req.params), store_owner=owner)
 
 
 def decode_header_text(value: str) -> str:

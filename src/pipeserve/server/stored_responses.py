@@ -1,7 +1,8 @@
 """Stored Responses over HTTP: `GET` / `DELETE /v1/responses/{id}` (GET also as a
 replayed stream with `?stream=true`) and `GET /v1/responses/{id}/input_items` (a page,
 `after` / `limit` / `order` as OpenAI defines them). Unknown, deleted and expired ids
-are a 404 naming the id, in the Responses error shape."""
+are a 404 naming the id, in the Responses error shape. So is another API key's response,
+or one of a model outside the key's (and the route's) models: a key sees only its own."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from pipeserve.api.openai_responses.replay import replay_events
 from pipeserve.api.openai_responses.state import store_fault
 from pipeserve.api.sse import sse_event
 from pipeserve.errors import ApiError, invalid
+from pipeserve.server.auth import store_owner
 from pipeserve.server.generation import HttpOptions, ProtocolErrors
 from pipeserve.store import ResponseStore, StoreError
+from pipeserve.store.base import Owner
 
 T = TypeVar("T")
 log = logging.getLogger("pipeserve.http")
@@ -26,16 +29,26 @@ MAX_LIMIT = 100
 
 
 class _StoreResource:
-    def __init__(self, protocol: WireProtocol, store: ResponseStore, options: HttpOptions) -> None:
+    def __init__(
+        self,
+        protocol: WireProtocol,
+        store: ResponseStore,
+        options: HttpOptions,
+        allowed: set[str] | None = None,
+    ) -> None:
         self.store = store
         self.options = options
+        self.allowed = allowed
         self.errors = ProtocolErrors(protocol)
 
-    def answer(self, req: falcon.Request, resp: falcon.Response, work: Callable[[], T]) -> None:
-        """Run `work` (which fills resp); store faults and ApiErrors become protocol errors."""
+    def answer(
+        self, req: falcon.Request, resp: falcon.Response, work: Callable[[Owner], T]
+    ) -> None:
+        """Run `work` for the request's owner (it fills resp); store faults and ApiErrors
+        become protocol errors."""
         try:
-            self.options.keys.authenticate(req)
-            work()
+            grant = self.options.keys.authenticate(req)
+            work(store_owner(grant, self.allowed))
         except StoreError as exc:
             self.errors.render(resp, store_fault(exc))
         except ApiError as error:
@@ -51,8 +64,8 @@ def not_found(response_id: str) -> ApiError:
 
 class StoredResponseResource(_StoreResource):
     def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        def work() -> None:
-            body = self.store.get(response_id)
+        def work(owner: Owner) -> None:
+            body = self.store.get(response_id, owner)
             if body is None:
                 raise not_found(response_id)
             if not _flag(req, "stream"):
@@ -67,8 +80,8 @@ class StoredResponseResource(_StoreResource):
         self.answer(req, resp, work)
 
     def on_delete(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        def work() -> None:
-            if not self.store.delete(response_id):
+        def work(owner: Owner) -> None:
+            if not self.store.delete(response_id, owner):
                 raise not_found(response_id)
             resp.media = {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -77,14 +90,14 @@ class StoredResponseResource(_StoreResource):
 
 class InputItemsResource(_StoreResource):
     def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        def work() -> None:
+        def work(owner: Owner) -> None:
             limit = _int_param(req, "limit", minimum=1, maximum=MAX_LIMIT)
             order = req.get_param("order") or "desc"
             if order not in ("asc", "desc"):
                 raise invalid(f"order: {order[:50]!r} is not one of asc, desc", "order")
             ascending: Literal["asc", "desc"] = "asc" if order == "asc" else "desc"
             page = self.store.input_items(
-                response_id, req.get_param("after"), limit or DEFAULT_LIMIT, ascending
+                response_id, req.get_param("after"), limit or DEFAULT_LIMIT, ascending, owner
             )
             if page is None:
                 raise not_found(response_id)
@@ -136,11 +149,13 @@ def add_stored_response_routes(
     protocol: WireProtocol,
     store: ResponseStore,
     options: HttpOptions,
+    allowed: set[str] | None = None,
 ) -> None:
-    app.add_route(route + "/{response_id}", StoredResponseResource(protocol, store, options))
-    app.add_route(
-        route + "/{response_id}/input_items", InputItemsResource(protocol, store, options)
-    )
+    """`allowed`: the endpoint's models (None: every model)."""
+    stored = StoredResponseResource(protocol, store, options, allowed)
+    app.add_route(route + "/{response_id}", stored)
+    items = InputItemsResource(protocol, store, options, allowed)
+    app.add_route(route + "/{response_id}/input_items", items)
 
 
 __all__ = ["add_stored_response_routes"]

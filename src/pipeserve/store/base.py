@@ -6,6 +6,11 @@ item_reference. A response is written in one transaction with its items, so othe
 it whole or not at all; each read is one statement (one snapshot, one round trip).
 Expired rows (older than the age bound) are invisible to reads and deleted by writes.
 
+Every response belongs to an `Owner`: the API key that stored it (an opaque id derived
+from the key, "" on a server without keys) and the model that answered it. Every read,
+continuation, item lookup and delete names the caller's owner: another key's responses,
+and responses of models outside the caller's model scope, are as unknown as missing ones.
+
 Backends (sqlite_store.py, postgres_store.py) supply their connections, write
 transactions, table names, placeholder style, the insert and the pruning; they turn
 their driver's errors into the exceptions below, which are all callers see.
@@ -29,7 +34,7 @@ log = logging.getLogger("pipeserve.store")
 # The chain of previous_response_id links from one response back to the first (bounded).
 CHAIN_CTE = """
 WITH RECURSIVE chain (id, depth) AS (
-    SELECT id, 0 FROM {responses} WHERE id = ? AND stored_at >= ?
+    SELECT id, 0 FROM {responses} r WHERE id = ? AND stored_at >= ? AND owner_key = ?{scope}
     UNION ALL
     SELECT r.previous_id, c.depth + 1 FROM chain c JOIN {responses} r ON r.id = c.id
     WHERE r.previous_id IS NOT NULL AND c.depth < 100000
@@ -40,7 +45,8 @@ WITH RECURSIVE chain (id, depth) AS (
 CHAIN_ITEMS = (
     CHAIN_CTE
     + """, links AS (
-    SELECT c.id, c.depth, r.id IS NOT NULL AND r.stored_at >= ? AS present
+    SELECT c.id, c.depth,
+        r.id IS NOT NULL AND r.stored_at >= ? AND r.owner_key = ?{scope} AS present
     FROM chain c LEFT JOIN {responses} r ON r.id = c.id
 )
 SELECT l.id, l.depth, l.present, i.body FROM links l
@@ -69,6 +75,27 @@ class MissingResponse(Exception):
     def __init__(self, response_id: str) -> None:
         super().__init__(response_id)
         self.response_id = response_id
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose responses a call may see: `key` is the storing API key's opaque id ("" for a
+    server without keys); `models` the models it may use (None: every model)."""
+
+    key: str = ""
+    models: frozenset[str] | None = None
+
+    def scope(self, column: str) -> tuple[str, tuple[str, ...]]:
+        """An SQL condition (with its parameters) limiting `column` to the model scope."""
+        if self.models is None:
+            return "", ()
+        if not self.models:
+            return " AND 1 = 0", ()
+        names = tuple(sorted(self.models))
+        return f" AND {column} IN ({', '.join('?' * len(names))})", names
+
+
+NOBODY_IN_PARTICULAR = Owner()  # a server without API keys
 
 
 @dataclass(frozen=True)
@@ -125,15 +152,16 @@ class ResponseStore(ABC):
 
     @abstractmethod
     def _insert(self, conn: Any, response_id: str, previous_id: str | None, body: str,
-                rows: list[Row]) -> None:  # fmt: skip
-        """Write (or replace) one response and its item rows."""
+                rows: list[Row], owner: str, model: str) -> None:  # fmt: skip
+        """Write (or replace) one response (stored by `owner`, answered by `model`) and
+        its item rows."""
 
     @abstractmethod
     def _prune(self, conn: Any) -> None:
         """Delete what is older than the age bound, then the oldest beyond the size bound."""
 
     @abstractmethod
-    def _delete_one(self, conn: Any, response_id: str) -> bool: ...
+    def _delete_one(self, conn: Any, response_id: str, owner: Owner) -> bool: ...
 
     # ------------------------------------------------------------ outages
 
@@ -169,31 +197,47 @@ class ResponseStore(ABC):
         response: dict[str, Any],
         input_items: Sequence[dict[str, Any]],
         previous_id: str | None,
+        owner: Owner = NOBODY_IN_PARTICULAR,
+        model: str | None = None,
     ) -> None:
-        """Store a response (its `output` as items) with its own input items."""
-        self._call(self._save, response, list(input_items), previous_id)
+        """Store a response (its `output` as items) with its own input items, owned by
+        `owner.key` and answered by `model` (default: the response's `model`)."""
+        served = str(response.get("model") or "") if model is None else model
+        self._call(self._save, response, list(input_items), previous_id, owner.key, served)
 
-    def get(self, response_id: str) -> dict[str, Any] | None:
-        """The stored Response object with its output, None when unknown or expired."""
-        return self._call(self._get, response_id)
+    def get(self, response_id: str, owner: Owner = NOBODY_IN_PARTICULAR) -> dict[str, Any] | None:
+        """The stored Response object with its output, None when unknown, expired or not
+        the owner's."""
+        return self._call(self._get, response_id, owner)
 
-    def delete(self, response_id: str) -> bool:
-        return self._call(self._delete, response_id)
+    def delete(self, response_id: str, owner: Owner = NOBODY_IN_PARTICULAR) -> bool:
+        return self._call(self._delete, response_id, owner)
 
     def input_items(
-        self, response_id: str, after: str | None, limit: int, order: Literal["asc", "desc"]
+        self,
+        response_id: str,
+        after: str | None,
+        limit: int,
+        order: Literal["asc", "desc"],
+        owner: Owner = NOBODY_IN_PARTICULAR,
     ) -> ItemPage | None:
         """One page of a response's input items; None when the response is unknown."""
-        return self._call(self._input_items, response_id, after, limit, order)
+        return self._call(self._input_items, response_id, after, limit, order, owner)
 
-    def items(self, item_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """Stored items by id (the most recently stored one when ids repeat)."""
-        return self._call(self._items, list(item_ids))
+    def items(
+        self, item_ids: Sequence[str], owner: Owner = NOBODY_IN_PARTICULAR
+    ) -> dict[str, dict[str, Any]]:
+        """The owner's stored items by id: an output item (its id made by the server)
+        before an input item sent with the same id, else the most recently stored one."""
+        return self._call(self._items, list(item_ids), owner)
 
-    def history(self, response_id: str) -> list[dict[str, Any]]:
-        """Input and output items of the chain ending at `response_id`, oldest first.
-        Raises MissingResponse naming the first id of the chain that is gone."""
-        return self._call(self._history, response_id)
+    def history(
+        self, response_id: str, owner: Owner = NOBODY_IN_PARTICULAR
+    ) -> list[dict[str, Any]]:
+        """Input and output items of the owner's chain ending at `response_id`, oldest
+        first. Raises MissingResponse naming the first id of the chain that is gone (or
+        not the owner's)."""
+        return self._call(self._history, response_id, owner)
 
     # ------------------------------------------------------------ SQL
 
@@ -211,27 +255,31 @@ class ResponseStore(ABC):
         response: dict[str, Any],
         input_items: list[dict[str, Any]],
         previous_id: str | None,
+        owner: str,
+        model: str,
     ) -> None:
         body = dump({key: value for key, value in response.items() if key != "output"})
         rows = [_row("input", i, item) for i, item in enumerate(input_items)]
         rows += [_row("output", i, item) for i, item in enumerate(response.get("output") or [])]
         with self._writing(conn):
-            self._insert(conn, response["id"], previous_id, body, rows)
+            self._insert(conn, response["id"], previous_id, body, rows, owner, model)
             self._prune(conn)
 
-    def _delete(self, conn: Any, response_id: str) -> bool:
+    def _delete(self, conn: Any, response_id: str, owner: Owner) -> bool:
         with self._writing(conn):
-            return self._delete_one(conn, response_id)
+            return self._delete_one(conn, response_id, owner)
 
-    def _get(self, conn: Any, response_id: str) -> dict[str, Any] | None:
+    def _get(self, conn: Any, response_id: str, owner: Owner) -> dict[str, Any] | None:
         """One statement (so one snapshot): the body on every row, with each output item."""
+        scope, models = owner.scope("r.model")
         rows = conn.execute(
             self.sql(
                 "SELECT r.body, i.body FROM {responses} r LEFT JOIN {items} i"
                 " ON i.response_id = r.id AND i.source = 'output'"
-                " WHERE r.id = ? AND r.stored_at >= ? ORDER BY i.position"
+                f" WHERE r.id = ? AND r.stored_at >= ? AND r.owner_key = ?{scope}"
+                " ORDER BY i.position"
             ),
-            (response_id, self.cutoff()),
+            (response_id, self.cutoff(), owner.key, *models),
         ).fetchall()
         if not rows:
             return None
@@ -246,15 +294,18 @@ class ResponseStore(ABC):
         after: str | None,
         limit: int,
         order: Literal["asc", "desc"],
+        owner: Owner,
     ) -> ItemPage | None:
         direction = "ASC" if order == "asc" else "DESC"
+        scope, models = owner.scope("r.model")
         rows = conn.execute(
             self.sql(
                 "SELECT i.item_id, i.body FROM {responses} r LEFT JOIN {items} i"
                 " ON i.response_id = r.id AND i.source = 'input'"
-                f" WHERE r.id = ? AND r.stored_at >= ? ORDER BY i.position {direction}"
+                f" WHERE r.id = ? AND r.stored_at >= ? AND r.owner_key = ?{scope}"
+                f" ORDER BY i.position {direction}"
             ),
-            (response_id, self.cutoff()),
+            (response_id, self.cutoff(), owner.key, *models),
         ).fetchall()
         if not rows:
             return None
@@ -264,23 +315,29 @@ class ResponseStore(ABC):
         chosen = rows[start : start + limit]
         return ItemPage([json.loads(body) for _, body in chosen], start + limit < len(rows))
 
-    def _items(self, conn: Any, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+    def _items(self, conn: Any, item_ids: list[str], owner: Owner) -> dict[str, dict[str, Any]]:
         wanted = list(dict.fromkeys(item_ids))
         found: dict[str, dict[str, Any]] = {}
+        scope, models = owner.scope("r.model")
         for start in range(0, len(wanted), ITEMS_PER_QUERY):
             some = wanted[start : start + ITEMS_PER_QUERY]
             query = self.sql(
                 "SELECT i.item_id, i.body FROM {items} i JOIN {responses} r"
                 f" ON r.id = i.response_id WHERE i.item_id IN ({', '.join('?' * len(some))})"
-                " AND r.stored_at >= ? ORDER BY r.stored_at"
+                f" AND r.stored_at >= ? AND r.owner_key = ?{scope}"
+                " ORDER BY i.source = 'output', r.stored_at"
             )
-            for item_id, body in conn.execute(query, (*some, self.cutoff())).fetchall():
-                found[item_id] = json.loads(body)  # the most recently stored one wins
+            params = (*some, self.cutoff(), owner.key, *models)
+            for item_id, body in conn.execute(query, params).fetchall():
+                found[item_id] = json.loads(body)  # output items, then the newest, win
         return found
 
-    def _history(self, conn: Any, response_id: str) -> list[dict[str, Any]]:
+    def _history(self, conn: Any, response_id: str, owner: Owner) -> list[dict[str, Any]]:
         cutoff = self.cutoff()
-        rows = conn.execute(self.sql(CHAIN_ITEMS), (response_id, cutoff, cutoff)).fetchall()
+        scope, models = owner.scope("r.model")
+        query = self.sql(CHAIN_ITEMS.replace("{scope}", scope))
+        params = (response_id, cutoff, owner.key, *models, cutoff, owner.key, *models)
+        rows = conn.execute(query, params).fetchall()
         if not rows:
             raise MissingResponse(response_id)
         gaps = [(depth, link) for link, depth, present, _ in rows if not present]
@@ -312,7 +369,9 @@ def schema_too_new(where: str, found: int, known: int) -> StoreError:
 __all__ = [
     "PRUNE_ROUNDS",
     "ItemPage",
+    "NOBODY_IN_PARTICULAR",
     "MissingResponse",
+    "Owner",
     "ResponseStore",
     "Row",
     "StoreBusy",

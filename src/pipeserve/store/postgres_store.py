@@ -37,6 +37,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from pipeserve.gevent_support import gevent_patched
 from pipeserve.store.base import (
     PRUNE_ROUNDS,
+    Owner,
     ResponseStore,
     Row,
     StoreBusy,
@@ -48,7 +49,7 @@ from pipeserve.store.base import (
 T = TypeVar("T")
 log = logging.getLogger("pipeserve.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MIGRATION_LOCK = 0x70697065_73657276  # "pipeserv": the advisory lock of schema changes
 MIGRATION_TIMEOUT_MS = 60_000  # another server migrating: wait this long for it
 # Migration N takes the database from version N-1 to N (inside one transaction).
@@ -100,6 +101,13 @@ CREATE TRIGGER pipeserve_responses_removed AFTER DELETE ON pipeserve_responses
     EXECUTE FUNCTION pipeserve_count_removed();
 CREATE TRIGGER pipeserve_responses_cleared AFTER TRUNCATE ON pipeserve_responses
     FOR EACH STATEMENT EXECUTE FUNCTION pipeserve_count_cleared();
+""",
+    # Responses owned by the API key that stored them (base.Owner). Rows stored before
+    # belong to the server without keys (""): no key sees them once keys are configured.
+    2: """
+ALTER TABLE pipeserve_responses ADD COLUMN owner_key text NOT NULL DEFAULT '',
+    ADD COLUMN model text NOT NULL DEFAULT '';
+UPDATE pipeserve_responses SET model = coalesce(body::jsonb ->> 'model', '');
 """,
 }
 POOL_MAX = 8
@@ -245,13 +253,14 @@ class PostgresStore(ResponseStore):
 
     def _insert(
         self, conn: psycopg.Connection[Any], response_id: str, previous_id: str | None,
-        body: str, rows: list[Row],
+        body: str, rows: list[Row], owner: str, model: str,
     ) -> None:  # fmt: skip
         size = len(body.encode()) + sum(len(r.body.encode()) for r in rows)
         conn.execute("DELETE FROM pipeserve_responses WHERE id = %s", (response_id,))
         conn.execute(
-            "INSERT INTO pipeserve_responses VALUES (%s, %s, %s, %s, %s)",
-            (response_id, time.time(), previous_id, size, body),
+            "INSERT INTO pipeserve_responses (id, stored_at, previous_id, size, body, owner_key,"
+            " model) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            (response_id, time.time(), previous_id, size, body, owner, model),
         )
         with conn.cursor() as cursor:
             cursor.executemany(
@@ -279,10 +288,13 @@ class PostgresStore(ResponseStore):
                 (max(1, count // 10),),
             )
 
-    def _delete_one(self, conn: psycopg.Connection[Any], response_id: str) -> bool:
+    def _delete_one(self, conn: psycopg.Connection[Any], response_id: str, owner: Owner) -> bool:
+        scope, models = owner.scope("model")
         deleted = conn.execute(
-            "DELETE FROM pipeserve_responses WHERE id = %s AND stored_at >= %s RETURNING 1",
-            (response_id, self.cutoff()),
+            "DELETE FROM pipeserve_responses WHERE id = %s AND stored_at >= %s AND owner_key = %s"
+            + scope.replace("?", "%s")
+            + " RETURNING 1",
+            (response_id, self.cutoff(), owner.key, *models),
         ).fetchall()
         return bool(deleted)
 

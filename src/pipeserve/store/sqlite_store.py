@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from pipeserve.gevent_support import os_lock
 from pipeserve.store.base import (
     PRUNE_ROUNDS,
+    Owner,
     ResponseStore,
     Row,
     StoreBusy,
@@ -31,7 +32,7 @@ from pipeserve.store.offhub import OffHub
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Migration N takes a database from version N-1 to N (inside one write transaction).
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -52,6 +53,13 @@ CREATE TABLE IF NOT EXISTS items (
     PRIMARY KEY (response_id, source, position)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS items_by_id ON items (item_id);
+""",
+    # Responses owned by the API key that stored them (base.Owner). Rows stored before
+    # belong to the server without keys (""): no key sees them once keys are configured.
+    2: """
+ALTER TABLE responses ADD COLUMN owner_key TEXT NOT NULL DEFAULT '';
+ALTER TABLE responses ADD COLUMN model TEXT NOT NULL DEFAULT '';
+UPDATE responses SET model = coalesce(json_extract(body, '$.model'), '');
 """,
 }
 POOL_SIZE = 4
@@ -193,11 +201,12 @@ class SqliteStore(ResponseStore):
 
     def _insert(
         self, conn: sqlite3.Connection, response_id: str, previous_id: str | None, body: str,
-        rows: list[Row],
+        rows: list[Row], owner: str, model: str,
     ) -> None:  # fmt: skip
         conn.execute(
-            "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)",
-            (response_id, time.time(), previous_id, body),
+            "INSERT OR REPLACE INTO responses (id, stored_at, previous_id, body, owner_key, model)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (response_id, time.time(), previous_id, body, owner, model),
         )
         conn.executemany(
             "INSERT INTO items VALUES (?, ?, ?, ?, ?)",
@@ -226,9 +235,11 @@ class SqliteStore(ResponseStore):
         size = conn.execute("PRAGMA page_size").fetchone()[0]
         return int((pages - free) * size)
 
-    def _delete_one(self, conn: sqlite3.Connection, response_id: str) -> bool:
+    def _delete_one(self, conn: sqlite3.Connection, response_id: str, owner: Owner) -> bool:
+        scope, models = owner.scope("model")
         cursor = conn.execute(
-            "DELETE FROM responses WHERE id = ? AND stored_at >= ?", (response_id, self.cutoff())
+            f"DELETE FROM responses WHERE id = ? AND stored_at >= ? AND owner_key = ?{scope}",
+            (response_id, self.cutoff(), owner.key, *models),
         )
         return cursor.rowcount > 0
 

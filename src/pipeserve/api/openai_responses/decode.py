@@ -42,6 +42,7 @@ from pipeserve.request import (
     ToolSpec,
     sampling_params,
 )
+from pipeserve.store.base import NOBODY_IN_PARTICULAR, Owner
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 IMAGE_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url"})
@@ -57,6 +58,7 @@ class ResponsesGenerationRequest(GenerationRequest):
 
     echo: dict[str, Any] = field(default_factory=dict)
     stored_input: list[dict[str, Any]] | None = None  # input items to store; None: not stored
+    store_owner: Owner = NOBODY_IN_PARTICULAR  # whose the stored response will be
 
 
 # ---------------------------------------------------------------- decode: input items
@@ -269,12 +271,16 @@ def _refuse_unhonoured(req: ResponsesRequestIn) -> None:
         )
 
 
-def decode_responses(body: Any, state: ResponsesState | None = None) -> ResponsesGenerationRequest:
+def decode_responses(
+    body: Any, state: ResponsesState | None = None, owner: Owner = NOBODY_IN_PARTICULAR
+) -> ResponsesGenerationRequest:
     req = validate(ResponsesRequestIn, body)
     _refuse_unhonoured(req)
     if req.input is not None and not isinstance(req.input, str | list):
         raise invalid(INPUT_TYPE, "input")  # before the store reads it as items
-    resolved = (state or ResponsesState()).resolve(req.input, req.previous_response_id, req.store)
+    resolved = (state or ResponsesState()).resolve(
+        req.input, req.previous_response_id, req.store, owner
+    )
     messages = _messages(req, resolved)
     choice = _tool_choice(req.tool_choice)
     tools = _allowed(req.tool_choice, _tools(req.tools))
@@ -302,6 +308,7 @@ def decode_responses(body: Any, state: ResponsesState | None = None) -> Response
         parallel_tool_calls=req.parallel_tool_calls is not False,
         echo=_echo(req, stored=resolved.record is not None),
         stored_input=resolved.record,
+        store_owner=owner,
         output_format=openai_output_format(
             (req.text or {}).get("format"), "text.format", flat=True
         ),

@@ -39,13 +39,14 @@ class OpenAIResponses(WireProtocol):
         self.state = ResponsesState(store)
 
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
-        return decode_responses(body, self.state)
+        return decode_responses(body, self.state, meta.store_owner)
 
     def keep(self, ctx: RequestContext, response: dict[str, Any]) -> None:
         """Store the finished response (before the client can see it end)."""
         request = ctx.request
         if isinstance(request, ResponsesGenerationRequest):
-            self.state.keep(request.stored_input, response)
+            model = ctx.served_model or None
+            self.state.keep(request.stored_input, response, request.store_owner, model)
 
     def encode_json(self, events: Iterator[Event], ctx: RequestContext) -> dict[str, Any]:
         """The response of the last stream event (response.completed / .incomplete)."""

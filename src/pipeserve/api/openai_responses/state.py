@@ -23,6 +23,7 @@ from pipeserve.store import (
     StoreError,
     StoreUnavailable,
 )
+from pipeserve.store.base import NOBODY_IN_PARTICULAR, Owner
 
 log = logging.getLogger("pipeserve.responses")
 
@@ -54,13 +55,18 @@ class ResponsesState:
     # ------------------------------------------------------------ before generation
 
     def resolve(
-        self, raw_input: Any, previous_id: str | None, store_requested: bool | None
+        self,
+        raw_input: Any,
+        previous_id: str | None,
+        store_requested: bool | None,
+        owner: Owner = NOBODY_IN_PARTICULAR,
     ) -> ResolvedInput:
+        """Only the owner's responses and items are found (others' are as unknown)."""
         if self.store is None:
             return self._stateless(raw_input, previous_id)
         try:
-            earlier = self._earlier(previous_id)
-            items = self._dereference(raw_input)
+            earlier = self._earlier(previous_id, owner)
+            items = self._dereference(raw_input, owner)
         except StoreError as exc:
             raise store_fault(exc) from exc
         record = input_records(items) if store_requested is not False else None
@@ -78,12 +84,12 @@ class ResponsesState:
                 raise invalid(message, f"input[{i}]")
         return ResolvedInput(items=raw_input)
 
-    def _earlier(self, previous_id: str | None) -> list[dict[str, Any]]:
+    def _earlier(self, previous_id: str | None, owner: Owner) -> list[dict[str, Any]]:
         if previous_id is None:
             return []
         assert self.store is not None
         try:
-            return self.store.history(previous_id)
+            return self.store.history(previous_id, owner)
         except MissingResponse as missing:
             message = f"Previous response with id '{missing.response_id}' not found."
             if missing.response_id != previous_id:
@@ -95,7 +101,7 @@ class ResponsesState:
                 code="previous_response_not_found",
             ) from missing
 
-    def _dereference(self, raw_input: Any) -> Any:
+    def _dereference(self, raw_input: Any, owner: Owner) -> Any:
         if not isinstance(raw_input, list):
             return raw_input
         wanted = {i: item.get("id") for i, item in enumerate(raw_input) if is_reference(item)}
@@ -107,7 +113,7 @@ class ResponsesState:
                     f"'input[{i}].id': an item_reference needs the item's id.", f"input[{i}].id"
                 )
         assert self.store is not None
-        found = self.store.items([str(item_id) for item_id in wanted.values()])
+        found = self.store.items([str(item_id) for item_id in wanted.values()], owner)
         items = list(raw_input)
         for i, item_id in wanted.items():
             if item_id not in found:
@@ -117,12 +123,20 @@ class ResponsesState:
 
     # ------------------------------------------------------------ after generation
 
-    def keep(self, record: list[dict[str, Any]] | None, response: dict[str, Any]) -> None:
-        """Store a finished response; on a store fault it is answered unstored (store false)."""
+    def keep(
+        self,
+        record: list[dict[str, Any]] | None,
+        response: dict[str, Any],
+        owner: Owner = NOBODY_IN_PARTICULAR,
+        model: str | None = None,
+    ) -> None:
+        """Store a finished response as the owner's, answered by `model` (the served
+        model's own name); on a store fault it is answered unstored (store false)."""
         if self.store is None or record is None or response.get("status") not in STORED_STATUSES:
             return
         try:
-            self.store.save(response, record, response.get("previous_response_id"))
+            previous = response.get("previous_response_id")
+            self.store.save(response, record, previous, owner, model)
         except StoreError as exc:
             # An outage is logged once by the store, not with every answer during it.
             quiet = isinstance(exc, StoreUnavailable) and not isinstance(exc, StoreBusy)

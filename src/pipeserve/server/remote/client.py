@@ -7,7 +7,9 @@ abandoned stream and the event contract are the same). A submit waits for the ho
 answer (accepted, or the engine's own rejection: 429 / 503 before any byte is sent).
 When the connection breaks (the host died), every request in flight ends with an
 in-protocol error event, Finish("error") and Usage; the next request reconnects to
-the restarted host, waiting up to CONNECT_WAIT seconds for it.
+the restarted host, waiting up to CONNECT_WAIT seconds for it. A status question
+(/health, /v1/models, /metrics) never waits for that: it makes one attempt of its own when
+no request is connecting, else answers "down" at once.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class HostClient:
         if cached is not None and time.monotonic() - cached[0] < STATUS_TTL:
             return cached[1]
         try:
-            sock = self._connect(0.0)
+            sock = self._connect_now()
             key = next(self._keys)
             answer: dict[str, Any] = self._ask(sock, key, ("status", key), self.status_wait)
         except ApiError:
@@ -155,6 +157,25 @@ class HostClient:
                         ) from None
                     gevent.sleep(CONNECT_RETRY)
             return self._sock
+
+    def _connect_now(self) -> socket.socket:
+        """The connection, or one attempt to open it; never waits for the connect lock
+        (a request may hold it for CONNECT_WAIT seconds while the host restarts)."""
+        sock = self._sock
+        if sock is not None:
+            return sock
+        if not self._connect_lock.acquire(blocking=False):
+            raise ApiError("unavailable", self.down_reason or "the engine host is restarting")
+        try:
+            if self._sock is None:
+                self._open()
+            assert self._sock is not None
+            return self._sock
+        except OSError as exc:
+            self.down_reason = f"the engine host is not running ({exc.strerror})"
+            raise ApiError("unavailable", self.down_reason) from None
+        finally:
+            self._connect_lock.release()
 
     def _open(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
