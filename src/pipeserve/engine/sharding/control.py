@@ -3,8 +3,10 @@
 It carries the batch log (lockstep.py) and the start-up handshake, never activations
 (those go over mx.distributed). A rank waiting for the next step blocks in `recv` at no
 CPU cost, and a rank that dies shows up as EOF at once. Frames are a 4-byte length and
-a payload: JSON from a joining rank (never unpickled on rank 0), pickle from rank 0 to
-ranks that connected to it with the group's secret token.
+a payload in a fixed JSON schema (frames.py: never pickle), each read whole within a size
+cap and, during the handshake, a total deadline; after the mutual challenge-response on
+the group's token (frames.Handshake) every frame carries a MAC (frames.Session) checked
+before it is parsed.
 
 Under gevent the worker's `socket` and `time` are patched; the engine thread is a real
 OS thread, so this module uses the unpatched originals.
@@ -13,14 +15,22 @@ OS thread, so this module uses the unpatched originals.
 from __future__ import annotations
 
 import json
-import pickle
 import struct
+import time
 from typing import Any
 
+from pipeserve.engine.sharding.frames import (
+    ProtocolError,
+    Session,
+    decode_message,
+    decode_object,
+    encode_message,
+)
 from pipeserve.gevent_support import os_lock
 
 _LENGTH = struct.Struct("!I")
-MAX_FRAME = 1 << 30
+MAX_FRAME = 64 << 20  # rank 0's frames to a rank (a step's batch log with its prompts)
+REPORT_FRAME = 1 << 20  # a rank's frames to rank 0 (hello, its load report, an error)
 
 
 class ChannelClosed(ConnectionError):
@@ -31,28 +41,47 @@ class Connection:
     """A framed, blocking connection: one reader; writers take turns (on rank 0 the
     engine thread's batch log and the watchdog's pings)."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, max_frame: int = MAX_FRAME) -> None:
         self.sock = sock
+        self.max_frame = max_frame  # larger frames are refused before they are read
+        self.session: Session | None = None  # set after the handshake: every frame MACed
         self._send_lock = os_lock()
 
     def send_bytes(self, payload: bytes) -> None:
         try:
-            with self._send_lock:
+            with self._send_lock:  # sealed in the order the frames go out
+                if self.session is not None:
+                    payload = self.session.seal(payload)
                 self.sock.sendall(_LENGTH.pack(len(payload)) + payload)
         except OSError as exc:
             raise ChannelClosed(f"control channel: {exc}") from exc
 
-    def recv_bytes(self, timeout: float | None = None) -> bytes:
-        self.sock.settimeout(timeout)
-        header = self._exactly(_LENGTH.size)
+    def recv_bytes(self, timeout: float | None = None, limit: int | None = None) -> bytes:
+        """The next frame, its MAC checked; `timeout` bounds the whole frame (not each
+        read), `limit` its size (default max_frame). TimeoutError past the deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        header = self._exactly(_LENGTH.size, deadline)
         (size,) = _LENGTH.unpack(header)
-        if size > MAX_FRAME:
-            raise ChannelClosed(f"control channel: frame of {size} bytes")
-        return self._exactly(size)
+        if size > (self.max_frame if limit is None else limit):
+            raise ChannelClosed(f"control channel: a frame of {size} bytes (too large)")
+        frame = self._exactly(size, deadline)
+        if self.session is None:
+            return frame
+        try:
+            return self.session.open(frame)
+        except ProtocolError as exc:
+            raise ChannelClosed(f"control channel: {exc}") from None
 
-    def _exactly(self, size: int) -> bytes:
+    def _exactly(self, size: int, deadline: float | None) -> bytes:
         chunks, left = [], size
         while left:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("control channel: a frame was not sent in time")
+                self.sock.settimeout(remaining)
+            else:
+                self.sock.settimeout(None)
             try:
                 chunk = self.sock.recv(min(left, 1 << 20))
             except TimeoutError:
@@ -66,19 +95,23 @@ class Connection:
         return b"".join(chunks)
 
     def send_json(self, data: dict[str, Any]) -> None:
-        self.send_bytes(json.dumps(data).encode())
+        self.send_bytes(json.dumps(data, allow_nan=False).encode())
 
-    def recv_json(self, timeout: float | None = None) -> dict[str, Any]:
-        data = json.loads(self.recv_bytes(timeout))
-        if not isinstance(data, dict):
-            raise ChannelClosed("control channel: not a JSON object")
-        return data
+    def recv_json(self, timeout: float | None = None, limit: int | None = None) -> dict[str, Any]:
+        try:
+            return decode_object(self.recv_bytes(timeout, limit))
+        except ProtocolError as exc:
+            raise ChannelClosed(f"control channel: {exc}") from None
 
-    def send_obj(self, obj: Any) -> None:
-        self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    def send_obj(self, message: tuple[Any, ...]) -> None:
+        """One of rank 0's messages, in the fixed schema (frames.encode_message)."""
+        self.send_bytes(encode_message(message))
 
-    def recv_obj(self) -> Any:
-        return pickle.loads(self.recv_bytes())
+    def recv_obj(self) -> tuple[Any, ...]:
+        try:
+            return decode_message(self.recv_bytes())
+        except ProtocolError as exc:
+            raise ChannelClosed(f"control channel: {exc}") from None
 
     def close(self) -> None:
         try:

@@ -34,12 +34,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from socket import SO_REUSEADDR, SOL_SOCKET
 from typing import Any
 
 from pipeserve.config.models import EngineOptions, ShardingOptions
-from pipeserve.engine.sharding.control import ChannelClosed, Connection
+from pipeserve.engine.sharding.control import (
+    REPORT_FRAME,
+    ChannelClosed,
+    Connection,
+)
+from pipeserve.engine.sharding.frames import HELLO_MAX, Handshake, ProtocolError, parse_hello
 from pipeserve.engine.sharding.placement import Placement, place
 from pipeserve.engine.sharding.procs import reap, spawn
 from pipeserve.errors import LoadRefused
@@ -51,6 +57,10 @@ WATCH_INTERVAL = 0.1
 PING_INTERVAL = 1.0
 KEEPALIVE = 8.0  # seconds a rank's control connection may leave data unacknowledged
 STOP_GRACE = 5.0
+HELLO_TIMEOUT = 10.0  # seconds a connection has for its whole handshake
+# Connections in their handshake at once; a newer one ends the oldest (a genuine rank
+# finishes within one round trip, so a flood of silent connections cannot keep it out).
+MAX_HANDSHAKES = 32
 PEER_MODULE = "pipeserve.engine.sharding.peer"
 # What a remote rank inherits from rank 0's environment (a local rank inherits it all):
 # the BLAS preload (pipeserve.blas), MLX's and OpenBLAS's settings, pipeserve's home and
@@ -109,6 +119,7 @@ class RankGroup:
         self._token = secrets.token_hex(16)
         self._ring_file: str | None = None
         self._listener: Any = None
+        self._handshakes: list[Any] = []  # sockets in their handshake now, oldest first
         self._deadline = time.monotonic() + self.sharding.start_timeout
         _STARTED.append(self)
 
@@ -211,35 +222,71 @@ class RankGroup:
         return spawn(ssh, argv, dict(os.environ), stdin=stdin)
 
     def _accept_all(self) -> None:
-        """Each rank connects and says hello (rank, pid, token) before joining the ring."""
-        waiting = {p.rank: p for p in self.peers}
-        while waiting:
+        """Each rank connects and proves it holds the group's token (frames.Handshake)
+        before joining the ring. Connections shake hands on threads of their own, each
+        within HELLO_TIMEOUT, so none (slow, silent or malformed) holds up another; a
+        group lost meanwhile ends the wait within a second."""
+        while True:
+            with self._lock:
+                waiting = sorted(p.rank for p in self.peers if p.conn is None)
+            if not waiting:
+                return
             left = self._deadline - time.monotonic()
             if self._phase == "lost":
                 raise GroupLost(self.reason)
+            if self._phase == "stopped":
+                raise GroupLost("the group was stopped")
             if left <= 0:
-                raise GroupLost(f"ranks {sorted(waiting)} did not join within start_timeout")
+                raise GroupLost(f"ranks {waiting} did not join within start_timeout")
             self._listener.settimeout(min(left, 1.0))
             try:
                 # _accept: the socket module's accept() would wrap the new connection in
                 # gevent's socket class; keep it a plain OS socket like the listener.
                 fd, _ = self._listener._accept()
-            except TimeoutError:
+            except (TimeoutError, OSError):
                 continue
             sock = os_socket_class()(fileno=fd)
-            conn = Connection(sock)
-            try:
-                hello = conn.recv_json(timeout=10.0)
-            except (ChannelClosed, TimeoutError, ValueError):
-                conn.close()
-                continue
-            peer = waiting.get(int(hello.get("rank", -1)))
-            if peer is None or hello.get("token") != self._token:
-                conn.close()
-                continue
-            peer.conn, peer.remote_pid = conn, int(hello.get("pid", 0)) or None
-            _keepalive(sock)
-            del waiting[peer.rank]
+            with self._lock:
+                oldest = (
+                    self._handshakes.pop(0) if len(self._handshakes) >= MAX_HANDSHAKES else None
+                )
+                self._handshakes.append(sock)
+            if oldest is not None:
+                _shut(oldest)  # its thread's read ends now
+            start_os_thread(partial(self._shake_hands, sock), name="pipeserve-shard-hello")
+
+    def _shake_hands(self, sock: Any) -> None:
+        """One connection's handshake; on success it becomes its rank's connection."""
+        conn = Connection(sock, max_frame=REPORT_FRAME)
+        try:
+            joined = self._handshake(conn)
+        except (ChannelClosed, TimeoutError, ProtocolError, OSError) as exc:
+            log.warning("model %s: a control connection was refused: %s", self.name, exc)
+            joined = None
+        finally:
+            with self._lock:
+                if sock in self._handshakes:
+                    self._handshakes.remove(sock)
+        if joined is None:
+            conn.close()
+
+    def _handshake(self, conn: Connection) -> Peer | None:
+        deadline = min(time.monotonic() + HELLO_TIMEOUT, self._deadline)
+        rank, pid, nonce = parse_hello(conn.recv_json(_left(deadline), HELLO_MAX))
+        with self._lock:
+            peer = next((p for p in self.peers if p.rank == rank and p.conn is None), None)
+        if peer is None:
+            return None
+        shake = Handshake(self._token, rank)
+        conn.send_json(shake.challenge(nonce))
+        shake.check_rank(conn.recv_json(_left(deadline), HELLO_MAX))
+        conn.session = shake.session(is_rank0=True)
+        with self._lock:
+            if peer.conn is not None:  # another connection proved itself first
+                return None
+            peer.conn, peer.remote_pid = conn, pid or None
+        _keepalive(conn.sock)
+        return peer
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Every other rank's report once it has loaded its share (or its load error)."""
@@ -399,6 +446,22 @@ def abandon_starting_groups() -> None:
     """Before this process exits: no rank of a placement in progress may outlive it."""
     for group in list(_STARTED):
         group.abandon()
+
+
+def _shut(sock: Any) -> None:
+    import socket
+
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake did not finish in time")
+    return left
 
 
 def settings_line(settings: dict[str, str]) -> bytes:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 SILENCE = 15.0  # seconds past the allowed step or start time before a rank gives up
+HELLO_TIMEOUT = 10.0  # seconds for connecting to rank 0 and the whole handshake
 
 log = logging.getLogger("pipeserve.sharding")
 SETTINGS: dict[str, str] = {}  # PIPESERVE_SHARD_* from stdin
@@ -109,13 +110,18 @@ def main(argv: list[str] | None = None) -> int:
 
     host, port = setting("PIPESERVE_SHARD_CONTROL").rsplit(":", 1)
     sock = os_socket_class()()
+    sock.settimeout(HELLO_TIMEOUT)
     sock.connect((host, int(port)))
     conn = Connection(sock)
     rank = int(os.environ["MLX_RANK"])
     options = json.loads(setting("PIPESERVE_SHARD_OPTIONS")).get("sharding") or {}
     watch = CoordinatorWatch(float(options.get("start_timeout", 300.0)) + SILENCE)
     threading.Thread(target=watch.run, daemon=True, name="coordinator-watch").start()
-    conn.send_json({"rank": rank, "pid": os.getpid(), "token": setting("PIPESERVE_SHARD_TOKEN")})
+    try:
+        shake_hands(conn, rank)
+    except Exception as exc:  # not rank 0, or not in time: nothing more is sent
+        log.error("rank %d: the control channel's handshake failed: %s", rank, exc)
+        return 1
     try:
         return serve_rank(conn, rank, watch)
     except Exception as exc:
@@ -125,6 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 1
+
+
+def shake_hands(conn: object, rank: int) -> None:
+    """Prove this rank holds the group's token and check that rank 0 does (frames.py);
+    from then on every frame on `conn` carries a MAC."""
+    from pipeserve.engine.sharding.control import Connection
+    from pipeserve.engine.sharding.frames import HELLO_MAX, Handshake
+
+    assert isinstance(conn, Connection)
+    shake = Handshake(setting("PIPESERVE_SHARD_TOKEN"), rank)
+    conn.send_json(shake.hello(os.getpid()))
+    conn.send_json(shake.answer_rank0(conn.recv_json(HELLO_TIMEOUT, HELLO_MAX)))
+    conn.session = shake.session(is_rank0=False)
+    conn.sock.settimeout(None)
 
 
 def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
@@ -165,8 +185,8 @@ def serve_rank(conn: object, rank: int, watch: CoordinatorWatch) -> int:
                 break
             watch.heard()
             step += 1
-    except ChannelClosed:
-        log.info("rank %d: rank 0 is gone; exiting", rank)
+    except ChannelClosed as exc:
+        log.info("rank %d: the control channel ended (%s); exiting", rank, exc)
     return 0
 
 
