@@ -45,8 +45,8 @@ def post(port: int, body: bytes, headers: str) -> tuple[int, dict[str, object]]:
     return exchange(port, head + body)
 
 
-def signed(body: bytes) -> str:
-    headers, _ = sign_request(TOKEN, "POST", "/v1/node/ranks", body)
+def signed(body: bytes, port: int) -> str:
+    headers, _ = sign_request(TOKEN, "POST", "/v1/node/ranks", body, target=f"127.0.0.1:{port}")
     return "".join(f"{k}: {v}\r\n" for k, v in headers.items())
 
 
@@ -60,11 +60,11 @@ def test_requests_need_the_token(node: int) -> None:
 
 
 def test_malformed_assignments_are_refused(node: int) -> None:
-    status, body = post(node, b"{}", signed(b"{}") + "Content-Length: two\r\n")
+    status, body = post(node, b"{}", signed(b"{}", node) + "Content-Length: two\r\n")
     assert status == 400 and "Content-Length" in str(body["error"])
-    assert post(node, b"{}", signed(b"{}") + "Content-Length: -1\r\n")[0] == 400
+    assert post(node, b"{}", signed(b"{}", node) + "Content-Length: -1\r\n")[0] == 400
     command = b'{"command": "id"}'
-    status, body = post(node, command, signed(command) + "Content-Length: 17\r\n")
+    status, body = post(node, command, signed(command, node) + "Content-Length: 17\r\n")
     assert status == 400 and "invalid assignment" in str(body["error"])
 
 

@@ -122,23 +122,23 @@ def raw_exchange(address: str, request: bytes) -> tuple[int, bytes, bytes]:
     return int(head.split()[1]), head, body
 
 
-def signed_get(path: str, now: float | None = None) -> tuple[bytes, str]:
-    headers, nonce = sign_request(TOKEN, "GET", path, now=now)
+def signed_get(path: str, now: float | None = None, target: str = "") -> tuple[bytes, str]:
+    headers, nonce = sign_request(TOKEN, "GET", path, now=now, target=target)
     lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     return f"GET {path} HTTP/1.0\r\n{lines}\r\n".encode(), nonce
 
 
 def test_a_replayed_or_stale_request_is_refused(node: str) -> None:
-    request, nonce = signed_get("/v1/node")
+    request, nonce = signed_get("/v1/node", target=node)
     status, head, body = raw_exchange(node, request)
     assert status == 200
     signature = next(line.split(b": ", 1)[1] for line in head.split(b"\r\n")
                      if line.lower().startswith(SIGNATURE_HEADER.lower().encode()))  # fmt: skip
-    assert response_signed(TOKEN, nonce, 200, body, signature.decode())
+    assert response_signed(TOKEN, nonce, 200, body, signature.decode(), node)
     status, head, body = raw_exchange(node, request)  # the same bytes again
     assert status == 401 and "replayed request refused" in json.loads(body)["error"]
     assert SIGNATURE_HEADER.lower().encode() not in head.lower()  # refusals are not signed
-    stale, _ = signed_get("/v1/node", now=time.time() - 3600)
+    stale, _ = signed_get("/v1/node", now=time.time() - 3600, target=node)
     status, _, body = raw_exchange(node, stale)
     assert status == 401 and "off this machine's clock" in json.loads(body)["error"]
 

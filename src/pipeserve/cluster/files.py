@@ -12,6 +12,7 @@ not match is deleted and the assignment fails.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import logging
 import re
@@ -23,9 +24,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeserve.cluster.auth import RequestVerifier
+from pipeserve.cluster.auth import RequestVerifier, endpoint
+from pipeserve.cluster.limits import ConnectionLimits
 from pipeserve.cluster.placement import LAYER_NAME, tensor_sizes
-from pipeserve.cluster.wire import open_download
+from pipeserve.cluster.wire import NodeUnreachable, open_download
 from pipeserve.engine.sharding.load import PARTIAL_MARKER
 from pipeserve.gevent_support import os_socket_class, start_os_thread
 
@@ -33,6 +35,11 @@ log = logging.getLogger("pipeserve.cluster")
 
 SAFE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]*$"
 CHUNK = 1 << 20
+# Connections to the file server before their request is verified (limits.py); a verified
+# transfer may take longer: the deadline is lifted once its request checks.
+FILE_CONNECTIONS = 32
+FILE_CONNECTIONS_PER_ADDRESS = 8
+REQUEST_DEADLINE = 10.0
 _HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
 
 
@@ -132,10 +139,20 @@ def _download(entry: ModelFile, target: Path, source: tuple[str, int], token: st
     digest = hashlib.sha256()
     conn, response = open_download(source[0], source[1], f"/files/{entry.name}", token)
     try:
+        if response.length != entry.size:  # never more than the signed manifest's size
+            raise ValueError(
+                f"{entry.name} from {source[0]}:{source[1]}: {response.length} bytes announced,"
+                f" {entry.size} expected"
+            )
+        left = entry.size
         with open(partial, "wb") as out:
-            while chunk := response.read(CHUNK):
+            while left and (chunk := response.read(min(CHUNK, left))):
                 digest.update(chunk)
                 out.write(chunk)
+                left -= len(chunk)
+    except http.client.HTTPException as exc:  # a broken answer: as a lost connection
+        partial.unlink(missing_ok=True)
+        raise NodeUnreachable(f"{entry.name} from {source[0]}:{source[1]}: {exc!r}") from exc
     finally:
         conn.close()
     if digest.hexdigest() != entry.sha256:
@@ -152,8 +169,12 @@ class FileServer:
     """The serving machine's model files, for signed requests only, while a group starts."""
 
     def __init__(self, ip: str, token: str, model_dir: Path, files: list[ModelFile]) -> None:
+        self.ip = ip
         self.verifier = RequestVerifier(token)
         self.paths = {f.name: model_dir / f.name for f in files}
+        self.limits = ConnectionLimits(FILE_CONNECTIONS, FILE_CONNECTIONS_PER_ADDRESS,
+                                       REQUEST_DEADLINE)  # fmt: skip
+        self.verified = ConnectionLimits(FILE_CONNECTIONS, FILE_CONNECTIONS, float("inf"))
         sock = os_socket_class()()
         sock.bind((ip, 0))
         sock.listen(16)
@@ -170,6 +191,9 @@ class FileServer:
             except OSError:
                 return
             conn = os_socket_class()(fileno=fd)
+            if not self.limits.admit(conn, str(peer[0])):
+                conn.close()
+                continue
             start_os_thread(partial(self._serve, conn, peer), name="pipeserve-cluster-file")
 
     def _serve(self, conn: Any, peer: Any) -> None:
@@ -179,6 +203,8 @@ class FileServer:
         except OSError as exc:
             log.warning("model file transfer to %s failed: %s", peer[0], exc)
         finally:
+            self.limits.release(conn)
+            self.verified.release(conn)
             conn.close()
 
     def close(self) -> None:
@@ -195,7 +221,12 @@ class _FileHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         owner: FileServer = self.server
-        _, problem = owner.verifier.check(self.headers.get("Authorization"), "GET", self.path, b"")
+        local = endpoint(self.connection.getsockname())
+        header = self.headers.get("Authorization")
+        _, problem = owner.verifier.check(header, "GET", self.path, b"", local=local)
+        if problem is None:  # a verified transfer: out of the unverified connections' bounds
+            owner.limits.release(self.connection)
+            owner.verified.admit(self.connection, str(self.client_address[0]))
         if problem is not None:
             log.info("refused a model file request from %s: %s", self.client_address[0], problem)
             self.send_error(401, problem)

@@ -117,6 +117,8 @@ class ClusterRankGroup(RankGroup):
         start_os_thread(self._watch, name=f"pipeserve-shard-watch-{self.name}")
         start_os_thread(lambda: self._heartbeats(token), name=f"pipeserve-node-beat-{self.name}")
         self._accept_all()
+        # Every rank has its files (a rank starts once they are fetched): no more serving.
+        self._files.close()
         return self._join(len(ring))
 
     def _adopt(self, found: ClusterPlan) -> None:
@@ -143,6 +145,7 @@ class ClusterRankGroup(RankGroup):
                 group_nonce=self._group_nonce,
                 options=options,
                 files=files,
+                files_host=self._files.ip if self._files else "",
                 files_port=self._files.port if self._files else 0,
                 layers=share.layers,
                 heartbeat_timeout=NODE_HEARTBEAT_TIMEOUT,

@@ -34,8 +34,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeserve.cluster.auth import TOKEN_ENV, RequestVerifier, group_secret, sign_response
+from pipeserve.cluster.auth import (
+    TOKEN_ENV,
+    RequestVerifier,
+    endpoint,
+    group_secret,
+    sign_response,
+)
 from pipeserve.cluster.files import ModelFile, fetch_model, folder_key
+from pipeserve.cluster.limits import ConnectionLimits
 from pipeserve.cluster.report import machine_report
 from pipeserve.config.models import EngineOptions
 
@@ -43,10 +50,16 @@ log = logging.getLogger("pipeserve.cluster")
 
 PEER_MODULE = "pipeserve.engine.sharding.peer"
 ADDRESS = r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$"
-MAX_BODY = 4 << 20
+IP = r"^[0-9A-Fa-f.:]{2,45}$"
+MAX_BODY = 1 << 20  # an assignment's bytes; GET and DELETE carry none
 # Seconds a connection may stay silent: without a limit every idle connection from
 # anyone on the LAN (no token needed to connect) holds one of the agent's threads forever.
 IDLE_TIMEOUT = 30.0
+# Before a request is authenticated, nobody may hold more than this (limits.py): one
+# request per connection (HTTP/1.0), answered within CONNECTION_DEADLINE seconds in all.
+MAX_CONNECTIONS = 64
+MAX_PER_ADDRESS = 16
+CONNECTION_DEADLINE = 10.0
 STOP_GRACE = 3.0
 REAP_INTERVAL = 0.5
 
@@ -63,6 +76,9 @@ class Assignment(BaseModel):
     group_nonce: str = Field(pattern=r"^[0-9a-f]{32}$")  # the group's secret: group_secret()
     options: EngineOptions
     files: list[ModelFile] = Field(min_length=1)
+    # Where the model files are fetched from: inside the signed assignment, never the
+    # address the request came from (a relay's).
+    files_host: str = Field(pattern=IP)
     files_port: int = Field(ge=1, le=65535)
     layers: tuple[int, int] | None = None
     heartbeat_timeout: float = Field(15.0, gt=0, le=3600)
@@ -150,7 +166,7 @@ class NodeAgent:
                 folder,
                 assignment.files,
                 assignment.layers,
-                (job.source_ip, assignment.files_port),
+                (assignment.files_host, assignment.files_port),
                 self.token,
             )
         except (OSError, ValueError, RuntimeError) as exc:
@@ -299,10 +315,15 @@ class NodeHandler(BaseHTTPRequestHandler):
         if length > MAX_BODY:
             self._answer(413, {"error": "request too large"})
             return False
+        if length and self.command != "POST":
+            self._answer(413, {"error": f"a {self.command} request carries no body"})
+            return False
         self._body = self.rfile.read(length)
+        self._local = endpoint(self.connection.getsockname())
         nonce, problem = self.agent.verifier.check(
-            self.headers.get("Authorization"), self.command, self.path, self._body
-        )
+            self.headers.get("Authorization"), self.command, self.path, self._body,
+            local=self._local,
+        )  # fmt: skip
         if nonce is None:
             log.info("refused %s %s from %s: %s", self.command, self.path,
                      self.client_address[0], problem)  # fmt: skip
@@ -319,7 +340,8 @@ class NodeHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         nonce = getattr(self, "_nonce", None)
         if nonce is not None:
-            for name, value in sign_response(self.agent.token, nonce, status, data).items():
+            signed = sign_response(self.agent.token, nonce, status, data, self._local)
+            for name, value in signed.items():
                 self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
@@ -329,7 +351,21 @@ class NodeHandler(BaseHTTPRequestHandler):
 
 
 class NodeServer(ThreadingHTTPServer):
+    """One thread per connection, within ConnectionLimits (limits.py)."""
+
     daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = ConnectionLimits(MAX_CONNECTIONS, MAX_PER_ADDRESS, CONNECTION_DEADLINE)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.limits.admit(request, str(client_address[0]))
+
+    def shutdown_request(self, request: Any) -> None:
+        self.limits.release(request)
+        super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A peer that went away is a debug line: anyone on the LAN may connect and leave

@@ -2,14 +2,19 @@
 requests signed with the token, answers whose signature is checked), place the model. Used by rank 0 at load and by `pipeserve validate --explain`.
 
 A node that does not answer or refuses is left out and said so (`skipped`): the model
-is placed on the machines that are there, if it fits on them.
+is placed on the machines that are there, if it fits on them. The nodes are asked at
+once, each call within ASK_TIMEOUT seconds in all, so one slow or trickling peer delays
+placement by ASK_TIMEOUT at most, never by the number of nodes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
+import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +26,11 @@ from pipeserve.cluster.wire import NodeRefused, NodeUnreachable, NodeUntrusted, 
 from pipeserve.config.memory import parse_size
 from pipeserve.config.models import ShardingOptions
 from pipeserve.errors import PlacementError
+from pipeserve.gevent_support import os_simple_queue, start_os_thread
 
 log = logging.getLogger("pipeserve.cluster")
 THIS_MACHINE = "this machine"
+ASK_TIMEOUT = 5.0  # seconds for one node's report, all bytes of it
 
 
 @dataclass
@@ -45,21 +52,47 @@ def node_addresses(sharding: ShardingOptions) -> list[str]:
 def ask_nodes(
     addresses: list[str], token: str, cluster: str | None
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
-    """(address, report) of every node that answers; why the others are left out."""
+    """(address, report) of every node that answers, in the order given; why the others
+    are left out (the caller says so once: a log line, or validate's plan)."""
+    answers = _ask_all(addresses, token)
     nodes, skipped = [], []
     for address in addresses:
-        try:
-            report = call(address, "GET", "/v1/node", token, timeout=5.0)
-        except (NodeUnreachable, NodeRefused) as exc:
-            if isinstance(exc, NodeUntrusted):
-                log.warning("left out %s", exc)
-            skipped.append(str(exc))
+        report = answers.get(address)
+        if not isinstance(report, dict):
+            skipped.append(str(report or f"node {address}: no answer within {ASK_TIMEOUT:g} s"))
             continue
         if cluster is not None and report.get("cluster") != cluster:
             skipped.append(f"node {address}: in cluster {report.get('cluster')!r}, not {cluster!r}")
             continue
         nodes.append((address, report))
     return nodes, skipped
+
+
+def _ask_all(addresses: list[str], token: str) -> dict[str, Any]:
+    """Each node's report (or the exception that says why not), asked in parallel on OS
+    threads (the caller may be a gevent worker's engine thread) under one deadline."""
+    results = os_simple_queue()
+
+    def ask(address: str) -> None:
+        try:
+            results.put((address, call(address, "GET", "/v1/node", token, timeout=ASK_TIMEOUT)))
+        except (NodeUnreachable, NodeRefused, NodeUntrusted) as exc:
+            results.put((address, exc))
+
+    for address in dict.fromkeys(addresses):
+        start_os_thread(partial(ask, address), name="pipeserve-ask-node")
+    answers: dict[str, Any] = {}
+    deadline = time.monotonic() + ASK_TIMEOUT + 1.0
+    while len(answers) < len(set(addresses)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            address, answer = results.get(timeout=left)
+        except queue.Empty:  # the deadline passed
+            break
+        answers[address] = answer
+    return answers
 
 
 def plan_cluster(model_dir: Path, sharding: ShardingOptions) -> ClusterPlan:
