@@ -102,13 +102,14 @@ def discover(cluster: str, timeout: float) -> list[str]:
 
 def browse_in_child(cluster: str, timeout: float) -> list[str]:
     """browse() in a child process (safe from a gevent worker's OS thread)."""
+    from pipeserve.child_env import child_environment
     from pipeserve.gevent_support import unpatched_os as _unpatched_os
 
     with tempfile.TemporaryFile() as out:
         argv = [sys.executable, "-m", __name__, "--cluster", cluster, "--timeout", str(timeout)]
         redirect = [(os.POSIX_SPAWN_DUP2, out.fileno(), 1), (os.POSIX_SPAWN_DUP2, out.fileno(), 2)]
         spawn = _unpatched_os("posix_spawn")
-        pid = spawn(sys.executable, argv, dict(os.environ), file_actions=redirect)
+        pid = spawn(sys.executable, argv, child_environment(), file_actions=redirect)
         _, status = _unpatched_os("waitpid")(pid, 0)
         out.seek(0)
         text = out.read().decode(errors="replace")

@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeserve.child_env import child_environment
 from pipeserve.cluster.auth import (
-    TOKEN_ENV,
     RequestVerifier,
     endpoint,
     group_secret,
@@ -193,7 +193,7 @@ class NodeAgent:
         log.info("assignment %s: rank %d started, pid %d", job.id, assignment.rank, job.process.pid)
 
     def _rank_env(self, assignment: Assignment) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env = child_environment()  # never the cluster token (nor the API keys)
         env.pop("MLX_HOSTFILE", None)
         env.update(MLX_RANK=str(assignment.rank), PIPESERVE_SHARD_PARENT=str(os.getpid()))
         return env

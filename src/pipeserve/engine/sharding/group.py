@@ -39,6 +39,7 @@ from pathlib import Path
 from socket import SO_REUSEADDR, SOL_SOCKET
 from typing import Any
 
+from pipeserve.child_env import child_environment
 from pipeserve.config.models import EngineOptions, ShardingOptions
 from pipeserve.engine.sharding.control import (
     REPORT_FRAME,
@@ -186,12 +187,10 @@ class RankGroup:
         read_end, write_end = os.pipe()
         try:
             if host is None:
-                env = {
-                    **os.environ,
-                    "MLX_RANK": str(rank),
-                    "PIPESERVE_SHARD_PARENT": str(os.getpid()),
-                }
-                env["MLX_HOSTFILE"] = self._ring_file or ""
+                env = child_environment(
+                    {"MLX_RANK": str(rank), "PIPESERVE_SHARD_PARENT": str(os.getpid()),
+                     "MLX_HOSTFILE": self._ring_file or ""}
+                )  # fmt: skip
                 argv = [sys.executable, "-m", PEER_MODULE, *labels]
                 pid = spawn(sys.executable, argv, env, stdin=read_end)
             else:
@@ -219,7 +218,7 @@ class RankGroup:
         python = shlex.quote(sys.executable)
         command = f"cd {shlex.quote(os.getcwd())} && exec env {env} {python} -m {PEER_MODULE} {shlex.join(labels)}"
         argv = [ssh, "-T", *SSH_OPTIONS, host, command]
-        return spawn(ssh, argv, dict(os.environ), stdin=stdin)
+        return spawn(ssh, argv, child_environment(), stdin=stdin)
 
     def _accept_all(self) -> None:
         """Each rank connects and proves it holds the group's token (frames.Handshake)
@@ -503,7 +502,7 @@ def _kill_remote(host: str, pid: int) -> None:
         return
     once = shlex.join([ssh, *SSH_OPTIONS, host, f"kill -9 {pid} 2>/dev/null; true"])
     script = f"for i in $(seq {REMOTE_KILL_TRIES}); do {once} && exit 0; sleep 3; done"
-    spawn("/bin/sh", ["/bin/sh", "-c", script], dict(os.environ))
+    spawn("/bin/sh", ["/bin/sh", "-c", script], child_environment())
 
 
 def remote_environment() -> dict[str, str]:

@@ -1,6 +1,14 @@
 """What the console's Config view shows: the YAML the server runs, with API keys and
-the response store's database password redacted, and the outcome of the last reload (written by the gunicorn master, which
-validates reloads, into a file beside its config snapshot; read by the workers)."""
+the response store's database secrets redacted, and the outcome of the last reload
+(written by the gunicorn master, which validates reloads, into a file beside its config
+snapshot; read by the workers).
+
+Redaction goes by position in the parsed YAML (`secret_spans`): the text of every
+`server.api_keys` entry's key, however it is written (quoted, escaped, in a flow
+mapping, through an anchor), and the secret parts of `server.responses_store.url`
+(the URL's password, and libpq's `password` / `sslpassword` parameters, in a URL's
+query or a `key=value` connection string). Then, belt and braces, every secret's value
+wherever else it appears (a comment)."""
 
 from __future__ import annotations
 
@@ -11,11 +19,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
+
+import yaml
 
 from pipeserve.config.models import ServerConfig
 
 REDACTED = "<redacted>"
+LIBPQ_SECRETS = frozenset({"password", "sslpassword"})  # libpq parameters that are secrets
 
 
 @dataclass(frozen=True)
@@ -29,23 +40,82 @@ class ConfigSource:
 
 
 def redact_secrets(text: str, config: ServerConfig) -> str:
-    """The text with every configured API key and the store's password replaced."""
+    """The text with every configured API key and the store's secrets replaced."""
+    for start, end, replacement in sorted(secret_spans(text), reverse=True):
+        text = text[:start] + replacement + text[end:]
     keys = [entry.key.get_secret_value() for entry in config.server.api_keys]
     for secret in sorted([*keys, *store_passwords(config)], key=len, reverse=True):
         text = text.replace(secret, REDACTED)
     return "\n".join(_redact_key_lines(text.split("\n"), config))
 
 
+def secret_spans(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, replacement) of each secret scalar in the YAML text, by its place in
+    the document (see the module doc); none when the text does not parse."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return []
+    server = _child(root, "server")
+    spans: dict[tuple[int, int], str] = {}
+    keys = _child(server, "api_keys")
+    for entry in keys.value if isinstance(keys, yaml.SequenceNode) else []:
+        node = entry if isinstance(entry, yaml.ScalarNode) else _child(entry, "key")
+        if isinstance(node, yaml.ScalarNode):
+            spans[_span(node)] = REDACTED
+    url = _child(_child(server, "responses_store"), "url")
+    if isinstance(url, yaml.ScalarNode) and str(url.value) != redact_url(str(url.value)):
+        spans[_span(url)] = "'" + redact_url(str(url.value)).replace("'", "''") + "'"
+    return [(start, end, replacement) for (start, end), replacement in spans.items()]
+
+
+def _child(node: Any, key: str) -> Any:
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    return next(
+        (v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None
+    )
+
+
+def _span(node: yaml.Node) -> tuple[int, int]:
+    return node.start_mark.index, node.end_mark.index
+
+
+def redact_url(url: str) -> str:
+    """A libpq URL or `key=value` connection string with its secrets replaced."""
+    if "://" not in url:
+        return " ".join(_redact_pair(pair) for pair in url.split(" "))
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:{REDACTED}@{host}"
+    query = "&".join(_redact_pair(pair) for pair in parts.query.split("&")) if parts.query else ""
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def _redact_pair(pair: str) -> str:
+    key, eq, _ = pair.partition("=")
+    return f"{key}={REDACTED}" if eq and unquote(key).strip().lower() in LIBPQ_SECRETS else pair
+
+
 def store_passwords(config: ServerConfig) -> list[str]:
-    """The password of a PostgreSQL `responses_store.url` (`user:pw@` or `?password=`),
-    as written in the URL (the docs advise PGPASSWORD, but a URL may still carry one)."""
+    """The secrets of a PostgreSQL `responses_store.url` (`user:pw@`, and libpq's secret
+    parameters, `?password=`, `?sslpassword=`, or `password=...` in a connection string),
+    as written (the docs advise PGPASSWORD, but a URL may still carry one)."""
     store = config.server.responses_store
     url = store.url if store else None
     if not url:
         return []
-    parts = urlsplit(url)
-    query = [v for k, _, v in (p.partition("=") for p in parts.query.split("&")) if k == "password"]
-    return [pw for pw in [parts.password, *query] if pw]
+    if "://" not in url:
+        pairs, password = url.split(" "), None
+    else:
+        parts = urlsplit(url)
+        pairs, password = parts.query.split("&"), parts.password
+    found = [
+        v for k, _, v in (p.partition("=") for p in pairs) if unquote(k).lower() in LIBPQ_SECRETS
+    ]
+    return [pw for pw in [password, *found] if pw]
 
 
 def _redact_key_lines(lines: list[str], config: ServerConfig) -> Iterable[str]:
