@@ -388,3 +388,28 @@ def test_endpoint_names_addresses_as_signatures_do() -> None:
     assert endpoint(("127.0.0.1", 80)) == "127.0.0.1:80"
     assert endpoint(("::ffff:10.0.0.2", 7337, 0, 0)) == "10.0.0.2:7337"
     assert endpoint(("fe80::1%eth0", 7337, 0, 2)) == "[fe80::1]:7337"
+
+
+# ---------------------------------------------------------------- messages (item 8)
+
+
+def test_stopping_a_rank_answers_before_the_grace_period(node: tuple[str, NodeAgent]) -> None:
+    """Before: the node answered a DELETE only after the rank's up to 3 s of grace, and
+    rank 0 (waiting 2 s) logged "could not stop rank 1: timed out" for a reachable node."""
+    import subprocess
+
+    from pipeserve.cluster.node import Assignment, RankJob
+
+    address, agent = node
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 30"])
+    job = RankJob("job1", Assignment.model_construct(rank=1, model="m"), "127.0.0.1", state="running",
+                  process=stubborn)  # fmt: skip
+    agent.jobs[job.id] = job
+    time.sleep(0.2)  # the shell has set its trap
+    try:
+        answer = call(address, "DELETE", "/v1/node/ranks/job1", TOKEN, timeout=2.0)
+        assert answer["state"] == "stopped"
+        assert stubborn.wait(timeout=15) != 0  # killed after its grace, on its own thread
+    finally:
+        stubborn.kill()
+        stubborn.wait()

@@ -153,7 +153,7 @@ class NodeAgent:
         with self.lock:
             job = self.jobs.get(job_id)
         if job is not None:
-            self._stop_job(job, why)
+            self._stop_job(job, why, wait=False)
         return job
 
     # -- ranks ------------------------------------------------------------------------
@@ -207,7 +207,10 @@ class NodeAgent:
                 job.state, job.detail = "exited", f"exit code {code}"
                 log.info("assignment %s: rank %d exited (%d)", job.id, job.assignment.rank, code)
 
-    def _stop_job(self, job: RankJob, why: str) -> None:
+    def _stop_job(self, job: RankJob, why: str, wait: bool = True) -> None:
+        """Mark the job stopped and SIGTERM its rank (SIGKILL after STOP_GRACE); with
+        `wait` False (an API call) the grace runs on a thread of its own, so the answer
+        comes at once rather than after up to STOP_GRACE seconds."""
         with self.lock:
             was = job.state
             if was in ("fetching", "running"):
@@ -217,11 +220,10 @@ class NodeAgent:
             return
         log.info("assignment %s: stopping rank %d: %s", job.id, job.assignment.rank, why)
         process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(STOP_GRACE)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if not wait:
+            threading.Thread(target=_end, args=(process,), daemon=True).start()
+            return
+        _end(process)
 
     def reap_forever(self) -> None:
         """Stop ranks whose serving machine stopped sending heartbeats; forget old jobs."""
@@ -248,6 +250,14 @@ class NodeAgent:
             jobs = list(self.jobs.values())
         for job in jobs:
             self._stop_job(job, "the node is stopping")
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    try:
+        process.wait(STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def free_port() -> int:

@@ -420,6 +420,8 @@ class RankGroup:
                 return
             self._phase = "stopped"
             self._lost = True  # remote ranks are killed over ssh too
+        if not self.peers:  # registered, never started a rank: nothing to stop or say
+            return
         log.info("model %s: stopping a placement in progress", self.name)
         self._kill_all()
         for peer in self.peers:
