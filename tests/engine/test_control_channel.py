@@ -68,6 +68,16 @@ def test_every_message_round_trips_field_for_field() -> None:
         assert decode_message(encode_message(message)) == message
 
 
+def test_large_and_odd_values_a_request_may_carry_round_trip() -> None:
+    """Whatever passes the HTTP API must pass here too, or one request would break the
+    group: long stop strings and completions, big numbers, infinities."""
+    sampling = SamplingParams(temperature=float("inf"), logit_bias={-1: -1e300}, seed=2**63)
+    job = GenerationJob("r" * 5000, list(range(100_000)), sampling, 2**40,
+                        stop_strings=("x" * 200_000,), mock_completion="y" * 1_000_000)  # fmt: skip
+    message = ("step", 1, [("submit", 1, job, ("g" * 100_000, "", False), 0)])
+    assert decode_message(encode_message(message)) == message
+
+
 def test_a_pickle_payload_is_rejected_and_never_executed(tmp_path: Path) -> None:
     """The frame that ran code on a rank before (pickle.loads of every frame from the
     control address): now it is not JSON, the connection ends, and the code never ran."""

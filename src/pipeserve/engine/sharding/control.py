@@ -29,7 +29,7 @@ from pipeserve.engine.sharding.frames import (
 from pipeserve.gevent_support import os_lock
 
 _LENGTH = struct.Struct("!I")
-MAX_FRAME = 64 << 20  # rank 0's frames to a rank (a step's batch log with its prompts)
+MAX_FRAME = 256 << 20  # rank 0's frames to a rank (a step's batch log with its prompts)
 REPORT_FRAME = 1 << 20  # a rank's frames to rank 0 (hello, its load report, an error)
 
 
@@ -95,7 +95,7 @@ class Connection:
         return b"".join(chunks)
 
     def send_json(self, data: dict[str, Any]) -> None:
-        self.send_bytes(json.dumps(data, allow_nan=False).encode())
+        self.send_bytes(json.dumps(data).encode())
 
     def recv_json(self, timeout: float | None = None, limit: int | None = None) -> dict[str, Any]:
         try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import secrets
 import struct
 from dataclasses import dataclass
@@ -35,6 +34,9 @@ VERSION = 1
 MAC_SIZE = 32
 NONCE_BYTES = 16
 HELLO_MAX = 1024  # bytes of a handshake frame: anything longer is refused unread
+# Strings (a grammar, stop strings, a mock completion) are bounded by the frame's size
+# only: whatever the HTTP API accepts must pass, or one request would break the group.
+TEXT = 1 << 30
 _SEQ = struct.Struct("!Q")
 
 
@@ -144,7 +146,7 @@ def encode_message(message: tuple[Any, ...]) -> bytes:
         body["changes"] = [_encode_change(change) for change in message[2]]
     elif kind not in ("ping", "close"):
         raise ProtocolError(f"no frame for control message {kind!r}")
-    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def decode_message(data: bytes) -> tuple[Any, ...]:
@@ -165,7 +167,7 @@ def decode_message(data: bytes) -> tuple[Any, ...]:
 
 def decode_object(data: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(data, parse_constant=_no_constant)
+        body = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"a control frame that is not JSON ({str(exc)[:80]})") from None
     if not isinstance(body, dict):
@@ -195,7 +197,7 @@ def _decode_change(raw: Any) -> tuple[Any, ...]:
             items = _list(spec, "spec")
             if len(items) != 3:
                 raise ProtocolError("spec: expected [grammar, forced, optional]")
-            spec = (_text(items[0], 1 << 24), _text(items[1], 1 << 20), _bool(items[2]))
+            spec = (_text(items[0], TEXT), _text(items[1], TEXT), _bool(items[2]))
         cached = change.get("cached")
         return ("submit", _int(change.get("key"), 0, 1 << 62), _decode_job(change.get("job")),
                 spec, None if cached is None else _int(cached, 0, 1 << 40))  # fmt: skip
@@ -245,38 +247,32 @@ def _encode_job(job: GenerationJob) -> dict[str, Any]:
 def _decode_job(raw: Any) -> GenerationJob:
     job = _dict(raw, "job")
     s = _dict(job.get("sampling"), "sampling")
-    bias = {_int(_pair(p)[0], 0, 1 << 31): _float(_pair(p)[1]) for p in _list(s.get("logit_bias"), "logit_bias")}  # fmt: skip
+    bias = {_int(_pair(p)[0], -(1 << 63), 1 << 63): _float(_pair(p)[1]) for p in _list(s.get("logit_bias"), "logit_bias")}  # fmt: skip
     seed = s.get("seed")
     sampling = SamplingParams(
         **{name: _float(s.get(name)) for name in _FLOATS},
-        top_k=_int(s.get("top_k"), -(1 << 31), 1 << 31),
+        top_k=_int(s.get("top_k"), -(1 << 63), 1 << 63),
         logit_bias=bias,
         seed=None if seed is None else _int(seed, -(1 << 63), 1 << 64),
         unset=frozenset(_text(n, 64) for n in _list(s.get("unset"), "unset")),
     )
     mock, keepalive, prediction = job.get("mock_completion"), job.get("keepalive_interval"), job.get("prediction")  # fmt: skip
     return GenerationJob(
-        request_id=_text(job.get("request_id"), 256),
+        request_id=_text(job.get("request_id"), TEXT),
         prompt_token_ids=_tokens(job.get("prompt")),
         sampling=sampling,
-        max_tokens=_int(job.get("max_tokens"), 0, 1 << 31),
+        max_tokens=_int(job.get("max_tokens"), 0, 1 << 62),
         stop_token_ids=frozenset(_tokens(job.get("stop_token_ids"))),
         logprobs=_bool(job.get("logprobs")),
-        top_logprobs=_int(job.get("top_logprobs"), 0, 1 << 10),
-        mock_completion=None if mock is None else _text(mock, 1 << 24),
+        top_logprobs=_int(job.get("top_logprobs"), 0, 1 << 31),
+        mock_completion=None if mock is None else _text(mock, TEXT),
         keepalive_interval=None if keepalive is None else _float(keepalive),
-        stop_strings=tuple(
-            _text(t, 1 << 16) for t in _list(job.get("stop_strings"), "stop_strings")
-        ),
+        stop_strings=tuple(_text(t, TEXT) for t in _list(job.get("stop_strings"), "stop_strings")),
         prediction_token_ids=None if prediction is None else _tokens(prediction),
     )
 
 
 # ---------------------------------------------------------------- typed fields
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _int(value: Any, low: int, high: int) -> int:
@@ -286,7 +282,7 @@ def _int(value: Any, low: int, high: int) -> int:
 
 
 def _float(value: Any) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if type(value) not in (int, float):  # (NaN and infinities pass, as Python wrote them)
         raise ProtocolError(f"expected a number, got {str(value)[:40]!r}")
     return float(value)
 
@@ -329,7 +325,7 @@ def _pair(value: Any) -> list[Any]:
 
 
 def _tokens(value: Any) -> list[int]:
-    return [_int(t, 0, 1 << 31) for t in _list(value, "token ids")]
+    return [_int(t, -(1 << 63), 1 << 63) for t in _list(value, "token ids")]
 
 
 __all__ = [
