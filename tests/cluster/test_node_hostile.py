@@ -413,3 +413,24 @@ def test_stopping_a_rank_answers_before_the_grace_period(node: tuple[str, NodeAg
     finally:
         stubborn.kill()
         stubborn.wait()
+
+
+def test_two_addresses_of_one_node_are_one_node(tmp_path: Path) -> None:
+    """A node's signed report carries its stable id: listed twice (two of its addresses),
+    it is placed once."""
+    from pipeserve.cluster.planning import ask_nodes
+
+    agent = NodeAgent(TOKEN, "default", None, tmp_path)
+    server = NodeServer(("0.0.0.0", 0), type("Handler", (NodeHandler,), {"agent": agent}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        nodes, skipped = ask_nodes([f"127.0.0.1:{port}", f"127.0.0.2:{port}"], TOKEN, None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [a for a, _ in nodes] == [f"127.0.0.1:{port}"]
+    assert skipped == [
+        f"node 127.0.0.2:{port}: the same node as 127.0.0.1:{port} (one rank per node)"
+    ]
+    assert NodeAgent(TOKEN, "default", None, tmp_path).node_id == agent.node_id  # kept

@@ -116,6 +116,7 @@ class NodeAgent:
         self.cluster = cluster
         self.memory = memory
         self.models = models
+        self.node_id = node_id(models)
         self.jobs: dict[str, RankJob] = {}
         self.lock = threading.Lock()
         self.closing = False
@@ -127,6 +128,7 @@ class NodeAgent:
             ranks = [job.view() for job in self.jobs.values()]
         return {
             "cluster": self.cluster,
+            "node_id": self.node_id,
             **machine_report(self.memory),
             "ring_port": free_port(),
             "ranks": ranks,
@@ -250,6 +252,25 @@ class NodeAgent:
             jobs = list(self.jobs.values())
         for job in jobs:
             self._stop_job(job, "the node is stopping")
+
+
+def node_id(models: Path) -> str:
+    """This node's stable id (made once, kept beside its model files): two addresses of
+    one machine are one node, so placement never puts two ranks on it by accident."""
+    path = models / "node-id"
+    try:
+        found = path.read_text().strip()
+    except OSError:
+        found = ""
+    if len(found) == 32 and all(c in "0123456789abcdef" for c in found):
+        return found
+    made = secrets.token_hex(16)
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        path.write_text(made + "\n")
+    except OSError as exc:
+        log.warning("cannot keep this node's id in %s (%s): a new one each start", path, exc)
+    return made
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:

@@ -56,10 +56,15 @@ def ask_nodes(
     are left out (the caller says so once: a log line, or validate's plan)."""
     answers = _ask_all(addresses, token)
     nodes, skipped = [], []
+    seen: dict[str, str] = {}  # node id -> the address it answered at first
     for address in addresses:
         report = answers.get(address)
         if not isinstance(report, dict):
             skipped.append(str(report or f"node {address}: no answer within {ASK_TIMEOUT:g} s"))
+            continue
+        same = seen.setdefault(str(report.get("node_id", address)), address)
+        if same != address:
+            skipped.append(f"node {address}: the same node as {same} (one rank per node)")
             continue
         if cluster is not None and report.get("cluster") != cluster:
             skipped.append(f"node {address}: in cluster {report.get('cluster')!r}, not {cluster!r}")
