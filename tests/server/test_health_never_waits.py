@@ -31,3 +31,62 @@ def test_status_connects_by_itself_when_no_request_is_connecting(tmp_path: Path)
     client = HostClient(tmp_path / "engine-host.sock")
     assert client.status() is None
     assert "not running" in client.down_reason
+
+
+SILENT_HOST = r"""
+from gevent import monkey
+
+monkey.patch_all()
+import json, socket, sys, time
+
+import gevent
+
+from pipeserve.server.remote import client as client_module
+from pipeserve.server.remote.client import HostClient
+from pipeserve.server.remote.wire import frames, send_frame
+
+client_module.STATUS_STALE = 0.5
+path = sys.argv[1]
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(1)
+answers = {"left": 1}
+
+
+def host() -> None:
+    conn, _ = server.accept()
+    for message in frames(conn.makefile("rb")):
+        if message[0] == "status" and answers["left"]:
+            answers["left"] -= 1
+            send_frame(conn, ("batch", [(message[1], {"models": {}, "fleet": None})], []))
+    gevent.sleep(60)  # then silent, the connection open: a host that hangs
+
+
+gevent.spawn(host)
+client = HostClient(path, status_wait=2.0)
+polls = []
+for _ in range(12):
+    started = time.monotonic()
+    answer = client.status()
+    polls.append([round(time.monotonic() - started, 3), answer is not None])
+    gevent.sleep(0.15)
+print(json.dumps(polls))
+"""
+
+
+def test_a_host_that_stops_answering_is_waited_for_once_not_at_every_poll(
+    tmp_path: Path,
+) -> None:
+    """The first answer is used for STATUS_STALE seconds while the host is silent (no
+    wait); then status_wait is spent once, and later polls answer "down" at once."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SILENT_HOST, str(tmp_path / "h.sock")],
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    polls = json.loads(out.stdout.strip().splitlines()[-1])
+    answered = [ok for _, ok in polls]
+    assert answered[:3] == [True, True, True] and answered[-3:] == [False, False, False]
+    waits = [took for took, _ in polls if took > 1.0]
+    assert len(waits) <= 1, polls  # the silent host's status_wait, spent once

@@ -306,6 +306,7 @@ def test_health_answers_at_once_while_requests_wait_for_a_cut_node(
     finally:
         m2.restore()
         stop.set()
+    print("health polls (seconds, status):", polls)
     assert any(status == 503 for _, status in polls), polls  # the loss was seen
     assert max(took for took, _ in polls) < 0.5, polls
     wait_for_ranks(base, 2, timeout=180)  # placed again over m1 and m2

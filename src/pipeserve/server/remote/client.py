@@ -7,9 +7,13 @@ abandoned stream and the event contract are the same). A submit waits for the ho
 answer (accepted, or the engine's own rejection: 429 / 503 before any byte is sent).
 When the connection breaks (the host died), every request in flight ends with an
 in-protocol error event, Finish("error") and Usage; the next request reconnects to
-the restarted host, waiting up to CONNECT_WAIT seconds for it. A status question
-(/health, /v1/models, /metrics) never waits for that: it makes one attempt of its own when
-no request is connecting, else answers "down" at once.
+the restarted host, waiting up to CONNECT_WAIT seconds for it.
+
+A status question (/health, /v1/models, /metrics) never waits for that: it makes one
+attempt of its own when no request is connecting, else answers "down" at once. Nor does
+it wait for a slow host: while a new answer is on its way, the last one (at most
+STATUS_STALE seconds old) is used; only without any recent answer does it wait, at most
+`status_wait` seconds.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ log = logging.getLogger("pipeserve.enginehost")
 CONNECT_WAIT = 10.0  # seconds a request waits for a (restarting) host to accept it
 CONNECT_RETRY = 0.2
 STATUS_TTL = 0.1  # seconds a status answer is reused (one /metrics or /health answer)
+STATUS_STALE = 2.0  # seconds the last answer stands in while a newer one is on its way
 STATUS_WAIT = 5.0
 SUBMIT_WAIT = 600.0  # a submit may wait for a reload or a grammar compilation
 
@@ -83,6 +88,8 @@ class HostClient:
         self._send_lock = gevent.lock.Semaphore()
         self._connect_lock = gevent.lock.Semaphore()
         self._status: tuple[float, dict[str, Any] | None] | None = None
+        self._status_question: gevent.event.AsyncResult | None = None  # in flight
+        self._status_asked_at = 0.0
 
     # -- requests -------------------------------------------------------------------
 
@@ -112,20 +119,57 @@ class HostClient:
 
     def status(self) -> dict[str, Any] | None:
         """{"models": health, residency and stats by model key, "fleet": FleetView}; None
-        when the host cannot be reached (self.down_reason says why)."""
+        when the host cannot be reached (self.down_reason says why). See the module doc:
+        it waits neither for a request's connect nor, with a recent answer, for the host."""
         cached = self._status
-        if cached is not None and time.monotonic() - cached[0] < STATUS_TTL:
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < STATUS_TTL:
             return cached[1]
+        question = self._ask_status()
+        if question is None:
+            self._status = (now, None)
+            return None
+        if cached is not None and cached[1] is not None and now - cached[0] < STATUS_STALE:
+            return cached[1]  # the last answer, while the new one is on its way
+        left = self._status_asked_at + self.status_wait - now  # waited for once, not per poll
+        try:
+            answer: dict[str, Any] = question.get(timeout=max(0.0, left))
+        except gevent.Timeout:
+            self.down_reason = f"the engine host did not answer within {self.status_wait:g} s"
+            self._status = (time.monotonic(), None)
+            return None
+        except ApiError:
+            self._status = (time.monotonic(), None)
+            return None
+        return answer
+
+    def _ask_status(self) -> gevent.event.AsyncResult | None:
+        """The status question in flight, sent now unless one is; None: no connection."""
+        question = self._status_question
+        if question is not None and not question.ready():
+            return question
         try:
             sock = self._connect_now()
-            key = next(self._keys)
-            answer: dict[str, Any] = self._ask(sock, key, ("status", key), self.status_wait)
         except ApiError:
-            self._status = (time.monotonic(), None)  # one wait per /health, not per question
             return None
-        self.down_reason = ""
-        self._status = (time.monotonic(), answer)
-        return answer
+        key = next(self._keys)
+        question = gevent.event.AsyncResult()
+        self._replies[key] = question
+        question.rawlink(lambda done: self._status_answered(key, done))
+        self._status_question = question
+        self._status_asked_at = time.monotonic()
+        try:
+            self._send(sock, ("status", key))
+        except ApiError:
+            self._replies.pop(key, None)
+            return None
+        return question
+
+    def _status_answered(self, key: int, done: gevent.event.AsyncResult) -> None:
+        self._replies.pop(key, None)
+        if done.successful():
+            self.down_reason = ""
+            self._status = (time.monotonic(), done.value)
 
     def _ask(self, sock: socket.socket, key: int, message: Any, timeout: float) -> Any:
         result = gevent.event.AsyncResult()
@@ -234,7 +278,7 @@ class HostClient:
         if self._sock is not sock:
             return  # already handled
         self._sock = None
-        self._status = None
+        self._status = None  # no stale answer stands in for a host that is gone
         self.down_reason = reason
         log.error("engine host: %s; failing %d requests in flight", reason, len(self._jobs))
         try:
