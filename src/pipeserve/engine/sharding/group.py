@@ -121,6 +121,7 @@ class RankGroup:
         self._ring_file: str | None = None
         self._listener: Any = None
         self._handshakes: list[Any] = []  # sockets in their handshake now, oldest first
+        self._refused = 0  # control connections refused so far
         self._deadline = time.monotonic() + self.sharding.start_timeout
         _STARTED.append(self)
 
@@ -260,7 +261,9 @@ class RankGroup:
         try:
             joined = self._handshake(conn)
         except (ChannelClosed, TimeoutError, ProtocolError, OSError) as exc:
-            log.warning("model %s: a control connection was refused: %s", self.name, exc)
+            self._refused += 1  # the first is a warning; a flood of them is not a log flood
+            level = logging.WARNING if self._refused == 1 else logging.DEBUG
+            log.log(level, "model %s: a control connection was refused: %s", self.name, exc)
             joined = None
         finally:
             with self._lock:
