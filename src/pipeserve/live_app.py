@@ -42,7 +42,7 @@ from pipeserve.stages.base import BuildEnv
 from pipeserve.store import worker_response_store
 
 log = logging.getLogger("pipeserve.reload")
-SHARD_STATUS_WAIT = 0.3  # seconds /health waits for a shard host's first answer
+SHARD_STATUS_WAIT = 0.1  # seconds /health waits for a shard host's first answer after a (re)connect
 
 
 @dataclass(frozen=True)
