@@ -35,6 +35,10 @@ class CallSink:
     def schema(self, name: str) -> Any:
         return self._schemas.get(name)
 
+    def has(self, name: str) -> bool:
+        """The request offers a tool of this name."""
+        return name in self._schemas
+
     def start(self, name: str, out: list[Event]) -> int:
         index = self.count
         self.count += 1
