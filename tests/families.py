@@ -31,11 +31,37 @@ COMPLETIONS: dict[str, str] = {
     "chatml": (
         'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
     ),
+    "llama3": 'Sure.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": "2"}}',
+    "mistral": (
+        "[THINK]Plan: call the tool.[/THINK]Sure.[TOOL_CALLS]get_weather[ARGS]"
+        '{"city": "Paris", "days": "2"}'
+    ),
+    "qwen3-coder": (
+        "Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    ),
+    "deepseek": (
+        "Plan: call the tool.\n</think>\n\nSure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+        '<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris", "days": "2"}\n```<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜>"
+    ),
+    "phi4": (
+        'Sure.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}]'
+        "<|/tool_call|>"
+    ),
+    "granite": (
+        'Sure.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}]'
+    ),
+    "gemma": 'Sure.```tool_code\nget_weather(city="Paris", days="2")\n```',
 }
 # What each family's answer carries besides the call (chatml has no reasoning; GPT-OSS
 # calls straight from its analysis channel, without text).
 HAS_REASONING = {"qwen3": True, "glm": True, "kimi": True, "gpt-oss": True, "chatml": False}
-HAS_TEXT = {"qwen3": True, "glm": True, "kimi": True, "gpt-oss": False, "chatml": True}
+HAS_REASONING.update({"mistral": True, "deepseek": True})
+HAS_REASONING.update({f: False for f in ("llama3", "qwen3-coder", "phi4", "granite", "gemma")})
+HAS_TEXT = {family: family != "gpt-oss" for family in COMPLETIONS}
+# Families whose chat template ends the prompt inside the think block.
+OPENS_THINKING = frozenset({"glm", "deepseek"})
 DEMO = {"chatml": "qwen3"}  # families without their own demo model: the one they run on
 # The answer's last token that ends generation (one of the model's EOS ids), so a client
 # reading the raw text (legacy Completions) does not see it.

@@ -13,7 +13,7 @@ import pytest
 from pipeserve.config import load_pipeline
 from pipeserve.request import GenerationRequest, Message, ToolChoice
 from pipeserve.stages.base import BuildEnv, Chain, RequestContext
-from tests.families import COMPLETIONS, DEMO, HAS_REASONING, HAS_TEXT
+from tests.families import COMPLETIONS, DEMO, HAS_REASONING, HAS_TEXT, OPENS_THINKING
 
 from .helpers import TOOLS, summarize, without_usage
 
@@ -63,12 +63,11 @@ def test_pipeline_end_to_end(family: str, replay_runtime: Callable[[str], Any]) 
     completion, expected = CASES[family]
     runtime = replay_runtime(DEMO.get(family, family))
     out, ctx = run_pipeline(runtime, family, completion)
-    assert ctx.prompt_opened_thinking == (
-        family == "glm"
-    )  # GLM's template ends the prompt with <think>
+    # GLM's and DeepSeek R1's templates end the prompt with <think>
+    assert ctx.prompt_opened_thinking == (family in OPENS_THINKING)
     summary = summarize(out)
     assert without_usage(summary) == expected
-    if family != "chatml":
+    if HAS_REASONING[family]:
         assert summary[-1][2] > 0  # reasoning tokens counted
 
 
