@@ -95,3 +95,27 @@ def test_forced_function_call_end_to_end(family: str, replay_runtime: Callable[[
     )
     assert ctx.assistant_prefill
     assert without_usage(summarize(out)) == [CALL, ("finish", "tool_calls")]
+
+
+def test_gemma_folds_the_system_prompt_into_the_first_user_turn(
+    replay_runtime: Callable[[str], Any],
+) -> None:
+    """Gemma's template refuses a system role; the pipeline's `system_role: fold` puts the
+    system text at the start of the first user turn instead."""
+    from pipeserve.stages.render_template import fold_system
+
+    pipeline = load_pipeline(REPO / "pipelines" / "gemma.yaml")
+    env = BuildEnv(model_name="replay", family="gemma", runtime=replay_runtime("gemma"))
+    chain = Chain(
+        [s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages]
+    )
+    messages = [Message("system", "Be brief."), Message("user", "Hi"), Message("user", "Again")]
+    req = GenerationRequest(model="replay", messages=messages, mock_response="Hello.")
+    ctx = RequestContext(request=req, request_id="fold", model_name="replay")
+    chain.prepare(ctx)
+    assert "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>" in ctx.prompt
+    assert without_usage(summarize(chain.run(ctx))) == [("content", "Hello."), ("finish", "stop")]
+    only_system = fold_system(
+        [{"role": "system", "content": "A"}, {"role": "developer", "content": "B"}]
+    )
+    assert only_system == [{"role": "user", "content": "A\n\nB"}]

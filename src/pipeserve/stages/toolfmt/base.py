@@ -123,9 +123,13 @@ class MarkerParser:
     def feed(self, text: str, out: list[Event]) -> None:
         buf = self._splitter.take(text)
         while buf:
-            before, marker, after = self._splitter.split(buf, self._markers())
+            markers = self._markers()
+            before, marker, after = self._splitter.split(buf, markers)
             if before:
                 self._text(before, out)
+                if marker is not None and self._markers() is not markers:
+                    buf = marker + after  # the text changed the state: split again
+                    continue
             if marker is None:
                 self._splitter.held = after
                 return

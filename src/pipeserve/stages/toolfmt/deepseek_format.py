@@ -59,6 +59,7 @@ class DeepSeekFormat(MarkerParser):
         self.head: list[str] = []
         self.args: StreamedArgs | None = None
         self.failed = False  # a call of this section was delivered as text
+        self.loose: list[str] = []  # text between calls in a section
 
     def _markers(self) -> MarkerSet:
         return self._sets[self.state]
@@ -76,8 +77,7 @@ class DeepSeekFormat(MarkerParser):
             self.raw.append(text)
             self.head.append(text)
         elif state == SECTION:
-            if text.strip():
-                content(text, out)
+            self.loose.append(text)
         else:
             content(text, out)
 
@@ -96,7 +96,15 @@ class DeepSeekFormat(MarkerParser):
         if rest:
             self.args.feed(rest, out)
 
+    def _flush_loose(self, out: list[Event]) -> None:
+        """Text between the calls of a section: content unless it is only whitespace."""
+        if self.loose:
+            text, self.loose = "".join(self.loose), []
+            if text.strip():
+                content(text, out)
+
     def _marker(self, marker: str, out: list[Event]) -> None:
+        self._flush_loose(out)
         state = self.state
         if marker == self.section:
             self.state, self.raw, self.failed = SECTION, [marker], False
@@ -141,6 +149,7 @@ class DeepSeekFormat(MarkerParser):
 
     def finish(self, reason: str, out: list[Event]) -> None:
         self.flush(out)
+        self._flush_loose(out)
         if self.args is not None:
             self.args.cut(out)
         elif self.state in (KIND, HEAD):
