@@ -151,7 +151,6 @@ def test_a_gguf_auto_entry_resolves_and_explains(
 def test_a_converted_gguf_detects_as_the_file_does(tmp_path: Path, shipped: dict[str, Any]) -> None:
     """The server detects on the converted folder; `validate --explain` on the file."""
     from pipeserve.engine.weights.gguf import ensure_converted
-
     from tests.engine.weights.gguf_fixtures import TEMPLATE, write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")

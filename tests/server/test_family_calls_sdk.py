@@ -189,3 +189,29 @@ def test_a_stop_string_inside_arguments_keeps_the_call(base: str, family: str) -
     prefix = {"deepseek": "Need it."}.get(family, "")
     got = answers(base, family, CALL_SCENARIOS[family]["single"], stop=["Paris"])
     check(got, Answer(prefix, "", [CALL], "tools"))
+
+
+STREAMED = {**{f: CALL_SCENARIOS[f]["single"] for f in FAMILIES}, "gemma": (
+    '```json\n{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}\n```'
+)}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_arguments_stream_in_fragments(base: str, family: str) -> None:
+    """Chat streaming: the call's arguments arrive in several chunks as they are generated
+    (not buffered to the end of the call), and join to the complete arguments."""
+    client = OpenAI(base_url=f"{base}/v1", api_key="t", max_retries=0)
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in FUNCTIONS]
+    stream = client.chat.completions.create(
+        model=f"replay-{family}", messages=ASK, tools=tools, stream=True,
+        extra_body={"mock_response": STREAMED[family]},
+    )  # fmt: skip
+    fragments = [
+        call.function.arguments
+        for chunk in stream
+        if chunk.choices
+        for call in chunk.choices[0].delta.tool_calls or []
+        if call.function is not None and call.function.arguments
+    ]
+    assert len(fragments) >= 3, fragments
+    assert json.loads("".join(fragments)) == CALL[1]
