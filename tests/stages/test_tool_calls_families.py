@@ -52,6 +52,13 @@ CASES = [
      [("content", "<|python_tag|>print(1+1)"), ("finish", "stop")]),
     ("llama3", "json-later-is-text", 'Hello {"name": "get_time", "parameters": {}}',
      [("content", 'Hello {"name": "get_time", "parameters": {}}'), ("finish", "stop")]),
+    ("llama3", "pythonic-list", ' [get_weather(city="Paris", days=2), get_time(tz="UTC")]',
+     [WEATHER, TIME, DONE]),
+    ("llama3", "pythonic-unknown-is-text", "[print(1)]", [("content", "[print(1)]"), ("finish", "stop")]),
+    ("llama3", "bracket-text", "[1] is a footnote", [("content", "[1] is a footnote"), ("finish", "stop")]),
+    ("llama3", "text-after-tagged-call", '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}} ok',
+     [TIME, ("content", " ok"), DONE]),
+    ("llama3", "json-array", '[{"name": "get_time", "parameters": {"tz": "UTC"}}]', [TIME, DONE]),
     # -- mistral: v11+ NAME[ARGS], [CALL_ID], the older array
     ("mistral", "v11", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": "2"}',
      [("content", "Sure."), WEATHER, DONE]),

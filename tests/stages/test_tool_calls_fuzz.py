@@ -73,7 +73,7 @@ _OBJECT = ['{"name": "get_weather", "arguments": ', '{"name": "get_time", "param
            '{"city": "Paris"', '"days": "3"', ", ", "}", "{", "[", "]", '"', "\\", "\n", "text "]  # fmt: skip
 PIECES.update(
     {
-        "llama3": ["<|python_tag|>", ";", " ", *_OBJECT, "brave_search.call(query='x')"],
+        "llama3": ["<|python_tag|>", ";", " ", *_OBJECT, "brave_search.call(query='x')", "get_time(tz='UTC')"],
         "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "get_weather", "abc12", *_OBJECT],
         "phi4": ["<|tool_call|>", "<|/tool_call|>", "<|tool", *_OBJECT],
         "granite": ["<|tool_call|>", *_OBJECT],

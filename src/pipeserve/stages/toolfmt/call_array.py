@@ -99,6 +99,7 @@ class CallArray:
         self.args: StreamedArgs | None = None
         self.calls = 0
         self.failed = False
+        self.carry = ""  # whitespace read after the calls, returned with the text after them
 
     @property
     def done(self) -> bool:
@@ -109,7 +110,8 @@ class CallArray:
         i, n = 0, len(text)
         while i < n and self.state != DONE:
             i = self._step(text, i, out)
-        return text[i:]
+        rest, self.carry = self.carry + text[i:], ""
+        return rest
 
     def _step(self, text: str, i: int, out: list[Event]) -> int:
         state = self.state
@@ -153,8 +155,8 @@ class CallArray:
                 self.state = ELEMENT
                 self.pending = [ch]
                 return i + 1
-            if not self.array:  # text after the calls
-                self.state = DONE
+            if not self.array:  # text after the calls (with the whitespace before it)
+                self.state, self.carry = DONE, "".join(self.pending)
                 return i
         return self._fail(text, i, out)
 

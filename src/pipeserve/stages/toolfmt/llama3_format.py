@@ -1,11 +1,13 @@
 """Llama 3.1 / 3.2 / 3.3 tool calls: `{"name": "f", "parameters": {...}}` as the whole
 message or after `<|python_tag|>`, several separated by `;`; built-in tools as
-`<|python_tag|>brave_search.call(query="...")`.
+`<|python_tag|>brave_search.call(query="...")`; Llama 3.2's pythonic list
+`[get_weather(city="Paris"), ...]` as the whole message (read at its end).
 
 A message that opens with `{` is read as calls (toolfmt/call_array.py: the call starts
 at its name and the arguments stream) only while it names one of the request's tools,
 so a JSON answer is never taken for a call. After `<|python_tag|>` any name is a call;
 text there that is neither JSON nor a built-in call is delivered as the text it was.
+A pythonic list counts as calls only when every name is one of the request's tools.
 The turn ends with `<|eom_id|>` / `<|eot_id|>` (end-of-sequence tokens).
 """
 
@@ -31,15 +33,32 @@ from pipeserve.stages.toolfmt.registry import (
 START, CONTENT, TAGGED, CODE = range(4)
 
 
+def _opening_kind(body: str) -> str | None:
+    """json, python (a `[f(...)]` list, Llama 3.2's pythonic calls), text, or None
+    while a lone `[` does not tell yet."""
+    if body[0] == "{":
+        return "json"
+    if body[0] != "[":
+        return "text"
+    rest = body[1:].lstrip()
+    if not rest:
+        return None
+    if rest[0] in "{]":
+        return "json"
+    return "python" if rest[0].isalpha() or rest[0] == "_" else "text"
+
+
 class Llama3Format(MarkerParser):
     def __init__(self, sink: CallSink, tag: str) -> None:
         super().__init__()
         self.sink = sink
         self._set = MarkerSet([tag])
         self.state = START
-        self.lead: list[str] = []  # whitespace before the first text, or the tag
+        self.lead: list[str] = []  # the opening text until it tells calls from text
+        self.tag = ""  # the tag that opened it
         self.calls: CallArray | None = None
         self.code: list[str] = []
+        self.known_only = False  # python calls without the tag must name the request's tools
 
     def _markers(self) -> MarkerSet:
         return self._set
@@ -60,25 +79,29 @@ class Llama3Format(MarkerParser):
 
     def _opening(self, text: str, out: list[Event]) -> None:
         """The first text of the answer, or after the tag: calls, code or plain text."""
-        body = text.lstrip()
+        self.lead.append(text)
+        buf = "".join(self.lead)
+        body = buf.lstrip()
         if not body:
-            self.lead.append(text)
             return
-        lead = "".join(self.lead) + text[: len(text) - len(body)]
-        self.lead = []
-        if body[0] in "{[":
-            tagged = self.state == TAGGED
+        kind = _opening_kind(body)
+        if kind is None:
+            return  # `[` alone: JSON or Python calls follow, or text
+        lead, tag = self.tag + buf[: len(buf) - len(body)], self.tag
+        self.lead, self.tag = [], ""
+        tagged = self.state == TAGGED
+        if kind == "json":
             self.calls = CallArray(self.sink, lead, semicolons=True, known_only=not tagged)
             self._text(body, out)
-        elif self.state == TAGGED:
-            self.state, self.code = CODE, [lead, body]
+        elif kind == "python" or tagged:
+            self.state, self.code, self.known_only = CODE, [lead, body], not tagged
         else:
             self.state = CONTENT
-            content(lead + body, out)
+            content(tag + buf, out)
 
     def _marker(self, marker: str, out: list[Event]) -> None:
         self._close(out, cut=False)
-        self.state, self.lead = TAGGED, [marker]
+        self.state, self.tag = TAGGED, marker
 
     def _close(self, out: list[Event], cut: bool) -> None:
         if self.calls is not None:
@@ -86,15 +109,16 @@ class Llama3Format(MarkerParser):
             self.calls = None
         elif self.state == CODE:
             self._code(out)
-        elif self.lead:
-            content("".join(self.lead), out)
-            self.lead = []
-        self.state = CONTENT
+        elif self.lead or self.tag:
+            content(self.tag + "".join(self.lead), out)
+        self.state, self.lead, self.tag = CONTENT, [], ""
 
     def _code(self, out: list[Event]) -> None:
         """Text after the tag that is not JSON: built-in tool calls, else text."""
         text = "".join(self.code[1:])
         calls = parse_python_calls(text)
+        if calls is not None and self.known_only:
+            calls = calls if all(self.sink.has(name) for name, _ in calls) else None
         if calls is None:
             content("".join(self.code), out)
         else:
