@@ -205,3 +205,16 @@ def test_every_new_format_forces_required_calls_with_a_frame() -> None:
         prefill = params.forced_prefill(None)
         frame = params.call_frame("get_weather") or params.pair_frame("get_weather")
         assert frame is not None and frame.prefix.startswith(prefill), fmt
+
+
+def test_a_qwen3_coder_value_that_does_not_fit_is_kept_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\ntwo\n</parameter>\n</function>\n</tool_call>"
+    )
+    with caplog.at_level("INFO", logger="pipeserve.toolfmt"):
+        got = without_usage(summarize(run(stage("qwen3_coder"), token_events([text]))))
+    assert got == [("call", "get_weather", '{"city": "Paris", "days": "two"}'), DONE]
+    assert any("'days' does not fit its schema" in r.getMessage() for r in caplog.records)
