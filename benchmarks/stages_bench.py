@@ -104,6 +104,26 @@ BLOCKS = {
         *PROSE[40:],
     ],
 }
+_DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+       "<｜tool▁calls▁end｜>")  # fmt: skip
+ARRAY = '[{"name": "get_weather", "arguments": ' + ARGS + "}]"
+BLOCKS.update(
+    {
+        "llama3": [*PROSE, "<|python_tag|>", *('{"name": "get_weather", "parameters": ' + ARGS + "}"),
+                   *PROSE],
+        "mistral": ["[THINK]", *PROSE, "[/THINK]", *PROSE[:40], "[TOOL_CALLS]", "get", "_weather",
+                    "[ARGS]", *ARGS, *PROSE[40:]],
+        "qwen3-coder": [*PROSE, "<tool_call>", "\n", "<function=", "get", "_weather", ">", "\n",
+                        "<parameter=", "city", ">", *"\nParis\n", "</parameter>", "\n", "<parameter=",
+                        "days", ">", *"\n3\n", "</parameter>", "\n", "</function>", "\n", "</tool_call>",
+                        *PROSE],
+        "deepseek": ["<think>", *PROSE, "</think>", *PROSE[:40], _DS[0], _DS[1], "function", _DS[2],
+                     *("get_weather\n```json\n" + ARGS + "\n```"), _DS[3], _DS[4], *PROSE[40:]],
+        "phi4": [*PROSE, "<|tool_call|>", *ARRAY, "<|/tool_call|>", *PROSE],
+        "granite": [*PROSE, "<|tool_call|>", *ARRAY, *PROSE],
+        "gemma": [*PROSE, *"```tool_code\nget_weather(city='Paris', days=3)\n```", *PROSE],
+    }
+)  # fmt: skip
 HARMONY_BLOCK = (
     "<|channel|>analysis<|message|>" + PROSE + "<|end|>"
     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
@@ -188,13 +208,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--families", default="qwen3,chatml,glm,kimi,gpt-oss")
+    parser.add_argument(
+        "--families",
+        default="qwen3,chatml,glm,kimi,gpt-oss,llama3,mistral,qwen3-coder,deepseek,phi4,granite,gemma",
+    )
     args = parser.parse_args(argv)
     for module in ("thinking", "tool_calls", "stop_sequences"):
         __import__(f"pipeserve.stages.{module}")
     sizes = [int(s) for s in args.sizes.split(",")]
     print(
-        f"{'pipeline':<9} {'tokens':>7}  "
+        f"{'pipeline':<11} {'tokens':>7}  "
         + "  ".join(f"{k:>14}" for k in TRANSFORMS)
         + "   total  (us/token)"
     )
@@ -202,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         for n in sizes:
             r = bench(family, n, args.repeat)
             cells = "  ".join(f"{r[k]:>14.2f}" if k in r else f"{'-':>14}" for k in TRANSFORMS)
-            print(f"{family:<9} {n:>7}  {cells}  {sum(r.values()):>6.2f}", flush=True)
+            print(f"{family:<11} {n:>7}  {cells}  {sum(r.values()):>6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pipeserve.config.detect import DetectionError, detect_pipeline, read_eviden
 from tests.config.shipped import REPO, require_shipped_and_real_stages
 
 FAMILY_PIPELINE = {"qwen3": "qwen3", "glm": "glm", "kimi": "kimi", "gpt-oss": "gpt-oss"}
+# (the tool-call families' demo models: tests/config/test_detect_families.py)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from pipeserve.config import load_pipeline
 from pipeserve.request import GenerationRequest, Message, ToolChoice
 from pipeserve.stages.base import BuildEnv, Chain, RequestContext
-from tests.families import COMPLETIONS, DEMO, HAS_REASONING, HAS_TEXT
+from tests.families import COMPLETIONS, DEMO, HAS_REASONING, HAS_TEXT, OPENS_THINKING
 
 from .helpers import TOOLS, summarize, without_usage
 
@@ -63,12 +63,11 @@ def test_pipeline_end_to_end(family: str, replay_runtime: Callable[[str], Any]) 
     completion, expected = CASES[family]
     runtime = replay_runtime(DEMO.get(family, family))
     out, ctx = run_pipeline(runtime, family, completion)
-    assert ctx.prompt_opened_thinking == (
-        family == "glm"
-    )  # GLM's template ends the prompt with <think>
+    # GLM's and DeepSeek R1's templates end the prompt with <think>
+    assert ctx.prompt_opened_thinking == (family in OPENS_THINKING)
     summary = summarize(out)
     assert without_usage(summary) == expected
-    if family != "chatml":
+    if HAS_REASONING[family]:
         assert summary[-1][2] > 0  # reasoning tokens counted
 
 
@@ -96,3 +95,27 @@ def test_forced_function_call_end_to_end(family: str, replay_runtime: Callable[[
     )
     assert ctx.assistant_prefill
     assert without_usage(summarize(out)) == [CALL, ("finish", "tool_calls")]
+
+
+def test_gemma_folds_the_system_prompt_into_the_first_user_turn(
+    replay_runtime: Callable[[str], Any],
+) -> None:
+    """Gemma's template refuses a system role; the pipeline's `system_role: fold` puts the
+    system text at the start of the first user turn instead."""
+    from pipeserve.stages.render_template import fold_system
+
+    pipeline = load_pipeline(REPO / "pipelines" / "gemma.yaml")
+    env = BuildEnv(model_name="replay", family="gemma", runtime=replay_runtime("gemma"))
+    chain = Chain(
+        [s.spec.factory(s.params, env) for s in pipeline.stages], [s.role for s in pipeline.stages]
+    )
+    messages = [Message("system", "Be brief."), Message("user", "Hi"), Message("user", "Again")]
+    req = GenerationRequest(model="replay", messages=messages, mock_response="Hello.")
+    ctx = RequestContext(request=req, request_id="fold", model_name="replay")
+    chain.prepare(ctx)
+    assert "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>" in ctx.prompt
+    assert without_usage(summarize(chain.run(ctx))) == [("content", "Hello."), ("finish", "stop")]
+    only_system = fold_system(
+        [{"role": "system", "content": "A"}, {"role": "developer", "content": "B"}]
+    )
+    assert only_system == [{"role": "user", "content": "A\n\nB"}]

@@ -69,6 +69,23 @@ PIECES = {
         "\n",
     ],
 }
+_OBJECT = ['{"name": "get_weather", "arguments": ', '{"name": "get_time", "parameters": ',
+           '{"city": "Paris"', '"days": "3"', ", ", "}", "{", "[", "]", '"', "\\", "\n", "text "]  # fmt: skip
+PIECES.update(
+    {
+        "llama3": ["<|python_tag|>", ";", " ", *_OBJECT, "brave_search.call(query='x')", "get_time(tz='UTC')"],
+        "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "get_weather", "abc12", *_OBJECT],
+        "phi4": ["<|tool_call|>", "<|/tool_call|>", "<|tool", *_OBJECT],
+        "granite": ["<|tool_call|>", *_OBJECT],
+        "gemma": ["```json", "```tool_code", "```", "get_time(tz='UTC')", "print(1)", *_OBJECT],
+        "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=", "</function>", "get_weather",
+                        ">", "<parameter=", "</parameter>", "city", "days", "3", "Paris", "\n",
+                        '{"a": 1}', "<", "text"],
+        "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "function", "get_weather", "\n```json\n",
+                     "\n```", '{"city": ', '"Paris"', "}", "text", "\n"],
+    }
+)  # fmt: skip
 
 
 def tokenize(text: str, rng: random.Random) -> list[str]:
@@ -80,7 +97,7 @@ def tokenize(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     st.sampled_from(sorted(PIECES)), st.data(), st.sampled_from(["stop", "length"]), st.randoms()
 )

@@ -161,7 +161,11 @@ def test_the_schema_completes_each_formats_own_keys(toy: None) -> None:
     schema = json_schema("pipeline")
     members = schema["$defs"]["ToolCallsParams"]["oneOf"]
     names = [m["$ref"].split("/")[-1] for m in members]
-    assert names == ["GlmParams", "HarmonyParams", "JsonParams", "KimiParams", "ToyParams"]
+    assert names == [
+        "DeepSeekParams", "GemmaParams", "GlmParams", "GraniteParams", "HarmonyParams",
+        "JsonParams", "KimiParams", "Llama3Params", "MistralParams", "Phi4Params",
+        "Qwen3CoderParams", "ToyParams",
+    ]  # fmt: skip
     assert set(schema["$defs"]["ToyParams"]["properties"]) == {
         "format",
         "fence",

@@ -1,7 +1,9 @@
 """`pipeline: auto`: pick a model's pipeline from its folder, by the pipelines' `detect:` rules.
 
 Evidence is read from the folder's JSON and template files only (config.json, tokenizer
-files, chat templates): this runs in the gunicorn master too, where MLX must never run.
+files, chat templates), or from a GGUF file's metadata (its architecture, chat template
+and control tokens; no tensor is read): this runs in the gunicorn master too, where MLX
+must never run.
 A rule that matched on config.json facts (model_type, architectures) outranks one that
 matched on the vocabulary or template only; among equals, the rule that checked more facts
 wins. When no rule matches, the pipeline marked `fallback: true` is chosen with a warning.
@@ -29,6 +31,7 @@ class ModelEvidence:
     architectures: frozenset[str] = frozenset()
     template: str = ""
     special_tokens: frozenset[str] = frozenset()
+    config_name: str = "config.json"  # where model_type was read (a GGUF: its metadata)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,22 @@ class DetectionError(ValueError):
     """No rule matched and no pipeline is marked `fallback: true`."""
 
 
+# GGUF `general.architecture` names -> the Hugging Face model_type(s) they stand for.
+GGUF_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "qwen2moe": ("qwen2_moe",),
+    "qwen3moe": ("qwen3_moe",),
+    "deepseek2": ("deepseek_v2", "deepseek_v3"),
+    "glm4moe": ("glm4_moe",),
+    "gpt-oss": ("gpt_oss",),
+    "granitehybrid": ("granitemoehybrid",),
+}
+_GGUF_SPECIAL_TYPES = (3, 4)  # llama.cpp token types CONTROL and USER_DEFINED
+
+
 def read_evidence(folder: Path) -> ModelEvidence:
+    """The evidence of a model folder, or of a `.gguf` file."""
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        return read_gguf_evidence(folder)
     config = _json(folder / "config.json")
     text_config: Any = (
         config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -74,6 +92,33 @@ def read_evidence(folder: Path) -> ModelEvidence:
         architectures=frozenset(str(a) for a in archs),
         template=chat_template_text(folder),
         special_tokens=frozenset(special_tokens(folder)),
+    )
+
+
+def read_gguf_evidence(path: Path) -> ModelEvidence:
+    """Architecture, chat template and control tokens of a GGUF file's metadata."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(path)).fields
+    except Exception as exc:  # gguf-py raises ValueError / struct errors on bad files
+        raise DetectionError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+    def value(key: str) -> Any:
+        field = fields.get(key)
+        return field.contents() if field is not None else None
+
+    arch = str(value("general.architecture") or "")
+    tokens = value("tokenizer.ggml.tokens") or []
+    types = value("tokenizer.ggml.token_type") or []
+    special = {t for t, kind in zip(tokens, types) if kind in _GGUF_SPECIAL_TYPES}
+    template = value("tokenizer.chat_template")
+    return ModelEvidence(
+        folder=path,
+        model_types=frozenset({arch, *GGUF_MODEL_TYPES.get(arch, ())} - {""}),
+        template=template if isinstance(template, str) else "",
+        special_tokens=frozenset(str(t) for t in special),
+        config_name="GGUF general.architecture",
     )
 
 
@@ -133,13 +178,13 @@ def rule_facts(
         hit = sorted(evidence.model_types & set(rule.model_type))
         if not hit:
             return None
-        facts.append(f"config.json model_type={hit[0]}")
+        facts.append(f"{evidence.config_name} model_type={hit[0]}")
         config_facts += 1
     if rule.architectures:
         hit = sorted(evidence.architectures & set(rule.architectures))
         if not hit:
             return None
-        facts.append(f"config.json architectures has {hit[0]}")
+        facts.append(f"{evidence.config_name} architectures has {hit[0]}")
         config_facts += 1
     if rule.template:
         if not all(marker in evidence.template for marker in rule.template):

@@ -21,14 +21,15 @@ Locate = Callable[[str], Path | None]
 
 
 def local_folder(source: str) -> Path | None:
-    """The model folder of a source when it is here (demo models are built), else None."""
+    """The model folder of a source when it is here (demo models are built), a local
+    `.gguf` file itself (its metadata is read, nothing converted), else None."""
     from pipeserve.engine.weights.demo.build import demo_source, ensure_demo_model
 
     family = demo_source(source)
     if family is not None:
         return ensure_demo_model(family)
     path = Path(source).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file()):
         return path
     try:
         from huggingface_hub import snapshot_download

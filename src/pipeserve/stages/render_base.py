@@ -33,6 +33,11 @@ class RenderParams(StageParams):
         description="The chat template variable that turns reasoning on or off (Qwen3, GLM:"
         " enable_thinking), set when a request says; null when the template has none.",
     )
+    system_role: Literal["native", "fold"] = Field(
+        "native",
+        description="native: system messages go to the template as they are; fold: for "
+        "templates without a system role (Gemma), their text opens the first user turn.",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra template variables (harmony: model_identity, knowledge_cutoff, "

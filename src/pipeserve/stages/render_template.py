@@ -51,9 +51,12 @@ class ChatTemplateStage(RenderStage):
         tokenizer = self.hf_tokenizer()
         tools = None if request.tool_choice.mode == "none" else template_tools(request.tools)
         continuing = self.params.continue_final_assistant and is_prefill(request.messages)
+        messages = template_messages(request.messages)
+        if self.params.system_role == "fold":
+            messages = fold_system(messages)
         try:
             prompt = tokenizer.apply_chat_template(
-                template_messages(request.messages),
+                messages,
                 tools=tools or None,
                 add_generation_prompt=not continuing,
                 continue_final_message=continuing,
@@ -107,6 +110,22 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             item["name"] = message.name or names.get(message.tool_call_id or "")
         out.append(item)
     return out
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System (and developer) text moved to the start of the first user turn, separated
+    by a blank line, for templates that have no system role."""
+    system = [str(m["content"] or "") for m in messages if m["role"] in ("system", "developer")]
+    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+    text = "\n\n".join(part for part in system if part)
+    if not text:
+        return rest
+    for i, message in enumerate(rest):
+        if message["role"] == "user":
+            body = message["content"]
+            joined = f"{text}\n\n{body}" if isinstance(body, str) and body else text
+            return [*rest[:i], {**message, "content": joined}, *rest[i + 1 :]]
+    return [{"role": "user", "content": text}, *rest]
 
 
 def call_arguments(arguments: str) -> Any:

@@ -39,6 +39,8 @@ pytestmark = pytest.mark.mlx
 
 REPO = Path(__file__).resolve().parents[3]
 FAMILIES = ["qwen3", "glm", "kimi", "gpt-oss"]
+# The tool-call families (issue 36): forced and strict calls in each one's own format.
+TOOL_FAMILIES = ["llama3", "mistral", "qwen3-coder", "deepseek", "phi4", "granite", "gemma"]
 ARGS = {
     "type": "object",
     "properties": {
@@ -71,6 +73,7 @@ ANSWER = {
 }
 # The marker that ends reasoning, per family (biased so a random model reaches it).
 REASONING_CLOSE = {"qwen3": "</think>", "glm": "</think>", "kimi": "</think>", "gpt-oss": "<|end|>"}
+REASONING_CLOSE.update({"mistral": "[/THINK]", "deepseek": "</think>"})
 
 
 def run(runtime: Any, family: str, **fields: Any) -> list[tuple[Any, ...]]:
@@ -93,7 +96,7 @@ def token_id(runtime: Any, marker: str) -> int:
     return int(token)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TOOL_FAMILIES)
 def test_forced_calls_are_valid_in_every_format(
     family: str, mlx_runtime: Callable[[str], Any]
 ) -> None:
@@ -142,6 +145,13 @@ CALL_START = {
     "glm": "<tool_call>",
     "kimi": "<|tool_calls_section_begin|>",
     "gpt-oss": "commentary",  # Harmony: the call is a commentary message
+    "llama3": "<|python_tag|>",
+    "mistral": "[TOOL_CALLS]",
+    "qwen3-coder": "<tool_call>",
+    "deepseek": "<｜tool▁calls▁begin｜>",
+    "phi4": "<|tool_call|>",
+    "granite": "<|tool_call|>",
+    "gemma": "```json",  # plain text
 }
 # Requests per family: one batch in CI; PIPESERVE_STRICT_SAMPLES=48 for a longer run.
 STRICT_SAMPLES = int(os.environ.get("PIPESERVE_STRICT_SAMPLES", "6"))
@@ -159,7 +169,7 @@ def complete_calls(summary: list[tuple[Any, ...]]) -> list[tuple[str, Any]]:
     return [(name, json.loads(arguments)) for name, arguments in calls]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TOOL_FAMILIES)
 def test_strict_tools_under_auto_get_valid_arguments(
     family: str, mlx_runtime: Callable[[str], Any]
 ) -> None:
@@ -168,10 +178,13 @@ def test_strict_tools_under_auto_get_valid_arguments(
     schema, every other call is a JSON object. Without the grammar a random model's
     call would be garbage the parser cannot read, so no call would come out."""
     runtime = mlx_runtime(family)
-    start = runtime.grammar.encode(CALL_START[family])[0]
-    close = token_id(runtime, REASONING_CLOSE[family])
+    # Each token of the call start more than the one before (gemma's ``` then json).
+    starts = runtime.grammar.encode(CALL_START[family])
     strict_name = runtime.grammar.encode("weather")[0]  # and prefer the strict tool
-    bias = {int(start): 30.0, close: 12.0, int(strict_name): 12.0}
+    bias = {int(token): 30.0 + 10.0 * i for i, token in enumerate(starts)}
+    bias[int(strict_name)] = 12.0
+    if family in REASONING_CLOSE:
+        bias[token_id(runtime, REASONING_CLOSE[family])] = 12.0
 
     def ask(i: int) -> list[tuple[Any, ...]]:
         mixed = i % 2 == 1  # odd: both tools, parallel calls; even: the strict one, one call

@@ -33,6 +33,9 @@ TEXTS = [
 ]
 # quicktok encoding each family's vocab must match (specials encoded as text ranks aside)
 QUICKTOK = {"qwen3": "qwen3", "gpt-oss": "o200k_harmony", "glm": "qwen3", "kimi": "cl100k_base"}
+QUICKTOK.update({"llama3": "llama3", "mistral": "cl100k_base", "qwen3-coder": "qwen3"})
+QUICKTOK.update({"deepseek": "qwen3", "phi4": "o200k_base", "granite": "cl100k_base"})
+QUICKTOK.update({"gemma": "cl100k_base"})
 HARMONY_TOKENS = (
     "<|start|>",
     "<|channel|>",

@@ -35,6 +35,10 @@ class CallSink:
     def schema(self, name: str) -> Any:
         return self._schemas.get(name)
 
+    def has(self, name: str) -> bool:
+        """The request offers a tool of this name."""
+        return name in self._schemas
+
     def start(self, name: str, out: list[Event]) -> int:
         index = self.count
         self.count += 1
@@ -119,9 +123,13 @@ class MarkerParser:
     def feed(self, text: str, out: list[Event]) -> None:
         buf = self._splitter.take(text)
         while buf:
-            before, marker, after = self._splitter.split(buf, self._markers())
+            markers = self._markers()
+            before, marker, after = self._splitter.split(buf, markers)
             if before:
                 self._text(before, out)
+                if marker is not None and self._markers() is not markers:
+                    buf = marker + after  # the text changed the state: split again
+                    continue
             if marker is None:
                 self._splitter.held = after
                 return

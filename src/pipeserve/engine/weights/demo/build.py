@@ -26,7 +26,8 @@ from pipeserve.engine.weights.demo.vocab import build_tokenizer, tiktoken_file, 
 from pipeserve.engine.weights.folders import build_folder_once
 from pipeserve.settings import pipeserve_home
 
-DEMO_FAMILIES: tuple[str, ...] = ("qwen3", "gpt-oss", "glm", "kimi")
+# qwen3, gpt-oss, glm, kimi, then the tool-call families
+DEMO_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 DEMO_VERSION = 3  # bump when the builder's output changes; old builds are ignored
 DEMO_PREFIX = "demo:"
 WEIGHT_SCALE = 4.0  # MLX's default init makes tiny models repeat one token

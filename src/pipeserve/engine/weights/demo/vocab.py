@@ -49,6 +49,7 @@ VOCABS: dict[str, VocabSpec] = {
     "qwen3": VocabSpec("qwen3", QWEN_PATTERN, nfc=True),
     "o200k": VocabSpec("o200k", O200K_PATTERN),
     "cl100k": VocabSpec("cl100k", CL100K_PATTERN),
+    "llama3": VocabSpec("llama3", CL100K_PATTERN),  # Llama 3 splits text as cl100k does
 }
 
 
