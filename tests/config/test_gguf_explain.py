@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from pipeserve.cli import main
 from pipeserve.config.pipeline_folder import pipeline_folder, shipped_pipelines
 from tests.config.shipped import REPO, require_shipped_and_real_stages
-from tests.engine.gguf_fixtures import write_tiny_gguf
+from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 
 ENDPOINTS = "endpoints:\n  - {route: /v1/completions, api: openai-completions}\n"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pipeserve.config import validate_paths
 from tests.config.conftest import GOOD_CONFIG, GOOD_PIPELINE, Tree
-from tests.engine.gguf_fixtures import write_tiny_gguf
+from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 
 SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from tests.engine.gguf_fixtures import write_tiny_gguf
+from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 from tests.server.serverproc import running_server
 
 pytestmark = pytest.mark.server

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engine.gguf_archs import CASES, ArchCase, write_arch_gguf
-from tests.engine.llamacpp import run_llama
+from tests.engine.weights.gguf_archs import CASES, ArchCase, write_arch_gguf
+from tests.engine.weights.llamacpp import run_llama
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.mlx]
 

@@ -2,7 +2,7 @@
 metadata keys and tensor types llama.cpp's converter (convert_hf_to_gguf.py) writes for
 them: norms F32, the embedding Q8_0, attention Q4_K, ffn_down Q6_K, the other matrices
 F16 (or `qtype` for every matrix), a byte-level BPE or a sentencepiece vocabulary
-(gguf_fixtures.py). Read by pipeserve and by llama.cpp in tests/engine/test_llamacpp.py.
+(gguf_fixtures.py). Read by pipeserve and by llama.cpp in tests/engine/weights/test_llamacpp.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 from pipeserve.engine.weights.gguf.model_config import LLAMA3_ROPE, llama3_divisors
-from tests.engine.gguf_fixtures import _K_SCALE_OFFSETS, _add_vocabulary, k_quant_rows
+from tests.engine.weights.gguf_fixtures import _K_SCALE_OFFSETS, _add_vocabulary, k_quant_rows
 
 T = GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 2, 64, 512, 2
