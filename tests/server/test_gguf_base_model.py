@@ -5,7 +5,9 @@ Ollama's /api/generate with raw work, a chat request answers 400 naming the
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -13,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from tests.engine.weights.gguf_fixtures import write_tiny_gguf
-from tests.server.serverproc import running_server
+from tests.server.serverproc import running_server, server_log, server_process
 
 pytestmark = pytest.mark.server
 
@@ -65,3 +67,27 @@ def test_a_configured_template_answers_chat(server: str) -> None:
         model="templated", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert reply.usage is not None and reply.usage.prompt_tokens > 3
+
+
+def test_a_bad_gguf_in_a_reload_is_refused_and_the_models_keep_serving(tmp_path: Path) -> None:
+    from tests.server.test_reload import wait_for
+
+    gguf = write_tiny_gguf(tmp_path / "base.gguf", "llama", T.Q8_0, vocab="spm")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf.read_bytes()[:-100])  # the last tensor's data runs past the end
+    config = tmp_path / "live.yaml"
+    head = f"models:\n  - {{name: base, source: {gguf}, pipeline: chatml}}\n"
+    tail = "endpoints:\n  - {route: /v1/completions, api: openai-completions}\n"
+    config.write_text(head + tail)
+    env = {"PIPESERVE_HOME": os.environ.get("PIPESERVE_HOME", str(tmp_path / "home"))}
+    with server_process(config, env) as (base, proc):
+        config.write_text(head + f"  - {{name: cut, source: {cut}, pipeline: chatml}}\n" + tail)
+        os.kill(proc.pid, signal.SIGHUP)
+        log = server_log(base)
+        wait_for(lambda: "reload refused" in log.read_text())
+        assert (
+            f"models[1].source: {cut}: tensor output_norm.weight (F32, 64) needs" in log.read_text()
+        )
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        reply = client.completions.create(model="base", prompt="the world", max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3

@@ -4,7 +4,8 @@ tensor names and rope layout. Data only; convert.py and config_from_gguf.py read
 Rope layouts (`rope`):
 - "traditional": llama.cpp's converter permutes the Q/K rows of llama-family models
   for its interleaved rope, so they run in mlx-lm with `rope_traditional: true` on the
-  weights as stored (llama, smollm3: mlx-lm's llama attention takes the flag).
+  weights as stored (llama, smollm3: mlx-lm's llama attention takes the flag); GLM-4's
+  own rope is interleaved (Hugging Face's rows as stored, mlx-lm's glm4 flag).
 - "unpermute": the same permuted rows, for an mlx-lm class without the flag (granite):
   the converter undoes llama.cpp's permutation (rows only, so quantized blocks move
   whole and stay exact).
@@ -156,6 +157,18 @@ ARCHITECTURES: dict[str, Architecture] = {
             "post_attention_norm": "post_attention_layernorm",
             "post_ffw_norm": "post_feedforward_layernorm",
         },
+    ),
+    "glm4": Architecture(
+        "glm4",
+        rope="traditional",
+        attention_bias_key="attention_bias",
+        block_tensors={
+            "post_attention_norm": "post_self_attn_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_up": "mlp.gate_up_proj",
+            "post_ffw_norm": "post_mlp_layernorm",
+        },
+        constants={"partial_rotary_factor": 1.0},  # the file's rope dimension sets it
     ),
     "smollm3": Architecture("smollm3", rope="traditional", constants={"no_rope_layer_interval": 4}),
     "qwen2moe": Architecture(
