@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pipeserve.config import validate_paths
 from tests.config.conftest import GOOD_CONFIG, GOOD_PIPELINE, Tree
+from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 
 SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -28,7 +29,12 @@ def test_gguf_file_must_exist_and_be_gguf(tree: Tree) -> None:
             "(no GGUF magic at its start)"
         )
     ]
-    Path("models/real.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # magic only: not converted
+    Path("models/cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # magic only
+    assert problems(tree, "models/cut.gguf") == [
+        "configs/default.yaml:4:13: models[0].source: models/cut.gguf: cannot read its GGUF "
+        "header (8 bytes): the header ends early (at byte 8)"
+    ]
+    write_tiny_gguf(Path("models/real.gguf"))  # a whole file: read, not converted
     assert problems(tree, "models/real.gguf") == []
 
 

@@ -44,11 +44,14 @@ def test_unsupported_gguf_tensor_type_refuses_to_start(tmp_path: Path) -> None:
     )
     result = serve(tmp_path, f"{{name: x, source: {gguf}, pipeline: chatml}}")
     assert result.returncode == 1
-    assert (
-        f"pipeserve: model 'x': cannot get '{gguf}': tensor blk.0.extra.weight has GGUF type "
-        "IQ4_NL, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
-        "Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)\n"
+    assert (  # refused by validation, with the config position, before any conversion
+        f"{tmp_path / 'config.yaml'}:3:23: models[0].source: {gguf}: tensor blk.0.extra.weight "
+        "has GGUF type IQ4_NL, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, "
+        "Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): its weights are codebook or ternary "
+        "entries with no affine form; re-quantize the model from its original weights to "
+        "Q4_K / Q5_K / Q8_0 instead\n"
     ) in result.stderr
+    assert "Traceback" not in result.stderr
     assert "Listening at" not in result.stdout + result.stderr
 
 

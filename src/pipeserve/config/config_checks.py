@@ -18,6 +18,7 @@ from pipeserve.config.detect import AUTO
 from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
+from pipeserve.config.pipeline_folder import pipeline_folder
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
 from pipeserve.config.sharding_checks import check_sharding
 from pipeserve.config.source_checks import check_sources
@@ -164,10 +165,10 @@ def _check_model_pipelines(
 ) -> tuple[dict[str, LoadedPipeline], list[Problem]]:
     problems: list[Problem] = []
     pipelines: dict[str, LoadedPipeline] = {}
-    folder_value = doc.data.get("pipelines_dir", "../pipelines")
-    if not isinstance(folder_value, str):
+    folder_value = doc.data.get("pipelines_dir")
+    if folder_value is not None and not isinstance(folder_value, str):
         return pipelines, problems  # pydantic reported the type
-    folder = doc.path.parent / folder_value
+    folder = pipeline_folder(doc.path, folder_value)
     if not folder.is_dir() and "pipelines_dir" in doc.data:
         return pipelines, [
             doc.problem(("pipelines_dir",), f"no such folder: {display_path(folder)}")

@@ -3,7 +3,8 @@
 For `pipeline: auto` entries this is the detection the server will make; for named
 pipelines it also says what auto would have chosen, so a mismatch stands out. Model
 folders are found without downloading: demo models are built (offline), hub models are
-looked up in the local Hugging Face cache only.
+looked up in the local Hugging Face cache only, `.gguf` files are read (their header,
+not converted: config/gguf_explain.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path
 
 from pipeserve.config.config_checks import LoadedConfig, _pipeline_files
 from pipeserve.config.detect import AUTO, DetectionError, detect_pipeline, read_evidence
+from pipeserve.config.gguf_explain import gguf_evidence, gguf_lines, gguf_summary
 from pipeserve.config.loader import display_path
 from pipeserve.config.pipeline_checks import LoadedPipeline
+from pipeserve.config.pipeline_folder import pipeline_folder
 from pipeserve.config.validate import Validator
 
 Locate = Callable[[str], Path | None]
@@ -41,7 +44,9 @@ def local_folder(source: str) -> Path | None:
 
 def candidates(loaded: LoadedConfig, validator: Validator) -> dict[str, LoadedPipeline]:
     """Every valid pipeline of the config's folder that has a detect section."""
-    folder = loaded.path.parent / loaded.config.pipelines_dir
+    config = loaded.config
+    given = config.pipelines_dir if "pipelines_dir" in config.model_fields_set else None
+    folder = pipeline_folder(loaded.path, given)
     found: dict[str, LoadedPipeline] = {}
     for name, path in _pipeline_files(folder).items():
         pipeline, _ = validator.pipeline(path)
@@ -55,12 +60,14 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
     pool = candidates(loaded, validator)
     lines = [f"{display_path(loaded.path)}:"]
     for entry in loaded.config.models:
-        folder = locate(entry.source)
+        summary = gguf_summary(entry)
+        folder = locate(entry.source) if summary is None else summary.path
         if folder is None:
             where = f"{entry.source} is not here yet (downloaded when the server starts)"
             lines.append(f"  {entry.name}: pipeline {entry.pipeline}; {where}")
             continue
-        detection = detect_pipeline(read_evidence(folder), pool)
+        evidence = read_evidence(folder) if summary is None else gguf_evidence(summary)
+        detection = detect_pipeline(evidence, pool)
         if entry.pipeline == AUTO:
             lines.append(f"  {entry.name}: auto -> {detection.describe()}")
         else:
@@ -69,6 +76,8 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
                 f"  {entry.name}: pipeline {entry.pipeline} (named in the config); "
                 f"auto would choose {detection.describe()} [{verdict}]"
             )
+        if summary is not None:
+            lines += gguf_lines(entry, summary)
         sharding = entry.options.sharding
         if sharding is not None and sharding.nodes is not None:
             from pipeserve.cluster.planning import explain_lines

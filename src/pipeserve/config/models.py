@@ -488,6 +488,12 @@ class ModelEntry(Strict):
         description="Default sampling parameters (else the model's generation_config.json);"
         " a request's own values win.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template for a model whose tokenizer has none (a base model's "
+        "GGUF), or in place of its own: a built-in name (chatml, gemma, glm, gpt-oss, kimi, "
+        "qwen3) or a .jinja file (relative to the working directory, as source).",
+    )
     pipeline: str = Field(
         ...,
         min_length=1,
@@ -539,7 +545,9 @@ class EndpointEntry(Strict):
 class ServerConfig(Strict):
     server: ServerSection = Field(default_factory=ServerSection)
     pipelines_dir: str = Field(
-        "../pipelines", description="Folder of pipeline YAML, relative to this file."
+        "../pipelines",
+        description="Folder of pipeline YAML, relative to this file. Not set: ../pipelines "
+        "when that folder exists, else the pipelines shipped with pipeserve.",
     )
     models: list[ModelEntry] = Field(..., min_length=1)
     endpoints: list[EndpointEntry] = Field(..., min_length=1)

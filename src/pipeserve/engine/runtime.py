@@ -55,11 +55,7 @@ def build_runtime(
     names (draft_entry), loaded with it.
     """
     model_dir = resolve_source(entry.source, entry.sha256)
-    tokenizer = tokenizers.get(model_dir) if tokenizers is not None else None
-    if tokenizer is None:
-        tokenizer = load_tokenizer(model_dir)
-        if tokenizers is not None:
-            tokenizers[model_dir] = tokenizer
+    tokenizer = _tokenizer(entry, model_dir, tokenizers)
     eos = eos_token_ids(tokenizer, model_dir)
     options = entry.options
     start = partial(start_engine, entry, model_dir, tokenizer, eos, draft=draft)
@@ -78,6 +74,23 @@ def build_runtime(
             model_dir, entry.sampling.model_dump(exclude_none=True)
         ),
     )
+
+
+def _tokenizer(entry: ModelEntry, model_dir: Path, tokenizers: dict[Path, Any] | None) -> Any:
+    """The folder's tokenizer (shared through `tokenizers`), or one of the entry's own
+    when it sets `chat_template:` (engine/chat_templates.py)."""
+    if entry.chat_template is not None:
+        from pipeserve.engine.chat_templates import set_chat_template
+
+        tokenizer = load_tokenizer(model_dir)
+        set_chat_template(tokenizer, entry.chat_template)
+        return tokenizer
+    tokenizer = tokenizers.get(model_dir) if tokenizers is not None else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizers is not None:
+            tokenizers[model_dir] = tokenizer
+    return tokenizer
 
 
 def start_engine(

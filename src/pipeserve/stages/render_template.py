@@ -13,15 +13,19 @@ The stage passes events through untouched.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from jinja2 import TemplateError
 
+from pipeserve.engine.chat_templates import no_template_message
 from pipeserve.errors import ApiError
 from pipeserve.request import GenerationRequest, Message, ToolSpec
 from pipeserve.stages.base import BuildEnv, Stage, register_stage
 from pipeserve.stages.render_base import RenderParams, RenderStage
 from pipeserve.stages.render_harmony import HarmonyStage
+
+log = logging.getLogger("pipeserve.stages")
 
 
 class ChatTemplateStage(RenderStage):
@@ -32,8 +36,8 @@ class ChatTemplateStage(RenderStage):
         if env.runtime is not None:  # compile (transformers caches it) and fail at startup
             tokenizer = self.hf_tokenizer()
             if not getattr(tokenizer, "chat_template", None):
-                message = "has no chat template; use renderer: harmony or a model with one"
-                raise ValueError(f"model {env.model_name!r} {message}")
+                log.warning("%s", no_template_message(env.model_name))
+                return
             try:
                 tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
             except (TemplateError, ValueError) as exc:
@@ -49,6 +53,8 @@ class ChatTemplateStage(RenderStage):
 
     def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
         tokenizer = self.hf_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError("invalid_request", no_template_message(self.env.model_name), "messages")
         tools = None if request.tool_choice.mode == "none" else template_tools(request.tools)
         continuing = self.params.continue_final_assistant and is_prefill(request.messages)
         messages = template_messages(request.messages)

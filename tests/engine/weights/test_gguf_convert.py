@@ -151,23 +151,26 @@ def test_unsupported_tensor_type_names_it(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf", raw_tensors={"blk.0.extra.weight": (iq4, T.IQ4_NL)})
     message = _error(gguf, tmp_path / "home")
     assert message == (
-        "tensor blk.0.extra.weight has GGUF type IQ4_NL, which is not supported (supported: "
-        "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)"
+        f"{gguf}: tensor blk.0.extra.weight has GGUF type IQ4_NL, which is not supported "
+        "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): "
+        "its weights are codebook or ternary entries with no affine form; re-quantize the "
+        "model from its original weights to Q4_K / Q5_K / Q8_0 instead"
     )
     assert not (tmp_path / "home" / "gguf").exists() or not any((tmp_path / "home/gguf").iterdir())
 
 
 def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
-    gguf = write_tiny_gguf(tmp_path / "m.gguf", arch="phi3")
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", arch="rwkv7")
     assert _error(gguf, tmp_path / "home") == (
-        "GGUF architecture 'phi3' is not supported (supported: llama, qwen2, qwen3)"
+        f"{gguf}: GGUF architecture 'rwkv7' is not supported (supported: llama, qwen2, "
+        "qwen3, gemma3, gemma2, phi3, granite, olmo2, smollm3, qwen2moe, qwen3moe)"
     )
 
 
 def test_unknown_pre_tokenizer_is_an_error(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf", pre="made-up")
     assert _error(gguf, tmp_path / "home").startswith(
-        "tokenizer.ggml.pre 'made-up' is not supported (supported: "
+        f"{gguf}: tokenizer.ggml.pre 'made-up' is not supported (supported: "
     )
 
 

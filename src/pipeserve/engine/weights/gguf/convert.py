@@ -4,61 +4,60 @@ Metadata, tensor types and the weights are read with gguf-py (llama.cpp's own re
 one tensor at a time (tensors.py): float types as stored, quantized blocks repacked
 exactly as MLX affine arrays where the format allows (Q4_0 ... Q8_0, Q4_K, Q5_K),
 re-quantized where it does not (Q2_K, Q3_K, Q6_K), and written in shards as they come
-(shards.py). Anything else (the i-quants, ternary types) is refused by name before any
-weight is read.
+(shards.py). Anything else (the i-quants, ternary types), an unknown architecture, a
+tokenizer not in the table or a tensor whose size does not match its shape is refused
+by name before any weight is read (inspect.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeserve.engine.weights.gguf.architectures import (
-    ARCHITECTURES,
     BLOCK_TENSORS,
-    CONFIG_KEYS,
+    CONFIG_TENSORS,
     GLOBAL_TENSORS,
-    OPTIONAL_CONFIG_KEYS,
+    ROW_VECTORS,
     Architecture,
 )
 from pipeserve.engine.weights.gguf.files import GgufError
+from pipeserve.engine.weights.gguf.inspect import check_convertible, open_gguf
+from pipeserve.engine.weights.gguf.model_config import model_config
 from pipeserve.engine.weights.gguf.shards import write_shards
-from pipeserve.engine.weights.gguf.tensors import GROUP_SIZE, QUANT_WIDTHS, read_tensor
+from pipeserve.engine.weights.gguf.tensors import read_tensor
 from pipeserve.engine.weights.gguf.tokenizer import build_tokenizer, tokenizer_config
 
-PLAIN_TYPES: tuple[str, ...] = ("F32", "F16", "BF16")
-_QUANT_TYPES = sorted(QUANT_WIDTHS, key=lambda kind: (kind.endswith("_K"), kind))  # K-quants last
-SUPPORTED_TYPES = ", ".join((*PLAIN_TYPES, *_QUANT_TYPES))
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_NORM = re.compile(r"(^|\.)(\w*norm)$")
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
-    """(metadata, tensor name -> GGUF type name, gguf-py's tensors) of a GGUF file."""
+def gguf_tensors(path: Path) -> list[Any]:
+    """gguf-py's tensors of a GGUF file (memory-mapped data, read one at a time)."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # gguf-py raises ValueError / struct errors on bad files
-        raise GgufError(f"{path} is not a readable GGUF file: {exc}") from exc
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return meta, types, list(reader.tensors)
+        return list(GGUFReader(str(path)).tensors)
+    except Exception as exc:  # the header was read (inspect.py): the data is what is wrong
+        raise GgufError(f"{path}: its tensors cannot be read ({exc})") from None
 
 
 def convert(path: Path, out: Path) -> None:
     """Write the mlx-lm model folder of GGUF `path` into the existing folder `out`."""
-    meta, types, tensors = read_gguf(path)
-    arch_name = str(meta.get("general.architecture"))
-    arch = architecture(arch_name)
-    check_tensor_types(types)
-    names = {gguf: mlx_name(gguf, arch) for gguf in types}
+    file = open_gguf(path)
+    arch = check_convertible(file)
+    meta, types = file.meta, file.types
+    names = {gguf: mlx_name(gguf, arch) for gguf in types if gguf not in CONFIG_TENSORS}
     tokenizer = build_tokenizer(meta)
-    config = model_config(meta, arch_name, arch, names, types)
-    write_shards(out, read_weights(tensors, names))
+    tensors = gguf_tensors(path)
+    freqs = _rope_freqs(tensors)
+    config = model_config(meta, file.architecture_name, arch, names, types, freqs)
+    write_shards(out, read_weights(tensors, names, arch, config))
     tokenizer.save(str(out / "tokenizer.json"))
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens))
@@ -66,22 +65,11 @@ def convert(path: Path, out: Path) -> None:
     _write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
 
 
-def architecture(name: str) -> Architecture:
-    try:
-        return ARCHITECTURES[name]
-    except KeyError:
-        raise GgufError(
-            f"GGUF architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        ) from None
-
-
-def check_tensor_types(types: dict[str, str]) -> None:
-    for name, kind in types.items():
-        if kind not in PLAIN_TYPES and kind not in QUANT_WIDTHS:
-            raise GgufError(
-                f"tensor {name} has GGUF type {kind}, which is not supported "
-                f"(supported: {SUPPORTED_TYPES})"
-            )
+def _rope_freqs(tensors: list[Any]) -> np.ndarray | None:
+    for tensor in tensors:
+        if tensor.name == "rope_freqs.weight":
+            return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    return None
 
 
 def mlx_name(gguf_name: str, arch: Architecture) -> str:
@@ -92,85 +80,50 @@ def mlx_name(gguf_name: str, arch: Architecture) -> str:
     match = _BLOCK_NAME.fullmatch(base)
     if match:
         layer, local = match.groups()
-        mapped = BLOCK_TENSORS.get(local) or arch.extra_block_tensors.get(local)
+        mapped = arch.block_tensors.get(local) or BLOCK_TENSORS.get(local)
         if mapped:
             return f"model.layers.{layer}.{mapped}"
     raise GgufError(
         f"tensor {gguf_name} is not known for architecture {arch.model_type} "
-        "(rope scaling tables, vision or MoE tensors are not supported)"
+        "(vision, audio or other extra tensors are not supported)"
     )
 
 
-def model_config(
-    meta: dict[str, Any],
-    arch_name: str,
-    arch: Architecture,
-    names: dict[str, str],
-    types: dict[str, str],
-) -> dict[str, Any]:
-    config: dict[str, Any] = {"model_type": arch.model_type}
-    for key, gguf_key in CONFIG_KEYS.items():
-        full = f"{arch_name}.{gguf_key}"
-        if full not in meta:
-            raise GgufError(f"GGUF metadata {full} is missing")
-        config[key] = meta[full]
-    for key, (gguf_key, default) in OPTIONAL_CONFIG_KEYS.items():
-        config[key] = meta.get(f"{arch_name}.{gguf_key}", default)
-    if config["head_dim"] is None:
-        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
-    _check_rope_scaling(meta, arch_name)
-    config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
-    config["tie_word_embeddings"] = "output.weight" not in types
-    config["rope_traditional"] = arch.rope_traditional
-    if arch.attention_bias_key:
-        config[arch.attention_bias_key] = any(
-            n.startswith("blk.") and n.endswith(".attn_q.bias") for n in types
-        )
-    config["eos_token_id"] = _eos_ids(meta)
-    if "tokenizer.ggml.bos_token_id" in meta:
-        config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    quantization = quantization_config(names, types)
-    if quantization:
-        config["quantization"] = quantization
-    return config
-
-
-def _check_rope_scaling(meta: dict[str, Any], arch_name: str) -> None:
-    kind = meta.get(f"{arch_name}.rope.scaling.type")
-    if kind not in (None, "none"):
-        raise GgufError(f"GGUF rope scaling {kind!r} is not supported")
-
-
-def _eos_ids(meta: dict[str, Any]) -> list[int]:
-    """End-of-sequence and end-of-turn tokens (llama.cpp stops at both)."""
-    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = [int(meta[f"tokenizer.ggml.{k}"]) for k in keys if f"tokenizer.ggml.{k}" in meta]
-    return list(dict.fromkeys(ids))
-
-
-def quantization_config(names: dict[str, str], types: dict[str, str]) -> dict[str, Any]:
-    """mlx-lm's `quantization`: the most common bit width, other widths per layer."""
-    bits = {
-        names[n]: QUANT_WIDTHS[t]
-        for n, t in types.items()
-        if t in QUANT_WIDTHS and n.endswith(".weight")
-    }
-    if not bits:
-        return {}
-    common = Counter(bits.values()).most_common(1)[0][0]
-    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
-    for layer, width in sorted(bits.items()):
-        if width != common:
-            config[layer] = {"group_size": GROUP_SIZE, "bits": width}
-    return config
-
-
-def read_weights(tensors: list[Any], names: dict[str, str]) -> Iterator[tuple[str, Any]]:
+def read_weights(
+    tensors: list[Any], names: dict[str, str], arch: Architecture, config: dict[str, Any]
+) -> Iterator[tuple[str, Any]]:
     """Every tensor read on its own through gguf-py (tensors.py), one after another."""
     for tensor in tensors:
-        for suffix, value in read_tensor(tensor).items():
+        if tensor.name not in names:
+            continue
+        arrays = read_tensor(tensor)
+        arrays = _adjusted(tensor.name, names[tensor.name], arrays, arch, config)
+        for suffix, value in arrays.items():
             part = "bias" if tensor.name.endswith(".bias") else suffix
             yield f"{names[tensor.name]}.{part}", value
+
+
+def _adjusted(
+    gguf_name: str, name: str, arrays: dict[str, Any], arch: Architecture, config: dict[str, Any]
+) -> dict[str, Any]:
+    """Undo what llama.cpp's converter did to a tensor that mlx-lm does not expect."""
+    if gguf_name.endswith(ROW_VECTORS):  # a 1-output Linear stored as a vector
+        return {"weight": arrays["weight"].reshape(1, -1)}
+    if arch.norms_plus_one and _NORM.search(name) and gguf_name.endswith(".weight"):
+        return {"weight": arrays["weight"] - 1.0}
+    if arch.rope == "unpermute" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+        key = "num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"
+        return {k: unpermute_rows(v, int(config[key])) for k, v in arrays.items()}
+    return arrays
+
+
+def unpermute_rows(rows: Any, heads: int) -> Any:
+    """The inverse of llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`):
+    each head's rows back from (pairs, 2) interleaved to (2, pairs) halves."""
+    shape = rows.shape
+    per_head = shape[0] // heads
+    split = rows.reshape(heads, per_head // 2, 2, *shape[1:])
+    return split.swapaxes(1, 2).reshape(shape)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -74,19 +74,28 @@ def pre_tokenizer_of(name: str) -> PreTokenizer:
         ) from None
 
 
-def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """The fast tokenizer the metadata describes."""
+def check_tokenizer(meta: dict[str, Any]) -> None:
+    """UnsupportedTokenizer unless the metadata names a tokenizer built here."""
     kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
     if kind == "gpt2":
-        tokenizer = _byte_level_tokenizer(meta)
-    elif kind == "llama":
-        tokenizer = build_spm_tokenizer(meta)
-    else:
+        pre_tokenizer_of(str(meta.get("tokenizer.ggml.pre", "default")))
+    elif kind != "llama":
         raise UnsupportedTokenizer(
             f"tokenizer.ggml.model {kind!r} is not supported "
             "(supported: gpt2 (byte-level BPE), llama (sentencepiece))"
         )
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise UnsupportedTokenizer("the file has no tokenizer.ggml.tokens (no vocabulary)")
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The fast tokenizer the metadata describes."""
+    check_tokenizer(meta)
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        tokenizer = _byte_level_tokenizer(meta)
+    else:
+        tokenizer = build_spm_tokenizer(meta)
     post_processor = _post_processor(meta, tokens)
     if post_processor is not None:
         tokenizer.post_processor = post_processor

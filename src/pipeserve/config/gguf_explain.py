@@ -1,0 +1,43 @@
+"""`validate --explain` for a `.gguf` source: what the file holds, read from its header
+without converting it (engine/gguf/inspect.py), and the evidence `pipeline: auto`
+detects from: the mlx-lm model type it becomes, its chat template, its special tokens
+(the same facts the converted folder will show the server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeserve.config.detect import ModelEvidence
+from pipeserve.config.models import ModelEntry
+from pipeserve.engine.weights.gguf.inspect import GgufSummary, inspect_gguf
+
+
+def gguf_summary(entry: ModelEntry) -> GgufSummary | None:
+    """The header summary of the entry's `.gguf` source; None for other sources."""
+    from pipeserve.engine.weights.gguf.files import is_gguf_source
+
+    if not is_gguf_source(entry.source) or entry.source.startswith("pypi:"):
+        return None
+    return inspect_gguf(Path(entry.source).expanduser())
+
+
+def gguf_evidence(summary: GgufSummary) -> ModelEvidence:
+    return ModelEvidence(
+        folder=summary.path,
+        model_types=frozenset({summary.model_type}),
+        template=summary.chat_template,
+        special_tokens=summary.special_tokens,
+    )
+
+
+def gguf_lines(entry: ModelEntry, summary: GgufSummary) -> list[str]:
+    lines = [f"    {line}" for line in summary.lines()]
+    if not summary.chat_template:
+        if entry.chat_template is not None:
+            lines.append(f"    chat template from the config: {entry.chat_template}")
+        else:
+            lines.append(
+                "    WARNING: no chat template: chat requests will answer 400; set "
+                "`chat_template:` on this model (a .jinja file or a built-in name)"
+            )
+    return lines

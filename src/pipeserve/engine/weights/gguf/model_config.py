@@ -1,0 +1,136 @@
+"""config.json of a converted GGUF: the architecture's keys (architectures.py) read
+from the file's `<architecture>.*` metadata, rope scaling, tying, EOS / BOS ids and
+mlx-lm's `quantization` section."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from pipeserve.engine.weights.gguf.architectures import CONFIG_KEYS, REQUIRED, Architecture
+from pipeserve.engine.weights.gguf.files import GgufError
+from pipeserve.engine.weights.gguf.tensors import GROUP_SIZE, QUANT_WIDTHS
+
+# Llama 3.x rope scaling: llama.cpp's converter writes the per-frequency divisors as the
+# tensor rope_freqs.weight; Meta's parameters other than the factor are these for every
+# Llama 3.1 / 3.2 / 3.3 release. The divisors must match them (else refused).
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def model_config(
+    meta: dict[str, Any],
+    arch_name: str,
+    arch: Architecture,
+    names: dict[str, str],
+    types: dict[str, str],
+    rope_freqs: np.ndarray | None = None,
+) -> dict[str, Any]:
+    config: dict[str, Any] = {"model_type": arch.model_type}
+    for key, (gguf_key, default) in {**CONFIG_KEYS, **arch.config}.items():
+        full = f"{arch_name}.{gguf_key}"
+        if full in meta:
+            config[key] = meta[full]
+        elif default is REQUIRED:
+            raise GgufError(f"GGUF metadata {full} is missing")
+        elif default is not None:
+            config[key] = default
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if config.get("head_dim") is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    config.update(arch.constants)
+    for key in arch.head_dim_keys:
+        config[key] = config["head_dim"]
+    _sliding_window(config, arch)
+    _rope(config, meta, arch_name, arch, rope_freqs)
+    config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    config["tie_word_embeddings"] = "output.weight" not in types
+    if arch.attention_bias_key:
+        config[arch.attention_bias_key] = any(
+            n.startswith("blk.") and n.endswith(".attn_q.bias") for n in types
+        )
+    config["eos_token_id"] = _eos_ids(meta)
+    if "tokenizer.ggml.bos_token_id" in meta:
+        config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    quantization = quantization_config(names, types)
+    if quantization:
+        config["quantization"] = quantization
+    return config
+
+
+def _sliding_window(config: dict[str, Any], arch: Architecture) -> None:
+    """Only an mlx-lm class that places its own sliding layers (Gemma) gets a window."""
+    if not arch.own_window_pattern:
+        config.pop("sliding_window", None)
+
+
+def _rope(
+    config: dict[str, Any],
+    meta: dict[str, Any],
+    arch_name: str,
+    arch: Architecture,
+    rope_freqs: np.ndarray | None,
+) -> None:
+    if arch.rope == "traditional":
+        config["rope_traditional"] = True
+    dims = meta.get(f"{arch_name}.rope.dimension_count")
+    if dims is not None and int(dims) != config["head_dim"]:
+        config["partial_rotary_factor"] = int(dims) / config["head_dim"]
+    kind = meta.get(f"{arch_name}.rope.scaling.type")
+    factor = meta.get(f"{arch_name}.rope.scaling.factor")
+    if rope_freqs is not None:
+        config["rope_scaling"] = llama3_scaling(rope_freqs, config)
+    elif kind == "linear" and factor:
+        config["rope_scaling"] = {"type": "linear", "factor": float(factor)}
+    elif kind not in (None, "none"):
+        raise GgufError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+def llama3_scaling(divisors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's `llama3` rope scaling whose frequencies are the file's rope_freqs."""
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE}
+    expected = llama3_divisors(int(config["head_dim"]), float(config["rope_theta"]), scaling)
+    if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-4):
+        raise GgufError(
+            "GGUF rope_freqs.weight is not Llama 3's rope scaling (factor "
+            f"{factor:g}, low 1, high 4, original context 8192); not supported"
+        )
+    return scaling
+
+
+def llama3_divisors(dims: int, base: float, scaling: dict[str, Any]) -> np.ndarray:
+    """The per-frequency divisors of Llama 3's rope scaling (as llama.cpp's converter)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelens = 2 * np.pi / freqs
+    smooth = (old / wavelens - low) / (high - low)
+    divisors = np.where(wavelens < old / high, 1.0, 1.0 / ((1 - smooth) / factor + smooth))
+    return np.where(wavelens > old / low, factor, divisors).astype(np.float32)
+
+
+def _eos_ids(meta: dict[str, Any]) -> list[int]:
+    """End-of-sequence and end-of-turn tokens (llama.cpp stops at both)."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [int(meta[f"tokenizer.ggml.{k}"]) for k in keys if f"tokenizer.ggml.{k}" in meta]
+    return list(dict.fromkeys(ids))
+
+
+def quantization_config(names: dict[str, str], types: dict[str, str]) -> dict[str, Any]:
+    """mlx-lm's `quantization`: the most common bit width, other widths per layer."""
+    bits = {
+        names[n]: QUANT_WIDTHS[t]
+        for n, t in types.items()
+        if t in QUANT_WIDTHS and n.endswith(".weight") and n in names
+    }
+    if not bits:
+        return {}
+    common = Counter(bits.values()).most_common(1)[0][0]
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
+    for layer, width in sorted(bits.items()):
+        if width != common:
+            config[layer] = {"group_size": GROUP_SIZE, "bits": width}
+    return config
