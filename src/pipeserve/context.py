@@ -28,6 +28,9 @@ class RequestContext:
     prompt: str | None = None  # rendered prompt text (render stage)
     prompt_token_ids: list[int] | None = None  # tokenized prompt (render or generate)
     prompt_opened_thinking: bool = False  # the prompt ends inside an open think block
+    # render stage: token ids that end this answer besides the model's EOS (FIM's pad
+    # and file-separator tokens); generate adds them to the job's stop ids
+    stop_token_ids: frozenset[int] = frozenset()
     think_close: str = ""  # thinking: text that leaves an open think block
     assistant_prefill: str = ""  # text appended after the generation prompt (forced tool call)
     forced_call: str = ""  # tool_calls: the part of assistant_prefill that opens the call

@@ -108,15 +108,35 @@ class ReasoningOptions:
     budget_tokens: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class FillInMiddle:
+    """Fill-in-the-middle: the raw prompt is the text before the hole, `suffix` the text
+    after it (render_template lays both out with the vocabulary's FIM tokens).
+
+    param: the request field an error names (`suffix`, `input_suffix`). repo_level:
+    llama.cpp's /infill layout (repository and file-separator tokens before the prefix,
+    `extra` files as context, `prompt` after the prefix); False: the model's plain
+    prefix-suffix-middle layout. extra: (filename, text) context files (repo_level only).
+    """
+
+    suffix: str
+    param: str = "suffix"
+    repo_level: bool = False
+    extra: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
+
+
 @dataclass(slots=True)
 class RawPrompt:
     """A prompt sent as is (legacy Completions, Ollama's `raw`): no chat template is
     applied, and the answer is the model's text as generated (render_template tokenizes
     it; stages that parse output, reasoning or tool calls, are skipped). Exactly one of
-    text and token_ids is set."""
+    text and token_ids is set. fim: the prompt is the prefix of a fill-in-the-middle
+    request (the text is then tokenized without reading special tokens in it)."""
 
     text: str | None = None
     token_ids: list[int] | None = None
+    fim: FillInMiddle | None = None
 
 
 @dataclass(slots=True)
@@ -142,3 +162,25 @@ class GenerationRequest:
     prediction: str | None = None
     output_format: OutputFormat | None = None  # structured output (None: free text)
     raw_prompt: RawPrompt | None = None  # set instead of messages by completion protocols
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """`/tokenize`: text (`content`) or a conversation (`chat`, rendered through the
+    model's template exactly as generation renders it) to token ids. model: None where
+    the protocol lets it out (the route's only model answers)."""
+
+    model: str | None
+    content: str | None = None
+    chat: GenerationRequest | None = None
+    add_special: bool = False  # the tokenizer's BOS (content only)
+    parse_special: bool = True  # special-token spellings in content are special tokens
+    with_pieces: bool = False  # each id with its text (or its bytes, when not UTF-8)
+
+
+@dataclass(slots=True)
+class DetokenizeRequest:
+    """`/detokenize`: token ids to text (special tokens as their text)."""
+
+    model: str | None
+    tokens: list[int] = field(default_factory=list)

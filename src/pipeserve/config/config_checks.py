@@ -31,6 +31,7 @@ KNOWN_APIS: tuple[str, ...] = (
     "openai-responses",
     "openai-completions",
     "ollama",
+    "llama-cpp",
 )
 YAML_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 

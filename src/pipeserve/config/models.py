@@ -519,7 +519,8 @@ class EndpointEntry(Strict):
     api: str = Field(
         ...,
         description="Wire protocol: openai-chat, anthropic-messages, openai-responses,"
-        " openai-completions or ollama (a route prefix such as /api).",
+        " openai-completions, ollama (a route prefix such as /api) or llama-cpp (a route"
+        " prefix such as /: /infill, /tokenize, /detokenize).",
     )
     models: list[str] | None = Field(
         None, description="Restrict to these model names (default: all)."

@@ -81,6 +81,11 @@ class ProtocolRoute:
         self.options = options
         self.errors = ProtocolErrors(protocol)
 
+    def resolve(self, name: str | None, scope: set[str] | None) -> ServedModel:
+        """The model a request names (or the route's only one, where the protocol lets
+        `model` out)."""
+        return self.models.resolve(name, scope, sole=self.protocol.model_optional)
+
 
 class GenerationResource(ProtocolRoute):
     def __init__(
@@ -107,8 +112,9 @@ class GenerationResource(ProtocolRoute):
             record.key = grant.key_name
             request = self.decode(req)
             record.stream = request.stream
-            served = self.models.resolve(request.model, grant.scope(self.allowed))
+            served = self.resolve(request.model, grant.scope(self.allowed))
             label = record.model = served.name
+            request.model = request.model or served.name
             self.apply_default_format(request, served)
             ctx = RequestContext(
                 request=request,

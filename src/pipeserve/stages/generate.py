@@ -72,7 +72,7 @@ class GenerateStage:
             prompt_token_ids=prompt,
             sampling=request.sampling,
             max_tokens=self.max_tokens(request, runtime, len(prompt)),
-            stop_token_ids=runtime.eos_token_ids,
+            stop_token_ids=runtime.eos_token_ids | ctx.stop_token_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs if request.logprobs else 0,
             mock_completion=request.mock_response,

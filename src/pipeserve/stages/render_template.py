@@ -7,6 +7,9 @@ Two renderers:
 
 Per request (prepare) it sets ctx.prompt, ctx.prompt_token_ids and
 ctx.prompt_opened_thinking (the rendered prompt, right-stripped, ends with think_start).
+A raw prompt is tokenized as is; a fill-in-the-middle one (RawPrompt.fim) is laid out
+with the vocabulary's FIM tokens (stages/fim.py, in render_base.py), which also sets
+ctx.stop_token_ids.
 The stage passes events through untouched.
 """
 
@@ -30,7 +33,7 @@ class ChatTemplateStage(RenderStage):
     def __init__(self, params: RenderParams, env: BuildEnv) -> None:
         super().__init__(params, env)
         if env.runtime is not None:  # compile (transformers caches it) and fail at startup
-            tokenizer = self.hf_tokenizer()
+            tokenizer = self.tokenizer()
             if not getattr(tokenizer, "chat_template", None):
                 message = "has no chat template; use renderer: harmony or a model with one"
                 raise ValueError(f"model {env.model_name!r} {message}")
@@ -41,14 +44,8 @@ class ChatTemplateStage(RenderStage):
                     f"model {env.model_name!r}: its chat template does not render: {exc}"
                 ) from exc
 
-    def hf_tokenizer(self) -> Any:
-        runtime = self.env.runtime
-        if runtime is None:
-            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
-        return getattr(runtime.tokenizer, "_tokenizer", runtime.tokenizer)
-
     def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
-        tokenizer = self.hf_tokenizer()
+        tokenizer = self.tokenizer()
         tools = None if request.tool_choice.mode == "none" else template_tools(request.tools)
         continuing = self.params.continue_final_assistant and is_prefill(request.messages)
         try:
