@@ -53,7 +53,7 @@ class TokenizeResource(TokenizerResource):
         if request.chat is not None:
             tokens = conversation_tokens(served, request, request_id(req))
         else:
-            tokens = text_tokens(served, request)
+            tokens = text_tokens(hf_tokenizer(served), request)
         pieces = token_pieces(served.runtime.tokenizer, tokens) if request.with_pieces else None
         return self.protocol.tokenize_response(tokens, pieces)
 
@@ -77,11 +77,10 @@ def hf_tokenizer(served: ServedModel) -> Any:
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
-def text_tokens(served: ServedModel, request: TokenizeRequest) -> list[int]:
-    """`content` as the tokenizer encodes it: with its BOS when add_special, and
-    special-token spellings read as text unless parse_special."""
+def text_tokens(tokenizer: Any, request: TokenizeRequest) -> list[int]:
+    """`content` as the (Hugging Face) tokenizer encodes it: with its BOS when
+    add_special, and special-token spellings read as text unless parse_special."""
     text = request.content or ""
-    tokenizer = hf_tokenizer(served)
     split = not request.parse_special
     ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split)
     return [*leading_specials(tokenizer), *ids] if request.add_special else list(ids)
