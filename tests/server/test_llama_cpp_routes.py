@@ -14,8 +14,8 @@ import ollama
 import openai
 import pytest
 
-from tests.engine.test_demo_models import TEXTS
-from tests.engine.test_gguf_convert import STRINGS
+from tests.engine.weights.test_demo_models import TEXTS
+from tests.engine.weights.test_gguf_convert import STRINGS
 
 pytestmark = pytest.mark.server
 

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeserve.engine.gguf import ensure_converted
-from pipeserve.engine.loader import load_tokenizer
+from pipeserve.engine.weights.gguf import ensure_converted
+from pipeserve.engine.weights.loader import load_tokenizer
 from pipeserve.request import TokenizeRequest
 from pipeserve.server.tokenize import text_tokens, token_pieces
-from tests.engine.gguf_fixtures import write_tiny_gguf
+from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 
 TEXTS = ["hello world 日本 (x) é", "日本語", " the theater", "<s>a"]
 

@@ -127,7 +127,7 @@ def test_a_vocabulary_without_fim_tokens_is_a_400_naming_the_field(
 
 
 def test_smollm2_has_no_fim_tokens(smollm2: tuple[Path, Path]) -> None:
-    from pipeserve.engine.loader import load_tokenizer
+    from pipeserve.engine.weights.loader import load_tokenizer
 
     assert find_fim_tokens(load_tokenizer(smollm2[1])._tokenizer.get_vocab()) is None
 
