@@ -30,6 +30,7 @@ from pipeserve.engine.output.channel import Courier
 from pipeserve.engine.output.request_state import RequestState
 from pipeserve.engine.sampling.constraints import ConstraintSet, SamplerFilters
 from pipeserve.engine.sampling.samplers import make_processors, make_sampler
+from pipeserve.engine.sampling.thinking_budget import BudgetTracker
 from pipeserve.engine.speculative.draft import DraftProposer
 from pipeserve.engine.speculative.proposer import RowProposer, stop_cutter
 from pipeserve.engine.speculative.state import Speculation
@@ -66,6 +67,9 @@ class Scheduler:
         self._finished = 0
         self._stops: dict[frozenset[int], StopSequences] = {}
         self._constraints: ConstraintSet | None = None  # made at the first constrained job
+        # Rows with a thinking budget (engine/sampling/thinking_budget.py), by request key.
+        # A sharded model's ranks replay rank 0's steps: no forced tokens there (yet).
+        self.budgets: dict[int, BudgetTracker] = {}
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
                      "requests_cancelled", "requests_failed", "engine_faults",
                      "speculative_proposed_tokens_total", "speculative_accepted_tokens_total"):  # fmt: skip
@@ -146,6 +150,8 @@ class Scheduler:
             self._count_finished("requests_failed")
             return
         self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
+        if job.thinking is not None and self.options.sharding is None:
+            self.budgets[key] = BudgetTracker(job.thinking)
         self._speculate(uid, seq)
         seq.ready(courier, lookup.cached_tokens)
         self.stats["prompt_tokens_total"] += len(prompt)
@@ -156,6 +162,8 @@ class Scheduler:
         """Give the sequence a proposer when the model speculates or it has a prediction."""
         job = seq.job
         if self.speculation is None or not (self.options.speculative or job.prediction_token_ids):
+            return
+        if job.thinking is not None:  # forced tokens replace drawn ones: one token a step
             return
         method = self.options.speculative.method if self.options.speculative else None
         row = RowProposer(
@@ -266,6 +274,8 @@ class Scheduler:
             else:
                 seq.token(courier, response.token, response.logprobs, final=reason == "length")
                 self.stats["completion_tokens_total"] += 1
+                if reason is None and key in self.budgets:
+                    self._spend_thinking(key, response)
         except Exception as exc:
             log.exception("request %s: token delivery failed", seq.job.request_id)
             if reason is None:
@@ -281,6 +291,16 @@ class Scheduler:
             seq.finish(courier, reason)
             self._count_finished()
             self._observe_duration(time.monotonic() - seq.submitted_at)
+
+    def _spend_thinking(self, key: int, response: Any) -> None:
+        """Count the token against the row's thinking budget; once it is spent, the
+        close of the think block becomes the row's next tokens."""
+        tracker = self.budgets[key]
+        forced = tracker.after(response.token)
+        if forced is not None and not self.gen.force_next(response.uid, forced):
+            tracker.state = "done"  # the row is not decoding (it just ended)
+        if tracker.done:
+            del self.budgets[key]
 
     def cancel(self, key: int, courier: Courier) -> None:
         seq = self.seqs.get(key)
@@ -301,6 +321,7 @@ class Scheduler:
     def _forget(self, key: int) -> None:
         if self._constraints is not None:
             self._constraints.release(key)
+        self.budgets.pop(key, None)
         seq = self.seqs.pop(key, None)
         uid = self.uid_of.pop(key, None)
         if uid is not None:
@@ -337,6 +358,7 @@ class Scheduler:
         self.seqs.clear()
         self.uid_of.clear()
         self.key_of.clear()
+        self.budgets.clear()
         if self.speculation is not None:
             self.speculation.clear()
         if self._constraints is not None:
