@@ -26,6 +26,10 @@ LOOP = "I should think more. "
 ANSWER = "The answer is 4."
 SCRIPT = "<think>\n" + LOOP * 300 + "</think>\n\n" + ANSWER  # 1500 tokens of thinking
 ASK = [{"role": "user", "content": "What is 2+2?"}]
+HARMONY = (
+    "<|channel|>analysis<|message|>" + LOOP * 300
+    + "<|end|><|start|>assistant<|channel|>final<|message|>" + ANSWER + "<|return|>"
+)  # fmt: skip
 MODELS = f"""\
   - name: loop
     source: demo:qwen3
@@ -39,6 +43,12 @@ MODELS = f"""\
     engine: replay
     replay: {{completion: {json.dumps(SCRIPT)}}}
     reasoning: {{max_thinking_tokens: 16}}
+  - name: loop-oss
+    source: demo:gpt-oss
+    pipeline: gpt-oss
+    engine: replay
+    replay: {{completion: {json.dumps(HARMONY)}}}
+    reasoning: {{effort_budgets: {{low: 8}}}}
   - name: glm
     source: demo:glm
     pipeline: glm
@@ -72,13 +82,13 @@ def chat(base: str) -> openai.OpenAI:
 
 
 @cache
-def _tokenizer() -> Any:
-    """The qwen3 demo vocabulary (what the replay models write with)."""
+def _tokenizer(family: str = "qwen3") -> Any:
+    """A demo vocabulary (what the replay models write with)."""
     from pipeserve.engine.weights.demo.build import ensure_demo_model
     from pipeserve.engine.weights.loader import load_tokenizer
     from pipeserve.settings import pipeserve_home
 
-    return load_tokenizer(ensure_demo_model("qwen3", pipeserve_home()))
+    return load_tokenizer(ensure_demo_model(family, pipeserve_home()))
 
 
 def cut(budget: int) -> str:
@@ -164,6 +174,14 @@ def test_responses_reasoning_effort(chat: openai.OpenAI, stream: bool) -> None:
     assert (
         response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 66
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_analysis_channel(chat: openai.OpenAI, stream: bool) -> None:
+    """Harmony: the analysis message is closed and the final channel opened."""
+    reasoning, content, usage = chat_answer(chat, stream, model="loop-oss", reasoning_effort="low")
+    ids = _tokenizer("gpt-oss").encode(LOOP * 300, add_special_tokens=False)[:8]
+    assert reasoning == _tokenizer("gpt-oss").decode(ids) and content == ANSWER
 
 
 def test_ollama_think_levels(base: str) -> None:
