@@ -88,3 +88,28 @@ def test_the_engine_forces_the_close_and_the_answer_follows(
     streams.append(runtime.engine.submit(job(others[1], 20)))
     together = [collect(s).ids for s in streams]
     assert together == [alone[0], budgeted, alone[1]]
+
+
+def test_budgeted_rows_in_a_speculating_batch(demo_model_dir: Callable[[str], Any]) -> None:
+    """Rows that speculate (prompt lookup on code) and a budgeted row in one batch: every
+    row gives what it gives without speculation, and the budgeted row its forced close."""
+    from tests.engine.speculative.test_verify import CODE, PROMPT_LOOKUP, Model, Row, run
+    from tests.engine.speculative.test_verify import job as spec_job
+
+    m = Model(demo_model_dir("qwen3"))
+    code = m.ids(CODE)
+    close = tuple(m.ids("</think>\n\n"))
+    limit = ThinkingLimit(4, tuple(m.ids("<think>")), tuple(m.ids("</think>")), close, opened=True)
+
+    def rows(predicted: list[int] | None = None) -> list[Row]:
+        return [
+            Row(spec_job(m, code, 24, prediction_token_ids=predicted)),  # proposals accepted
+            Row(spec_job(m, code[2:], 24, thinking=limit)),
+            Row(spec_job(m, code[4:], 24)),
+        ]
+
+    plain = run(m, rows(), None)
+    speculated = run(m, rows(plain[0].ids), PROMPT_LOOKUP)
+    assert [r.ids for r in speculated] == [r.ids for r in plain]
+    assert tuple(plain[1].ids[4:6]) == close
+    assert speculated[0].usage.accepted_tokens > 0 and speculated[1].usage.proposed_tokens == 0
