@@ -50,6 +50,10 @@ class GenerationJob:
     stop_strings: tuple[str, ...] = ()  # the request's stop strings (speculation stops there)
     prediction_token_ids: list[int] | None = None  # Chat's `prediction`, tokenized
     thinking: ThinkingLimit | None = None  # a budget for the think block (None: unlimited)
+    # A request's n choices: the jobs of one group share the prompt, prefilled once
+    # (engine/mlx/prompt_groups.py); engines without that prefill each job alone.
+    prompt_group: str | None = None
+    group_size: int = 1
 
 
 class TokenStream(Protocol):

@@ -23,8 +23,9 @@ from mlx_lm.generate import StopSequences
 
 from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.cpu_kernels import kernels
-from pipeserve.engine.kv.prefix_cache import PrefixCache
+from pipeserve.engine.kv.prefix_cache import CacheLookup, PrefixCache
 from pipeserve.engine.mlx.generator import BatchGenerator
+from pipeserve.engine.mlx.prompt_groups import PromptGroup
 from pipeserve.engine.mlx.step_plan import StepPlan
 from pipeserve.engine.output.channel import Courier
 from pipeserve.engine.output.request_state import RequestState
@@ -70,9 +71,14 @@ class Scheduler:
         # Rows with a thinking budget (engine/sampling/thinking_budget.py), by request key.
         # A sharded model's ranks replay rank 0's steps: no forced tokens there (yet).
         self.budgets: dict[int, BudgetTracker] = {}
+        # A request's n choices, prefilled once (engine/mlx/prompt_groups.py): by group id,
+        # and the group of each job that waits for its leader's prompt KV.
+        self.groups: dict[str, PromptGroup] = {}
+        self.held: dict[int, str] = {}
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
                      "requests_cancelled", "requests_failed", "engine_faults",
-                     "speculative_proposed_tokens_total", "speculative_accepted_tokens_total"):  # fmt: skip
+                     "speculative_proposed_tokens_total", "speculative_accepted_tokens_total",
+                     "prefill_tokens_total", "shared_prompt_rows_total"):  # fmt: skip
             stats.setdefault(name, 0)
         self._update_stats()
 
@@ -130,9 +136,81 @@ class Scheduler:
 
     def add(self, key: int, seq: RequestState, courier: Courier) -> None:
         job = seq.job
+        group_id = job.prompt_group if job.group_size > 1 else None
+        if group_id is None:
+            self._insert(key, seq, courier, self.prefix.fetch(job.prompt_token_ids))
+            return
+        group = self.groups.get(group_id)
+        if group is None:  # the group's leader: prefilled as usual, its KV shared
+            lookup = self.prefix.fetch(job.prompt_token_ids)
+            shareable = len(lookup.rest) > 1 and self.options.sharding is None
+            prompt = list(job.prompt_token_ids)
+            group = self.groups[group_id] = PromptGroup(job.group_size, key, prompt, shareable)
+            self._insert(key, seq, courier, lookup)
+        else:
+            group.arrived += 1
+            self._join(key, seq, group_id, group, courier)
+        if group.complete:
+            del self.groups[group_id]
+
+    def _join(
+        self, key: int, seq: RequestState, group_id: str, group: PromptGroup, courier: Courier
+    ) -> None:
+        """A job of a group that has a leader: its prompt KV copied, waiting for it, or
+        (nothing to share) added as usual."""
+        if seq.job.prompt_token_ids != group.prompt:
+            self._insert(key, seq, courier, self.prefix.fetch(seq.job.prompt_token_ids))
+        elif group.cache is not None:
+            self._insert(key, seq, courier, group.lookup(), shared=True)
+        elif group.open:
+            group.waiting.append((key, seq))
+            self.held[key] = group_id
+        else:
+            self._insert(key, seq, courier, self.prefix.fetch(group.prompt))
+
+    def _share_prompts(self, responses: list[Any], courier: Courier) -> None:
+        """Leaders whose prompt (all but its last token) is now in their KV cache: each
+        waiting job of their group joins with a copy of it."""
+        for response in responses:
+            if not response.end_of_segment or response.end_of_prompt:
+                continue
+            key = self.key_of.get(response.uid)
+            group_id = self.seqs[key].job.prompt_group if key is not None else None
+            group = self.groups.get(group_id) if group_id is not None else None
+            if group_id is None or group is None or group.leader != key or not group.open:
+                continue
+            ((cache, _),) = self.gen.extract_cache([response.uid]).values()
+            group.cache, group.open = cache, False
+            self._release_waiting(group_id, group, courier)
+
+    def _release_waiting(self, group_id: str, group: PromptGroup, courier: Courier) -> None:
+        waiting, group.waiting = group.waiting, []
+        for key, seq in waiting:
+            self.held.pop(key, None)
+            shared = group.cache is not None
+            lookup = group.lookup() if shared else self.prefix.fetch(group.prompt)
+            self._insert(key, seq, courier, lookup, shared=shared)
+        if group.complete:
+            self.groups.pop(group_id, None)
+
+    def _leader_gone(self, key: int, courier: Courier) -> None:
+        """A leader that ends before its prompt was shared: the others are added as usual."""
+        for group_id, group in list(self.groups.items()):
+            if group.leader == key and group.open:
+                group.open = False
+                self._release_waiting(group_id, group, courier)
+
+    def _insert(
+        self,
+        key: int,
+        seq: RequestState,
+        courier: Courier,
+        lookup: CacheLookup,
+        shared: bool = False,
+    ) -> None:
+        job = seq.job
         prompt = job.prompt_token_ids
         try:
-            lookup = self.prefix.fetch(prompt)
             (uid,) = self.gen.insert(
                 [list(lookup.rest)],
                 max_tokens=[job.max_tokens],
@@ -148,6 +226,7 @@ class Scheduler:
                 self._constraints.release(key)
             seq.finish(courier, "error", f"engine rejected the request: {exc}")
             self._count_finished("requests_failed")
+            self._leader_gone(key, courier)
             return
         self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
         if job.thinking is not None and self.options.sharding is None:
@@ -156,6 +235,8 @@ class Scheduler:
         seq.ready(courier, lookup.cached_tokens)
         self.stats["prompt_tokens_total"] += len(prompt)
         self.stats["cached_tokens_total"] += lookup.cached_tokens
+        self.stats["prefill_tokens_total"] += len(lookup.rest)
+        self.stats["shared_prompt_rows_total"] += shared
         self._update_stats()
 
     def _speculate(self, uid: int, seq: RequestState) -> None:
@@ -234,6 +315,7 @@ class Scheduler:
         try:
             prompt_responses, responses = self.gen.step(self._plan())
             self._snapshot_prompts(prompt_responses)
+            self._share_prompts(prompt_responses, courier)
         except Exception as exc:
             log.exception(
                 "engine step failed; failing the %d requests in the batch", len(self.seqs)
@@ -303,9 +385,18 @@ class Scheduler:
             del self.budgets[key]
 
     def cancel(self, key: int, courier: Courier) -> None:
+        group_id = self.held.pop(key, None)
+        if group_id is not None:  # waiting for its leader's prompt: not in the generator
+            group = self.groups[group_id]
+            for waiting in [w for w in group.waiting if w[0] == key]:
+                group.waiting.remove(waiting)
+                waiting[1].finish(courier, "cancelled")
+                self._count_finished("requests_cancelled")
+            return
         seq = self.seqs.get(key)
         if seq is None:
             return
+        self._leader_gone(key, courier)
         uid = self.uid_of[key]
         # Keep the KV state of a sequence that is decoding: agents often resend it.
         keep = seq.completion_tokens > 0 and self.prefix.enabled
@@ -351,8 +442,15 @@ class Scheduler:
         finished, self._finished = self._finished, 0
         return finished
 
+    def _held_states(self) -> list[RequestState]:
+        """The jobs waiting for their leader's prompt (forgotten with their groups)."""
+        states = [seq for group in self.groups.values() for _, seq in group.waiting]
+        self.groups.clear()
+        self.held.clear()
+        return states
+
     def fail_all(self, courier: Courier, message: str) -> None:
-        for seq in self.seqs.values():
+        for seq in [*self.seqs.values(), *self._held_states()]:
             seq.finish(courier, "error", message)
             self._count_finished("requests_failed")
         self.seqs.clear()
@@ -370,7 +468,7 @@ class Scheduler:
         self._update_stats()
 
     def close(self, courier: Courier) -> None:
-        for seq in self.seqs.values():
+        for seq in [*self.seqs.values(), *self._held_states()]:
             seq.finish(courier, "error", "the model is shutting down")
         self.seqs.clear()
         self.gen.close()
