@@ -36,6 +36,7 @@ class RequestContext:
     model_name: str
     dry_run: bool = False  # prepare only (count_tokens): never submit to the engine
     keepalive_interval: float | None = None  # server default for the KeepAlive interval
+    choices: int = 1  # the request's n: its n contexts' jobs share one prefill (by request_id)
     prompt: str | None = None  # rendered prompt text (render stage)
     prompt_token_ids: list[int] | None = None  # tokenized prompt (render or generate)
     prompt_opened_thinking: bool = False  # the prompt ends inside an open think block

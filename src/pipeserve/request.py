@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias, cast
 
+SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
+MAX_CHOICES = 128  # `n`, as OpenAI's API bounds it
+
 Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
 ReasoningEffort: TypeAlias = Literal["minimal", "low", "medium", "high"]
 OutputKind: TypeAlias = Literal["json_schema", "json_object", "regex", "lark"]
@@ -162,6 +165,15 @@ class GenerationRequest:
     prediction: str | None = None
     output_format: OutputFormat | None = None  # structured output (None: free text)
     raw_prompt: RawPrompt | None = None  # set instead of messages by completion protocols
+    n: int = 1  # choices (Chat, Completions): decoded together from one prefill
+
+    def choice(self, index: int) -> GenerationRequest:
+        """This request for its choice `index`: a copy whose seed stream is the choice's
+        own (seed + index; unseeded stays unseeded)."""
+        seed = self.sampling.seed
+        if seed is None or index == 0:
+            return replace(self)
+        return replace(self, sampling=replace(self.sampling, seed=(seed + index) % SEED_SPACE))
 
 
 @dataclass(slots=True)

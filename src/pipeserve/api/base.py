@@ -71,6 +71,9 @@ class WireProtocol(ABC):
     token_paths: ClassVar[Mapping[str, str]] = {}
     # True: a request may leave out `model` where its route serves one model (llama.cpp).
     model_optional: ClassVar[bool] = False
+    # True: the protocol answers a request's n choices (`GenerationRequest.n`) through the
+    # encode_choices_* methods (Chat, Completions).
+    serves_choices: ClassVar[bool] = False
 
     @abstractmethod
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
@@ -87,6 +90,19 @@ class WireProtocol(ABC):
     @abstractmethod
     def error_body(self, error: ApiError) -> dict[str, Any]:
         """The protocol's own error JSON for `error`."""
+
+    def encode_choices_json(
+        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
+    ) -> dict[str, Any]:
+        """The non-streaming body of n choices, one event stream and context each (only
+        where serves_choices)."""
+        raise NotImplementedError(f"{self.name} does not serve n choices")
+
+    def encode_choices_stream(
+        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
+    ) -> Iterator[bytes]:
+        """The stream of n choices, their chunks interleaved by index."""
+        raise NotImplementedError(f"{self.name} does not serve n choices")
 
     def use_store(self, store: ResponseStore) -> None:
         """Hand the protocol the server's response store (only where stores_responses)."""

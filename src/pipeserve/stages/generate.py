@@ -86,6 +86,8 @@ class GenerateStage:
                 encode(runtime.tokenizer, request.prediction) if request.prediction else None
             ),
             thinking=thinking,
+            prompt_group=ctx.request_id if ctx.choices > 1 else None,
+            group_size=ctx.choices,
         )
         if ctx.dry_run:
             return

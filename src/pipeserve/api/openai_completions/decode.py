@@ -7,8 +7,9 @@ Streaming, `echo`, `logprobs` (0-5), `stop`, `seed` and the sampling fields are 
 `suffix` asks for fill-in-the-middle: the prompt is the text before the hole, the
 answer the text between it and the suffix (render_template lays it out with the model's
 FIM tokens; a model without them answers a 400 naming `suffix`).
-Refused with a 400 naming the field, rather than silently ignored: `n` / `best_of`
-above 1, several prompts in one request, `echo` together with `logprobs` (it asks for
+`n` (1-128) choices are decoded together from one prefill, choice i with the seed
+stream seed + i. Refused with a 400 naming the field, rather than silently ignored:
+`best_of` above 1, several prompts in one request, `echo` together with `logprobs` (it asks for
 the prompt tokens' logprobs, which this server does not compute) and `echo` with
 `suffix`. `max_tokens` defaults to 16, as in OpenAI's API.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.api.openai_chat.decode import stop_of
-from pipeserve.api.openai_common import check, unsupported, validate
+from pipeserve.api.openai_common import check, choices_of, unsupported, validate
 from pipeserve.api.openai_completions.schema import CompletionRequestIn
 from pipeserve.errors import invalid
 from pipeserve.request import FillInMiddle, GenerationRequest, RawPrompt
@@ -67,8 +68,6 @@ def fill_in_middle(suffix: Any) -> FillInMiddle | None:
 def refuse_unhonoured(req: CompletionRequestIn) -> None:
     if req.echo and req.suffix not in (None, ""):
         raise unsupported("echo", "with 'suffix' the prompt is laid out with FIM tokens")
-    if req.n not in (None, 1):
-        raise invalid("Only n=1 is supported.", "n")
     if req.best_of not in (None, 1):
         raise invalid("Only best_of=1 is supported.", "best_of")
     if req.echo and req.logprobs is not None:
@@ -92,6 +91,7 @@ def decode_completion(body: Any) -> CompletionGenerationRequest:
         mock_response=req.mock_response,
         echo=bool(req.echo),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        n=choices_of(req.n),
     )
 
 
