@@ -75,7 +75,7 @@ def test_token_id_prompts(client: openai.OpenAI, demo_tokenizer: Callable[[str],
     ("fields", "param"),
     [
         ({"suffix": "def end():", "model": "replay-kimi"}, "suffix"),  # no FIM tokens
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": ""}, "prompt"),
