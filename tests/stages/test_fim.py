@@ -67,12 +67,11 @@ def test_special_spellings_in_the_code_stay_text(qwen: Any) -> None:
     assert ids is not None and [t for t in ids if t in specials] == [151660]  # the layout's own
 
 
-def test_the_middle_ends_at_the_style_s_pad_and_separator_tokens(qwen: Any) -> None:
+def test_the_middle_ends_at_the_style_s_end_and_separator_tokens(qwen: Any) -> None:
     ctx = fim_context(stage_for(qwen), "a", FillInMiddle("b"))
     hf = qwen._tokenizer
-    expected = {
-        hf.convert_tokens_to_ids(t) for t in ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
-    }
+    ends = ("<|fim_pad|>", "<|endoftext|>", "<|repo_name|>", "<|file_sep|>")
+    expected = {hf.convert_tokens_to_ids(t) for t in ends}
     assert ctx.stop_token_ids == expected
 
 
@@ -135,10 +134,11 @@ def test_smollm2_has_no_fim_tokens(smollm2: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("style", FIM_STYLES, ids=[s.name for s in FIM_STYLES])
 def test_styles_are_found_in_the_vocabulary_as_data(style: Any) -> None:
     vocab = {"a": 0, style.prefix: 7, style.suffix: 8, style.middle: 9}
-    vocab |= {name: 20 + i for i, name in enumerate(style.pad + style.file_sep[:1])}
+    extra = style.ends + style.file_sep[:1]
+    vocab |= {name: 20 + i for i, name in enumerate(extra)}
     found = find_fim_tokens(vocab)
     assert found is not None and found.style == style.name
     assert (found.prefix, found.suffix, found.middle) == (7, 8, 9)
-    assert found.ends == frozenset(range(20, 20 + len(style.pad) + len(style.file_sep[:1])))
+    assert found.ends == frozenset(range(20, 20 + len(extra)))
     del vocab[style.middle]
     assert find_fim_tokens(vocab) is None

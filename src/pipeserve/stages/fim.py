@@ -11,9 +11,9 @@ data (FIM_STYLES), and the two layouts.
   prefix, the first quarter less the prompt of suffix, the extra context from the end).
 
 The code itself is tokenized without reading special tokens in it (text that spells
-`<|fim_middle|>` stays text), as llama.cpp does. The middle ends at the model's EOS or
-at the style's padding, repository or file-separator token (llama.cpp's FIM
-end-of-generation tokens).
+`<|fim_middle|>` stays text), as llama.cpp does. The middle ends at the model's EOS, at
+the style's padding or end-of-text token, or at its repository or file-separator token
+(llama.cpp's end-of-generation tokens).
 """
 
 from __future__ import annotations
@@ -34,23 +34,26 @@ class FimStyle:
     prefix: str
     suffix: str
     middle: str
-    pad: tuple[str, ...] = ()
+    ends: tuple[str, ...] = ()  # tokens that end the middle besides EOS (pad, end of text)
     repo: tuple[str, ...] = ()
     file_sep: tuple[str, ...] = ()
 
 
 FIM_STYLES: tuple[FimStyle, ...] = (
     # Qwen2.5-Coder, Qwen3 (and CodeGemma's <|fim_*|> with <|file_separator|>)
+    # (Qwen2.5-Coder's instruct GGUFs name <|im_end|> their EOS; a middle ends at <|endoftext|>)
     FimStyle("fim-pipes", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
-             ("<|fim_pad|>",), ("<|repo_name|>",), ("<|file_sep|>", "<|file_separator|>")),
+             ("<|fim_pad|>", "<|endoftext|>"), ("<|repo_name|>",),
+             ("<|file_sep|>", "<|file_separator|>")),
     # StarCoder, StarCoder2
     FimStyle("fim-underscore", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
-             ("<fim_pad>",), ("<repo_name>", "<reponame>"), ("<file_sep>",)),
+             ("<fim_pad>", "<|endoftext|>"), ("<repo_name>", "<reponame>"), ("<file_sep>",)),
     # SantaCoder
     FimStyle("fim-dash", "<fim-prefix>", "<fim-suffix>", "<fim-middle>",
-             ("<fim-pad>",), ("<fim-repo>",), ("<fim-sep>",)),
+             ("<fim-pad>", "<|endoftext|>"), ("<fim-repo>",), ("<fim-sep>",)),
     # DeepSeek-Coder
-    FimStyle("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+    FimStyle("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>",
+             ("<｜end▁of▁sentence｜>",)),
 )  # fmt: skip
 
 STYLE_NAMES = ", ".join(f"{s.prefix} {s.suffix} {s.middle}" for s in FIM_STYLES)
@@ -77,9 +80,10 @@ def find_fim_tokens(vocab: Mapping[str, int]) -> FimTokens | None:
         core = [vocab.get(t) for t in (style.prefix, style.suffix, style.middle)]
         if any(token_id is None for token_id in core):
             continue
-        pad, repo, sep = (first_in(vocab, c) for c in (style.pad, style.repo, style.file_sep))
+        repo, sep = first_in(vocab, style.repo), first_in(vocab, style.file_sep)
         prefix, suffix, middle = (int(token_id or 0) for token_id in core)
-        ends = frozenset(t for t in (pad, repo, sep) if t is not None)
+        found = [vocab.get(t) for t in style.ends] + [repo, sep]
+        ends = frozenset(t for t in found if t is not None)
         return FimTokens(style.name, prefix, suffix, middle, repo, sep, ends)
     return None
 
