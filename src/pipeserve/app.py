@@ -34,6 +34,7 @@ from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.request_log import RequestLogMiddleware
 from pipeserve.server.routing import RequestIdMiddleware, RoutingErrors
 from pipeserve.server.stored_responses import add_stored_response_routes
+from pipeserve.server.tokenize import add_tokenizer_routes
 from pipeserve.store import ResponseStore
 
 log = logging.getLogger("pipeserve.app")
@@ -126,6 +127,7 @@ def add_endpoint(
         )
         app.add_route(route, resource)
     add_catalog_routes(app, endpoint.route.rstrip("/"), protocol, table, allowed, options)
+    add_tokenizer_routes(app, endpoint.route.rstrip("/"), protocol, table, allowed, options)
     if protocol.counts_tokens:
         route = endpoint.route + "/count_tokens"
         app.add_route(route, CountTokensResource(route, protocol, table, allowed, options))

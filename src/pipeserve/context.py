@@ -16,6 +16,17 @@ from pipeserve.events import Event, TokenText
 from pipeserve.request import GenerationRequest
 
 
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """A family's think block as text: how the model opens it, how it closes it, and the
+    text the engine writes to close it when a thinking budget is spent (the close and
+    what the family puts before the answer)."""
+
+    start: str
+    end: str
+    close: str
+
+
 @dataclass
 class RequestContext:
     """Per-request facts. Writers: server (first block), stages (named per field)."""
@@ -26,10 +37,15 @@ class RequestContext:
     served_model: str = ""  # the served model's own name (model_name may be an alias)
     dry_run: bool = False  # prepare only (count_tokens): never submit to the engine
     keepalive_interval: float | None = None  # server default for the KeepAlive interval
+    choices: int = 1  # the request's n: its n contexts' jobs share one prefill (by request_id)
     prompt: str | None = None  # rendered prompt text (render stage)
     prompt_token_ids: list[int] | None = None  # tokenized prompt (render or generate)
     prompt_opened_thinking: bool = False  # the prompt ends inside an open think block
+    # render stage: token ids that end this answer besides the model's EOS (FIM's pad
+    # and file-separator tokens); generate adds them to the job's stop ids
+    stop_token_ids: frozenset[int] = frozenset()
     think_close: str = ""  # thinking: text that leaves an open think block
+    think_markers: ThinkMarkers | None = None  # thinking: the family's think block (budgets)
     assistant_prefill: str = ""  # text appended after the generation prompt (forced tool call)
     forced_call: str = ""  # tool_calls: the part of assistant_prefill that opens the call
     envelope: Envelope | None = None  # thinking / tool_calls: how reasoning and answer are framed
@@ -60,4 +76,4 @@ class RequestContext:
             callback()
 
 
-__all__ = ["RequestContext"]
+__all__ = ["RequestContext", "ThinkMarkers"]

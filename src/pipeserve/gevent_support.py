@@ -14,7 +14,7 @@ import importlib
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -149,3 +149,36 @@ def run_off_hub(fn: Callable[[], T]) -> T:
     import gevent
 
     return apply_in_pool(gevent.get_hub().threadpool, fn)
+
+
+def interleave(iterators: list[Iterator[T]]) -> Iterator[tuple[int, T]]:
+    """The items of several blocking iterators as each comes (one greenlet pulls each),
+    with the index of its iterator; an iterator's exception is raised here. Closing this
+    generator kills the greenlets, which closes the iterators they were pulling."""
+    import gevent
+    from gevent.queue import Queue
+
+    items: Queue[tuple[int, bool, Any]] = Queue()
+
+    def pull(index: int, iterator: Iterator[T]) -> None:
+        try:
+            for item in iterator:
+                items.put((index, False, item))
+        except Exception as exc:
+            items.put((index, True, exc))
+            return
+        items.put((index, True, None))
+
+    pullers = [gevent.spawn(pull, i, it) for i, it in enumerate(iterators)]
+    running = len(pullers)
+    try:
+        while running:
+            index, ended, value = items.get()
+            if not ended:
+                yield index, value
+                continue
+            running -= 1
+            if value is not None:
+                raise value
+    finally:
+        gevent.killall(pullers)

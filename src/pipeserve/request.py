@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias, cast
 
+SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
+MAX_CHOICES = 128  # `n`, as OpenAI's API bounds it
+
 Role: TypeAlias = Literal["system", "user", "assistant", "tool"]
 ReasoningEffort: TypeAlias = Literal["minimal", "low", "medium", "high"]
 OutputKind: TypeAlias = Literal["json_schema", "json_object", "regex", "lark"]
@@ -108,15 +111,35 @@ class ReasoningOptions:
     budget_tokens: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class FillInMiddle:
+    """Fill-in-the-middle: the raw prompt is the text before the hole, `suffix` the text
+    after it (render_template lays both out with the vocabulary's FIM tokens).
+
+    param: the request field an error names (`suffix`, `input_suffix`). repo_level:
+    llama.cpp's /infill layout (repository and file-separator tokens before the prefix,
+    `extra` files as context, `prompt` after the prefix); False: the model's plain
+    prefix-suffix-middle layout. extra: (filename, text) context files (repo_level only).
+    """
+
+    suffix: str
+    param: str = "suffix"
+    repo_level: bool = False
+    extra: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
+
+
 @dataclass(slots=True)
 class RawPrompt:
     """A prompt sent as is (legacy Completions, Ollama's `raw`): no chat template is
     applied, and the answer is the model's text as generated (render_template tokenizes
     it; stages that parse output, reasoning or tool calls, are skipped). Exactly one of
-    text and token_ids is set."""
+    text and token_ids is set. fim: the prompt is the prefix of a fill-in-the-middle
+    request (the text is then tokenized without reading special tokens in it)."""
 
     text: str | None = None
     token_ids: list[int] | None = None
+    fim: FillInMiddle | None = None
 
 
 @dataclass(slots=True)
@@ -142,3 +165,34 @@ class GenerationRequest:
     prediction: str | None = None
     output_format: OutputFormat | None = None  # structured output (None: free text)
     raw_prompt: RawPrompt | None = None  # set instead of messages by completion protocols
+    n: int = 1  # choices (Chat, Completions): decoded together from one prefill
+
+    def choice(self, index: int) -> GenerationRequest:
+        """This request for its choice `index`: a copy whose seed stream is the choice's
+        own (seed + index; unseeded stays unseeded)."""
+        seed = self.sampling.seed
+        if seed is None or index == 0:
+            return replace(self)
+        return replace(self, sampling=replace(self.sampling, seed=(seed + index) % SEED_SPACE))
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """`/tokenize`: text (`content`) or a conversation (`chat`, rendered through the
+    model's template exactly as generation renders it) to token ids. model: None where
+    the protocol lets it out (the route's only model answers)."""
+
+    model: str | None
+    content: str | None = None
+    chat: GenerationRequest | None = None
+    add_special: bool = False  # the tokenizer's BOS (content only)
+    parse_special: bool = True  # special-token spellings in content are special tokens
+    with_pieces: bool = False  # each id with its text (or its bytes, when not UTF-8)
+
+
+@dataclass(slots=True)
+class DetokenizeRequest:
+    """`/detokenize`: token ids to text (special tokens as their text)."""
+
+    model: str | None
+    tokens: list[int] = field(default_factory=list)

@@ -58,6 +58,7 @@ MINIMAL: dict[str, tuple[str, dict[str, Any]]] = {
     "openai-responses": ("/v1/responses", {"model": "m", "input": "Hi there"}),
     "openai-completions": ("/v1/completions", {"model": "m", "prompt": "Hi there"}),
     "ollama": ("/api/chat", {"model": "m", "messages": USER}),
+    "llama-cpp": ("/infill", {"model": "m", "input_prefix": "def f(", "input_suffix": ")"}),
 }
 PROTOCOL_NAMES = sorted(load_builtin_protocols())
 

@@ -259,7 +259,7 @@ BAD_REQUESTS: list[tuple[Any, str | None]] = [
     ({"model": "demo", "messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"model": "demo", "messages": USER, "max_completion_tokens": -5}, "max_completion_tokens"),
     ({"model": "demo", "messages": USER, "max_tokens": 1.5}, "max_tokens"),
-    ({"model": "demo", "messages": USER, "n": 2}, "n"),
+    ({"model": "demo", "messages": USER, "n": 1000}, "n"),
     ({"model": "demo", "messages": USER, "seed": "x"}, "seed"),
     ({"model": "demo", "messages": USER, "stream": "yes"}, "stream"),
     (

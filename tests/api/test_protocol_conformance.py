@@ -29,6 +29,7 @@ from pipeserve.events import ContentDelta, ErrorEvent, Event, Finish, KeepAlive,
 from pipeserve.request import GenerationRequest
 from pipeserve.server.generation import closing_stream
 from pipeserve.stages.base import RequestContext
+from pipeserve.stages.fim import no_fim_message
 from tests.api.helpers import (
     MINIMAL,
     PROTOCOL_NAMES,
@@ -286,6 +287,25 @@ def ask_ollama(handler: InProcess, stream: bool) -> Answer:
     return answer
 
 
+def ask_infill(handler: InProcess, stream: bool) -> Answer:
+    """llama.cpp's /infill (no official SDK: its JSON objects read with httpx). A model
+    whose vocabulary has no FIM tokens answers a 400 naming the model."""
+    client = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://test")
+    body = {"model": "demo", "input_prefix": "def f(", "input_suffix": ")", "stream": stream}
+    reply = client.post("/infill", json=body)
+    if reply.status_code != 200:
+        error = reply.json()["error"]
+        assert (error["code"], error["param"]) == (reply.status_code, "model")
+        return Answer(text=error["message"], finish=str(reply.status_code))
+    if not stream:
+        return Answer(text=reply.json()["content"], finish=reply.json()["stop_type"])
+    objects = [
+        json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")
+    ]
+    assert [o["stop"] for o in objects] == [False] * (len(objects) - 1) + [True]
+    return Answer(text="".join(o["content"] for o in objects), finish=objects[-1]["stop_type"])
+
+
 # protocol -> (how its client asks and reads, the httpx flavour that client runs on)
 ASK: dict[str, tuple[Callable[[InProcess, bool], Answer], Any]] = {
     "openai-chat": (ask_chat, None),
@@ -293,6 +313,7 @@ ASK: dict[str, tuple[Callable[[InProcess, bool], Answer], Any]] = {
     "anthropic-messages": (ask_anthropic, None),
     "openai-completions": (ask_completions, None),
     "ollama": (ask_ollama, httpx),
+    "llama-cpp": (ask_infill, httpx),
 }
 # How each protocol says "the turn ended to call tools" and "the model stopped".
 TOOL_FINISH = {
@@ -320,6 +341,13 @@ def expected(name: str, family: str) -> Answer:
     if name == "openai-completions":  # raw prompt: the family's markup as generated
         text = COMPLETIONS[family].removesuffix(STOPS_ON.get(family, ""))
         return Answer(text=text, finish=STOP_FINISH[name])
+    if name == "llama-cpp":  # fill-in-the-middle: raw text where the vocabulary has FIM tokens
+        if DEMO.get(family, family) != "qwen3":
+            demo = DEMO.get(family, family)
+            message = no_fim_message(f"replay-{demo}", "model")
+            return Answer(text=message, finish="400")
+        text = COMPLETIONS[family].removesuffix(STOPS_ON.get(family, ""))
+        return Answer(text=text, finish="eos")
     return Answer(
         reasoning=REASONING if HAS_REASONING[family] else "",
         text=TEXT if HAS_TEXT[family] else "",

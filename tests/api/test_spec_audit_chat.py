@@ -194,7 +194,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"prediction": {"type": "content", "content": "x", "extra": 1}}, "prediction.extra"),
     (
         {

@@ -74,8 +74,8 @@ def test_token_id_prompts(client: openai.OpenAI, demo_tokenizer: Callable[[str],
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"suffix": "def end():"}, "suffix"),
-        ({"n": 2}, "n"),
+        ({"suffix": "def end():", "model": "replay-kimi"}, "suffix"),  # no FIM tokens
+        ({"n": 0}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": ""}, "prompt"),

@@ -128,7 +128,7 @@ def test_catalog_routes(client: ollama.Client, replay_server: str) -> None:
     [
         (lambda c: c.chat(model="nope", messages=HI), 404, "nope"),
         (lambda c: c.show("nope"), 404, "not found"),
-        (lambda c: c.generate(model="replay-qwen3", prompt="x", suffix="y"), 400, "suffix"),
+        (lambda c: c.generate(model="replay-kimi", prompt="x", suffix="y"), 400, "suffix"),
         (lambda c: c.chat(model="replay-qwen3", messages=HI, think="max"), 400, "think"),  # type: ignore[arg-type]
         (
             lambda c: c.chat(

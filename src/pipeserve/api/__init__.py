@@ -15,6 +15,7 @@ PROTOCOL_MODULES: tuple[str, ...] = (
     "openai_responses",
     "openai_completions",
     "ollama",
+    "llama_cpp",
 )
 
 

@@ -15,7 +15,7 @@ from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest
+from pipeserve.request import DetokenizeRequest, GenerationRequest, TokenizeRequest
 from pipeserve.store.base import NOBODY_IN_PARTICULAR, Owner
 
 if TYPE_CHECKING:
@@ -69,6 +69,15 @@ class WireProtocol(ABC):
     # Catalog paths below the route -> HTTP method (Ollama: /tags GET, /show POST), each
     # answered by `catalog` from the facts of the models the endpoint (and key) may use.
     catalog_paths: ClassVar[Mapping[str, str]] = {}
+    # Tokenizer paths below the route -> "tokenize" or "detokenize" (llama.cpp's
+    # /tokenize, /detokenize), served by server/tokenize.py with the protocol's shapes
+    # (the tokenize_* / detokenize_* methods).
+    token_paths: ClassVar[Mapping[str, str]] = {}
+    # True: a request may leave out `model` where its route serves one model (llama.cpp).
+    model_optional: ClassVar[bool] = False
+    # True: the protocol answers a request's n choices (`GenerationRequest.n`) through the
+    # encode_choices_* methods (Chat, Completions).
+    serves_choices: ClassVar[bool] = False
 
     @abstractmethod
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
@@ -86,6 +95,19 @@ class WireProtocol(ABC):
     def error_body(self, error: ApiError) -> dict[str, Any]:
         """The protocol's own error JSON for `error`."""
 
+    def encode_choices_json(
+        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
+    ) -> dict[str, Any]:
+        """The non-streaming body of n choices, one event stream and context each (only
+        where serves_choices)."""
+        raise NotImplementedError(f"{self.name} does not serve n choices")
+
+    def encode_choices_stream(
+        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
+    ) -> Iterator[bytes]:
+        """The stream of n choices, their chunks interleaved by index."""
+        raise NotImplementedError(f"{self.name} does not serve n choices")
+
     def use_store(self, store: ResponseStore) -> None:
         """Hand the protocol the server's response store (only where stores_responses)."""
         raise NotImplementedError(f"{self.name} does not store responses")
@@ -102,6 +124,22 @@ class WireProtocol(ABC):
         """The answer of a catalog path (only where catalog_paths names it); `body` is
         the parsed JSON of a POST, else None. Raise ApiError for a bad request."""
         raise NotImplementedError(f"{self.name} has no catalog path {path!r}")
+
+    def tokenize_body(self, body: Any) -> TokenizeRequest:
+        """Decode a tokenize body (only where token_paths names tokenize)."""
+        raise NotImplementedError(f"{self.name} does not tokenize")
+
+    def tokenize_response(self, tokens: list[int], pieces: list[Any] | None) -> dict[str, Any]:
+        """The tokenize answer; pieces (with_pieces): each token's text, or its bytes as
+        a list of ints where they are not UTF-8 on their own."""
+        raise NotImplementedError(f"{self.name} does not tokenize")
+
+    def detokenize_body(self, body: Any) -> DetokenizeRequest:
+        """Decode a detokenize body (only where token_paths names detokenize)."""
+        raise NotImplementedError(f"{self.name} does not detokenize")
+
+    def detokenize_response(self, text: str) -> dict[str, Any]:
+        raise NotImplementedError(f"{self.name} does not detokenize")
 
     def stream_fault(self, error: ApiError, events_sent: int) -> dict[str, Any]:
         """The `error` SSE event's data when the encoder itself failed after

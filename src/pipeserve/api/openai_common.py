@@ -25,7 +25,7 @@ from pipeserve.api.framing import KEEPALIVE_COMMENT, close_events
 from pipeserve.context import RequestContext
 from pipeserve.errors import DEFAULT_STATUS, ApiError, invalid
 from pipeserve.events import ErrorEvent, TokenText, Usage
-from pipeserve.request import ReasoningOptions, ToolChoice, ToolSpec
+from pipeserve.request import MAX_CHOICES, SEED_SPACE, ReasoningOptions, ToolChoice, ToolSpec
 
 KEEPALIVE_FRAME = KEEPALIVE_COMMENT
 MAX_TOP_LOGPROBS = 20
@@ -79,6 +79,14 @@ def check(condition: bool, param: str, problem: str = "missing") -> None:
     if problem == "missing":
         raise invalid(f"Missing required parameter: '{param}'.", param)
     raise invalid(f"Invalid value for '{param}': {problem}.", param)
+
+
+def choices_of(n: Any) -> int:
+    """`n`: 1 to MAX_CHOICES choices (null: 1)."""
+    if n is None:
+        return 1
+    check(1 <= n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}")
+    return int(n)
 
 
 def unsupported(param: str, why: str) -> ApiError:
@@ -136,9 +144,6 @@ def check_tool_choice(choice: ToolChoice, tools: list[ToolSpec], param: str) -> 
         raise invalid(
             f"Invalid value for '{param}': function {choice.name!r} is not in tools.", param
         )
-
-
-SEED_SPACE = 2**64  # MLX seeds are unsigned 64-bit
 
 
 def seed_value(seed: int | None) -> int | None:

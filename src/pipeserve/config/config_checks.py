@@ -32,6 +32,7 @@ KNOWN_APIS: tuple[str, ...] = (
     "openai-responses",
     "openai-completions",
     "ollama",
+    "llama-cpp",
 )
 YAML_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 

@@ -458,6 +458,43 @@ class ReplayOptions(Strict):
     )
 
 
+MAX_THINKING_BUDGET = 1 << 24  # tokens; a larger budget is a request error
+
+
+class ReasoningLimits(Strict):
+    """How long a model may think (families with a think block: the thinking stage's
+    markers, or Harmony's analysis channel). Once a request's budget is spent the engine
+    writes the block's close itself and the answer follows."""
+
+    max_thinking_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_THINKING_BUDGET,
+        description="Server-side cap on the think block of every request (null: none).",
+    )
+    effort_budgets: dict[Literal["minimal", "low", "medium", "high"], int] = Field(
+        default_factory=dict,
+        description="Thinking budget per reasoning effort (Chat reasoning_effort, Responses"
+        " reasoning.effort, Ollama think levels); an effort not listed is not limited.",
+    )
+
+    @field_validator("effort_budgets")
+    @classmethod
+    def _budgets_in_range(cls, value: dict[str, int]) -> dict[str, int]:
+        for effort, budget in value.items():
+            if not 0 <= budget <= MAX_THINKING_BUDGET:
+                raise ValueError(f"{effort}: a budget is 0 to {MAX_THINKING_BUDGET} tokens")
+        return value
+
+    def budget(self, requested: int | None, effort: str | None) -> int | None:
+        """The request's budget: its own (Anthropic's budget_tokens), else its effort's,
+        capped by max_thinking_tokens; None: unlimited."""
+        if requested is None and effort is not None:
+            requested = self.effort_budgets.get(effort)  # type: ignore[call-overload]
+        limits = [b for b in (requested, self.max_thinking_tokens) if b is not None]
+        return min(limits) if limits else None
+
+
 class SamplingDefaults(Strict):
     """A model's sampling parameters when a request does not set them."""
 
@@ -514,6 +551,10 @@ class ModelEntry(Strict):
         description="on_demand models: idle seconds before unloading (null: only to make room).",
     )
     options: EngineOptions = Field(default_factory=EngineOptions)
+    reasoning: ReasoningLimits = Field(
+        default_factory=ReasoningLimits,
+        description="Thinking budgets: a server-side cap and a budget per reasoning effort.",
+    )
     replay: ReplayOptions = Field(default_factory=ReplayOptions)
     output_format: OutputFormatDefault | None = Field(
         None, description="Default structured output for this model's answers."
@@ -525,7 +566,8 @@ class EndpointEntry(Strict):
     api: str = Field(
         ...,
         description="Wire protocol: openai-chat, anthropic-messages, openai-responses,"
-        " openai-completions or ollama (a route prefix such as /api).",
+        " openai-completions, ollama (a route prefix such as /api) or llama-cpp (a route"
+        " prefix such as /: /infill, /tokenize, /detokenize).",
     )
     models: list[str] | None = Field(
         None, description="Restrict to these model names (default: all)."

@@ -12,11 +12,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pipeserve.config.models import ReasoningLimits
 from pipeserve.events import Event
 from pipeserve.request import SamplingParams
 
 if TYPE_CHECKING:
     from pipeserve.engine.sampling.grammar import Constraint, GrammarCompiler
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingLimit:
+    """A think block's token budget (engine/sampling/thinking_budget.py). Once `budget`
+    reasoning tokens are spent inside the block the engine feeds `close_ids` as the next
+    tokens (the family's end marker and what follows it), as a grammar forces text, and
+    the answer is generated after them. start_ids / end_ids: the markers as the model
+    writes them; opened: the prompt itself opened the block."""
+
+    budget: int
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+    opened: bool = False
 
 
 @dataclass(slots=True)
@@ -33,6 +49,11 @@ class GenerationJob:
     constraint: Constraint | None = None  # structured output: the grammar to enforce
     stop_strings: tuple[str, ...] = ()  # the request's stop strings (speculation stops there)
     prediction_token_ids: list[int] | None = None  # Chat's `prediction`, tokenized
+    thinking: ThinkingLimit | None = None  # a budget for the think block (None: unlimited)
+    # A request's n choices: the jobs of one group share the prompt, prefilled once
+    # (engine/mlx/prompt_groups.py); engines without that prefill each job alone.
+    prompt_group: str | None = None
+    group_size: int = 1
 
 
 class TokenStream(Protocol):
@@ -102,3 +123,5 @@ class ModelRuntime:
     grammar: GrammarCompiler | None = None  # structured output (None: not available)
     # Sampling parameters for requests that leave them unset (YAML, else generation_config).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # Thinking budgets (the YAML's `reasoning:`): cap and per-effort table.
+    reasoning: ReasoningLimits = field(default_factory=ReasoningLimits)

@@ -4,7 +4,8 @@ For client integration tests without a model. The script (the job's mock_complet
 else the model's YAML `replay.completion`) is tokenized with the model's real
 tokenizer (added special tokens such as Harmony's `<|channel|>` stay single tokens)
 and emitted token by token through the same detokenizer, delivery channel and event
-contract as the MLX engine: PromptReady, TokenText..., Finish, Usage. An EOS token in
+contract as the MLX engine: PromptReady, TokenText..., Finish, Usage. A thinking budget
+rewrites the script as a budgeted model would write it. An EOS token in
 the script ends it ("stop"; not emitted, counted); max_tokens ends it with "length".
 No weights are loaded. One OS thread serves all replays of a model, interleaving
 them by due time, so a per-token delay never blocks the gevent hub.
@@ -25,6 +26,7 @@ from pipeserve.engine.output.channel import Channel, Courier
 from pipeserve.engine.output.detokenize import Detokenizers
 from pipeserve.engine.output.request_state import RequestState
 from pipeserve.engine.output.stream import EngineStream
+from pipeserve.engine.sampling.thinking_budget import budgeted_script
 from pipeserve.errors import ApiError
 from pipeserve.gevent_support import os_lock, os_simple_queue, start_os_thread
 
@@ -82,6 +84,8 @@ class ReplayEngine(AlwaysHealthy):
             job.mock_completion if job.mock_completion is not None else self.default_completion
         )
         tokens = self.tokenize(completion)
+        if job.thinking is not None:  # as a budgeted model would write it
+            tokens = budgeted_script(tokens, job.thinking)
         stops = job.stop_token_ids or self.eos_token_ids
         stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
         with self._lock:

@@ -73,6 +73,7 @@ def build_runtime(
         sampling_defaults=sampling_defaults(
             model_dir, entry.sampling.model_dump(exclude_none=True)
         ),
+        reasoning=entry.reasoning,
     )
 
 

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import falcon
 
@@ -82,6 +83,11 @@ class ProtocolRoute:
         self.options = options
         self.errors = ProtocolErrors(protocol)
 
+    def resolve(self, name: str | None, scope: set[str] | None) -> ServedModel:
+        """The model a request names (or the route's only one, where the protocol lets
+        `model` out)."""
+        return self.models.resolve(name, scope, sole=self.protocol.model_optional)
+
 
 class GenerationResource(ProtocolRoute):
     def __init__(
@@ -108,17 +114,11 @@ class GenerationResource(ProtocolRoute):
             record.key = grant.key_name
             request = self.decode(req, store_owner(grant, self.allowed))
             record.stream = request.stream
-            served = self.models.resolve(request.model, grant.scope(self.allowed))
+            served = self.resolve(request.model, grant.scope(self.allowed))
             label = record.model = served.name
+            request.model = request.model or served.name
             self.apply_default_format(request, served)
-            ctx = RequestContext(
-                request=request,
-                request_id=request_id(req),
-                model_name=request.model,
-                served_model=served.name,
-                keepalive_interval=self.options.keepalive_interval,
-            )
-            served.chain.prepare(ctx)
+            ctxs = self.prepare(req, request, served)
         except ApiError as error:
             record.error = error.kind
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))
@@ -131,7 +131,35 @@ class GenerationResource(ProtocolRoute):
             )
             self.metrics.count_request(self.route, label, status)
             return
-        self.respond(req, resp, served, ctx, started, record)
+        self.respond(req, resp, served, ctxs, started, record)
+
+    def prepare(
+        self, req: falcon.Request, request: GenerationRequest, served: ServedModel
+    ) -> list[RequestContext]:
+        """One prepared context per choice (`n`; one choice: the request itself); the
+        choices' jobs share a prefill (by the request id). A choice that cannot be
+        prepared (a full queue) cancels those that were."""
+        if request.n > 1 and not self.protocol.serves_choices:
+            raise ApiError("invalid_request", "Only n=1 is supported.", "n")
+        ctxs = [
+            RequestContext(
+                request=request.choice(i) if request.n > 1 else request,
+                request_id=request_id(req),
+                model_name=request.model,
+                served_model=served.name,
+                keepalive_interval=self.options.keepalive_interval,
+                choices=request.n,
+            )
+            for i in range(request.n)
+        ]
+        try:
+            for ctx in ctxs:
+                served.chain.prepare(ctx)
+        except BaseException:
+            for ctx in ctxs:
+                ctx.cancel("error")
+            raise
+        return ctxs
 
     def apply_default_format(self, request: GenerationRequest, served: ServedModel) -> None:
         """A YAML output_format (endpoint first, then model) when the client sent none."""
@@ -160,27 +188,44 @@ class GenerationResource(ProtocolRoute):
         req: falcon.Request,
         resp: falcon.Response,
         served: ServedModel,
-        ctx: RequestContext,
+        ctxs: list[RequestContext],
         started: float,
         record: RequestRecord,
     ) -> None:
+        """The answer of one or n choices (ctxs[0]'s cancel cancels them all)."""
+        ctx = ctxs[0]
+        for other in ctxs[1:]:
+            ctx.on_cancel(partial(cancel_with, other, ctx))
         stop_watching = watch_disconnect(req.env, lambda: ctx.cancel("client_disconnected"))
         ctx.on_cancel(lambda: record.note_cancel(ctx.cancel_reason))
         deadline = started + self.options.request_timeout
-        events = guarded(served.chain.run(ctx), ctx, deadline)
-        events = record.observe(self.metrics.observe_stream(events, served.name, started))
+        streams = [
+            self.metrics.observe_stream(
+                guarded(served.chain.run(c), c, deadline), served.name, started
+            )
+            for c in ctxs
+        ]
+        streams[0] = record.observe(streams[0])
+        protocol = self.protocol
         if ctx.request.stream:
-            resp.content_type = self.protocol.stream_content_type
+            resp.content_type = protocol.stream_content_type
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            body = closing_stream(
-                self.protocol.encode_stream(events, ctx), ctx, stop_watching, self.protocol
+            chunks = (
+                protocol.encode_stream(streams[0], ctx)
+                if len(ctxs) == 1
+                else protocol.encode_choices_stream(streams, ctxs)
             )
+            body = closing_stream(chunks, ctx, stop_watching, protocol)
             resp.stream = self.write_guard(req, body, record)
             self.metrics.count_request(self.route, served.name, 200)
             return
         try:
-            answer = self.protocol.encode_json(events, ctx)
+            answer = (
+                protocol.encode_json(streams[0], ctx)
+                if len(ctxs) == 1
+                else protocol.encode_choices_json(streams, ctxs)
+            )
         except ApiError as raised:
             error = raised
             if ctx.cancel_reason == "client_disconnected":
@@ -208,6 +253,11 @@ class GenerationResource(ProtocolRoute):
         return StalledWriteGuard(
             LoggedBody(body, record), req.env.get("gunicorn.socket"), self.options.body_read_timeout
         )
+
+
+def cancel_with(other: RequestContext, ctx: RequestContext) -> None:
+    """Cancel `other` (a choice) for the reason `ctx` (the first choice) was cancelled."""
+    other.cancel(ctx.cancel_reason or "cancelled")
 
 
 def guarded(events: Iterator[Event], ctx: RequestContext, deadline: float) -> Iterator[Event]:

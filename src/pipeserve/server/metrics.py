@@ -43,6 +43,16 @@ class EngineCollector(Collector):
             "prefix_cache_bytes": GaugeMetricFamily(
                 "pipeserve_prefix_cache_bytes", "Bytes held by the prefix cache", labels=["model"]
             ),
+            "prefill_tokens_total": GaugeMetricFamily(
+                "pipeserve_prefill_tokens",
+                "Prompt tokens the model computed (not from a cache or a shared prompt)",
+                labels=["model"],
+            ),
+            "shared_prompt_rows_total": GaugeMetricFamily(
+                "pipeserve_shared_prompt_rows",
+                "Choices (n) that started from another choice's prompt KV instead of a prefill",
+                labels=["model"],
+            ),
         }
         for model, stats in self._stats_by_model().items():
             for key, family in families.items():

@@ -51,8 +51,13 @@ class ModelTable:
         self.models = models
         self._by_name = {m.name: m for m in models}
 
-    def resolve(self, name: str | None, allowed: set[str] | None = None) -> ServedModel:
+    def resolve(
+        self, name: str | None, allowed: set[str] | None = None, sole: bool = False
+    ) -> ServedModel:
+        """The model `name` names; sole: no name picks the route's only model."""
         candidates = [m for m in self.models if allowed is None or m.name in allowed]
+        if not name and sole and len(candidates) == 1:
+            return candidates[0]
         if not name:
             raise ApiError("invalid_request", "model: field required", param="model")
         model = self._by_name.get(name)

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field
 
 from pipeserve.constraint import GrammarPlan
-from pipeserve.engine.base import GenerationJob, ModelRuntime
+from pipeserve.engine.base import GenerationJob, ModelRuntime, ThinkingLimit
 from pipeserve.engine.sampling.grammar import Constraint, GrammarError
 from pipeserve.errors import ApiError, ContextLengthError
 from pipeserve.events import Event, TokenText
@@ -67,12 +67,13 @@ class GenerateStage:
                 f"mock_response is only accepted by replay models; {ctx.model_name!r} runs a real model.",
                 "mock_response",
             )
+        thinking = thinking_limit(ctx, runtime, prompt)
         job = GenerationJob(
             request_id=ctx.request_id,
             prompt_token_ids=prompt,
             sampling=request.sampling,
             max_tokens=self.max_tokens(request, runtime, len(prompt)),
-            stop_token_ids=runtime.eos_token_ids,
+            stop_token_ids=runtime.eos_token_ids | ctx.stop_token_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs if request.logprobs else 0,
             mock_completion=request.mock_response,
@@ -84,6 +85,9 @@ class GenerateStage:
             prediction_token_ids=(
                 encode(runtime.tokenizer, request.prediction) if request.prediction else None
             ),
+            thinking=thinking,
+            prompt_group=ctx.request_id if ctx.choices > 1 else None,
+            group_size=ctx.choices,
         )
         if ctx.dry_run:
             return
@@ -134,6 +138,33 @@ class GenerateStage:
             if isinstance(event, TokenText):
                 records.append(event)
             yield event
+
+
+def thinking_limit(
+    ctx: RequestContext, runtime: ModelRuntime, prompt: list[int]
+) -> ThinkingLimit | None:
+    """The think block's budget (the request's, else its effort's in the model's
+    `reasoning.effort_budgets`, capped by `reasoning.max_thinking_tokens`), with the
+    family's markers as token ids; None where nothing limits it or the family has no
+    think block. A zero budget on a prompt that opened the block closes it in the prompt
+    (appended to `prompt`), so that not one reasoning token is generated."""
+    markers, request = ctx.think_markers, ctx.request
+    if markers is None or ctx.assistant_prefill or request.raw_prompt is not None:
+        return None  # no think block, or a forced tool call's prefill closed it
+    if request.reasoning.enabled is False and not ctx.prompt_opened_thinking:
+        return None
+    reasoning = request.reasoning
+    budget = runtime.reasoning.budget(reasoning.budget_tokens, reasoning.effort)
+    if budget is None:
+        return None
+    tokenizer = runtime.tokenizer
+    close = tuple(encode(tokenizer, markers.close))
+    if budget == 0 and ctx.prompt_opened_thinking:
+        prompt += close
+        ctx.prompt_opened_thinking = False  # the thinking stage starts in the answer
+        return None
+    start, end = (tuple(encode(tokenizer, m)) for m in (markers.start, markers.end))
+    return ThinkingLimit(budget, start, end, close, opened=ctx.prompt_opened_thinking)
 
 
 def grammar_plan(ctx: RequestContext) -> GrammarPlan | None:

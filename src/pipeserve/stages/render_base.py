@@ -11,8 +11,11 @@ from pydantic import Field
 
 from pipeserve.errors import ApiError
 from pipeserve.events import Event
-from pipeserve.request import GenerationRequest, RawPrompt
+from pipeserve.request import FillInMiddle, GenerationRequest, RawPrompt
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams
+from pipeserve.stages.fim import FimLayout, no_fim_message
+
+MISSING = object()
 
 
 class RenderParams(StageParams):
@@ -51,13 +54,17 @@ class RenderStage:
     def __init__(self, params: RenderParams, env: BuildEnv) -> None:
         self.params = params
         self.env = env
+        self._fim: FimLayout | None | object = MISSING
 
     def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
         raise NotImplementedError
 
     def prepare(self, ctx: RequestContext) -> None:
         raw = ctx.request.raw_prompt
-        prompt, token_ids = self.render(ctx.request) if raw is None else self.raw(raw)
+        if raw is not None and raw.fim is not None:
+            prompt, token_ids = self.fill_in_middle(raw, raw.fim, ctx)
+        else:
+            prompt, token_ids = self.render(ctx.request) if raw is None else self.raw(raw)
         if not token_ids:
             raise ApiError(
                 "invalid_request", "The conversation rendered to an empty prompt.", "messages"
@@ -71,19 +78,54 @@ class RenderStage:
     def raw(self, raw: RawPrompt) -> tuple[str, list[int]]:
         """A prompt sent as is: tokenized as the tokenizer does by default (with a BOS
         token where the model has one), or token ids checked against the vocabulary."""
-        runtime = self.env.runtime
-        if runtime is None:
-            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
-        tokenizer = getattr(runtime.tokenizer, "_tokenizer", runtime.tokenizer)
+        tokenizer = self.tokenizer()
         if raw.token_ids is None:
             text = raw.text or ""
             return text, list(tokenizer.encode(text))
-        size = len(tokenizer)
-        outside = sorted({t for t in raw.token_ids if not 0 <= t < size})
+        self.check_ids(raw.token_ids)
+        return tokenizer.decode(raw.token_ids), list(raw.token_ids)
+
+    def fim_layout(self) -> FimLayout | None:
+        """The tokenizer's FIM layout (found once), None without FIM tokens."""
+        if self._fim is MISSING:
+            self._fim = FimLayout.of(self.tokenizer())
+        return self._fim if isinstance(self._fim, FimLayout) else None
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """`insert` (Ollama's name) where the vocabulary can fill in the middle."""
+        if self.env.runtime is None:
+            return frozenset()
+        return frozenset({"insert"}) if self.fim_layout() is not None else frozenset()
+
+    def fill_in_middle(
+        self, raw: RawPrompt, fim: FillInMiddle, ctx: RequestContext
+    ) -> tuple[str, list[int]]:
+        """The FIM prompt (stages/fim.py); a 400 naming fim.param without FIM tokens."""
+        layout = self.fim_layout()
+        if layout is None:
+            message = no_fim_message(self.env.model_name, fim.param)
+            raise ApiError("invalid_request", message, fim.param)
+        prefix = list(raw.token_ids) if raw.token_ids is not None else layout.code(raw.text or "")
+        self.check_ids(prefix)
+        context = self.env.runtime.context_length if self.env.runtime else None
+        token_ids = layout.prompt(prefix, fim, context)
+        ctx.stop_token_ids = layout.tokens.ends
+        return self.tokenizer().decode(token_ids), token_ids
+
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer."""
+        runtime = self.env.runtime
+        if runtime is None:
+            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
+        return getattr(runtime.tokenizer, "_tokenizer", runtime.tokenizer)
+
+    def check_ids(self, token_ids: list[int]) -> None:
+        size = len(self.tokenizer())
+        outside = sorted({t for t in token_ids if not 0 <= t < size})
         if outside:
             message = f"token ids {outside[:5]} are outside this model's vocabulary (0-{size - 1})."
             raise ApiError("invalid_request", message, "prompt")
-        return tokenizer.decode(raw.token_ids), list(raw.token_ids)
 
     def __call__(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[Event]:
         return events

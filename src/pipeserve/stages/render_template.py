@@ -7,6 +7,9 @@ Two renderers:
 
 Per request (prepare) it sets ctx.prompt, ctx.prompt_token_ids and
 ctx.prompt_opened_thinking (the rendered prompt, right-stripped, ends with think_start).
+A raw prompt is tokenized as is; a fill-in-the-middle one (RawPrompt.fim) is laid out
+with the vocabulary's FIM tokens (stages/fim.py, in render_base.py), which also sets
+ctx.stop_token_ids.
 The stage passes events through untouched.
 """
 
@@ -34,7 +37,7 @@ class ChatTemplateStage(RenderStage):
     def __init__(self, params: RenderParams, env: BuildEnv) -> None:
         super().__init__(params, env)
         if env.runtime is not None:  # compile (transformers caches it) and fail at startup
-            tokenizer = self.hf_tokenizer()
+            tokenizer = self.tokenizer()
             if not getattr(tokenizer, "chat_template", None):
                 log.warning("%s", no_template_message(env.model_name))
                 return
@@ -45,14 +48,8 @@ class ChatTemplateStage(RenderStage):
                     f"model {env.model_name!r}: its chat template does not render: {exc}"
                 ) from exc
 
-    def hf_tokenizer(self) -> Any:
-        runtime = self.env.runtime
-        if runtime is None:
-            raise ApiError("unavailable", f"Model {self.env.model_name!r} is not loaded.")
-        return getattr(runtime.tokenizer, "_tokenizer", runtime.tokenizer)
-
     def render(self, request: GenerationRequest) -> tuple[str, list[int]]:
-        tokenizer = self.hf_tokenizer()
+        tokenizer = self.tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError("invalid_request", no_template_message(self.env.model_name), "messages")
         tools = None if request.tool_choice.mode == "none" else template_tools(request.tools)

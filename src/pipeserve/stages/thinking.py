@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 from pipeserve.constraint import Envelope
+from pipeserve.context import ThinkMarkers
 from pipeserve.events import ContentDelta, Event, Finish, ReasoningDelta, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, StageParams, register_stage
 from pipeserve.stages.toolfmt.markers import MarkerSet, Splitter
@@ -105,6 +106,7 @@ class ThinkingStage:
 
     def prepare(self, ctx: RequestContext) -> None:
         ctx.think_close = self.params.end + "\n\n"  # tool_calls' prefill leaves the block
+        ctx.think_markers = ThinkMarkers(self.params.start, self.params.end, ctx.think_close)
         # Structured output starts after the reasoning (stages/grammar_plan.py); with
         # reasoning off no think block is allowed before the answer.
         if ctx.request.reasoning.enabled is not False or ctx.prompt_opened_thinking:

@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from pipeserve.context import ThinkMarkers
 from pipeserve.events import ContentDelta, Event, Finish, FinishReason, TokenText, Usage
 from pipeserve.stages.base import BuildEnv, RequestContext, register_stage
 from pipeserve.stages.toolfmt.base import CallSink
@@ -112,6 +113,11 @@ class ToolCallsStage:
         envelope = self.params.envelope()
         if envelope is not None:  # the format frames reasoning and answer (Harmony)
             ctx.envelope = envelope
+            if envelope.reasoning_open and ctx.think_markers is None:  # for thinking budgets
+                close = envelope.reasoning_close + envelope.answer_open
+                ctx.think_markers = ThinkMarkers(
+                    envelope.reasoning_open, envelope.reasoning_close, close
+                )
         choice = ctx.request.tool_choice
         if choice.mode == "auto":
             self._strict_auto(ctx)

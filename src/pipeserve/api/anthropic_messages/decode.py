@@ -9,8 +9,10 @@ Mapping rules (see also schema.py for field validation):
 - Server-tool blocks in assistant turns (server_tool_use, *_tool_result, mcp_tool_use)
   are dropped like the server tools themselves; other unknown blocks are a 400.
 - Custom tools (no `type`, or `type: "custom"`) are kept; server tools are skipped.
-- `thinking.budget_tokens` must be >= 1024 (as the API enforces) but may exceed
-  max_tokens (interleaved thinking, which Claude Code relies on).
+- `thinking.budget_tokens` must be >= 1024 (as the API enforces) and at most 2^24, but
+  may exceed max_tokens (interleaved thinking, which Claude Code relies on). It is
+  enforced: past it the engine closes the think block and the answer follows
+  (stages/generate.py `thinking_limit`; the model's `reasoning.max_thinking_tokens` caps it).
 - Structured outputs (`output_config.format`, the beta `output_format`) become an
   OutputFormat enforced while decoding (api/structured.py); `output_config.effort` is read
   leniently. metadata, service_tier, container, mcp_servers, context_management, speed
@@ -26,6 +28,7 @@ from typing import Any, TypeAlias
 
 from pipeserve.api.anthropic_messages import schema as s
 from pipeserve.api.structured import anthropic_output_format
+from pipeserve.config.models import MAX_THINKING_BUDGET
 from pipeserve.errors import invalid
 from pipeserve.request import (
     GenerationRequest,
@@ -339,6 +342,11 @@ def decode_reasoning(
         if budget < MIN_THINKING_BUDGET:
             raise invalid(
                 f"thinking.budget_tokens: Input should be greater than or equal to {MIN_THINKING_BUDGET}",
+                "thinking.budget_tokens",
+            )
+        if budget > MAX_THINKING_BUDGET:
+            raise invalid(
+                f"thinking.budget_tokens: Input should be less than or equal to {MAX_THINKING_BUDGET}",
                 "thinking.budget_tokens",
             )
         options.budget_tokens = budget

@@ -11,11 +11,15 @@ Field names follow Ollama's API reference (docs/api.md) and its Python client:
   each call gets one and tool results (role `tool`, `tool_name`) answer them in order.
 - /api/generate: `system` + `prompt` become a chat turn rendered with the model's
   template; `raw: true` sends the prompt as is (no template, output not parsed).
+  `suffix` (non-empty) asks for fill-in-the-middle: `prompt` is the text before the
+  hole (it may be empty), the answer the text between it and the suffix, laid out with
+  the model's FIM tokens (a model without them: a 400 naming `suffix`); `system` has no
+  place in that layout and is a 400 with it.
 - `format`: "json" or a JSON schema, enforced while decoding (structured output).
 - `logprobs` / `top_logprobs` (0-20): each content chunk carries its tokens' logprobs.
 - Refused with a 400 naming the field, since ignoring it would change the answer:
-  `images`, `suffix`, `template`, `context`, and an empty `messages` / `prompt`
-  (Ollama's "load the model" call).
+  `images`, `template`, `context`, and an empty `messages` / `prompt` without a
+  `suffix` (Ollama's "load the model" call).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pipeserve.api.ollama.schema import (
 from pipeserve.api.openai_common import check, seed_value, unsupported, validate
 from pipeserve.errors import invalid
 from pipeserve.request import (
+    FillInMiddle,
     GenerationRequest,
     Message,
     OutputFormat,
@@ -66,6 +71,11 @@ def decode_ollama(body: Any, endpoint: Literal["chat", "generate"]) -> OllamaGen
     generate = validate(GenerateIn, body)
     refuse_generate_fields(generate)
     request = common(generate, endpoint)
+    if generate.suffix:
+        check(not generate.system, "system", "a fill-in-the-middle prompt has no system part")
+        fim = FillInMiddle(suffix=generate.suffix, param="suffix")
+        request.raw_prompt = RawPrompt(text=generate.prompt or "", fim=fim)
+        return request
     check(bool(generate.prompt), "prompt", "an empty prompt (loading a model) is not served")
     if generate.raw:
         request.raw_prompt = RawPrompt(text=generate.prompt)
@@ -107,8 +117,6 @@ def output_format(raw: Any) -> OutputFormat | None:
 
 
 def refuse_generate_fields(req: GenerateIn) -> None:
-    if req.suffix not in (None, ""):
-        raise unsupported("suffix", "fill-in-the-middle (text after the response) is not served")
     if req.images:
         raise invalid("images are not supported by this model", "images")
     if req.template not in (None, ""):

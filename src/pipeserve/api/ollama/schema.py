@@ -62,7 +62,7 @@ class GenerateIn(CommonIn):
     prompt: str | None = None
     system: str | None = None
     raw: bool | None = None
-    suffix: Any = None
+    suffix: str | None = None
     images: Any = None
     template: Any = None
     context: Any = None

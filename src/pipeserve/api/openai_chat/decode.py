@@ -18,6 +18,7 @@ from pipeserve.api.openai_chat.template_kwargs import decode_template_kwargs
 from pipeserve.api.openai_common import (
     check,
     check_tool_choice,
+    choices_of,
     reasoning_options,
     text_of_parts,
     tool_choice_mode,
@@ -201,8 +202,7 @@ def _refuse_unhonoured(req: ChatRequestIn) -> None:
 
 def decode_chat(body: Any) -> ChatGenerationRequest:
     req = validate(ChatRequestIn, body)
-    if req.n is not None and req.n != 1:
-        raise invalid("Only n=1 is supported.", "n")
+    choices = choices_of(req.n)
     _refuse_unhonoured(req)
     if req.top_logprobs and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
@@ -233,6 +233,7 @@ def decode_chat(body: Any) -> ChatGenerationRequest:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         output_format=openai_output_format(req.response_format, "response_format", flat=False),
         prediction=prediction_of(req.prediction),
+        n=choices,
     )
 
 

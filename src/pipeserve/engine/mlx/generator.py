@@ -217,6 +217,20 @@ class BatchGenerator(MlxBatchGenerator):
         self.prefill_batch_size = plan.prefill_rows  # mlx-lm reads it in `_next`
         return self.next()
 
+    def force_next(self, uid: int, token: int) -> bool:
+        """Make `token` the next input of the decoding row `uid`, in place of the token
+        its sampler drew (a thinking budget forces the close of the think block): the
+        next step feeds it to the model and returns it as the row's token. False when the
+        row is not decoding."""
+        batch: Any = self._generation_batch  # mlx-lm's untyped state
+        if uid not in batch.uids or batch._next_tokens is None:
+            return False
+        row = batch.uids.index(uid)
+        upcoming = batch._next_tokens
+        here = mx.arange(upcoming.shape[0]) == row
+        batch._next_tokens = mx.where(here, mx.array(token, dtype=upcoming.dtype), upcoming)
+        return True
+
     def _make_batch(self, n: int) -> Any:
         batch = super()._make_batch(n)
         batch.__class__ = PrefillBatch

@@ -23,13 +23,15 @@ from mlx_lm.generate import StopSequences
 
 from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.cpu_kernels import kernels
-from pipeserve.engine.kv.prefix_cache import PrefixCache
+from pipeserve.engine.kv.prefix_cache import CacheLookup, PrefixCache
 from pipeserve.engine.mlx.generator import BatchGenerator
+from pipeserve.engine.mlx.prompt_groups import PromptGroup
 from pipeserve.engine.mlx.step_plan import StepPlan
 from pipeserve.engine.output.channel import Courier
 from pipeserve.engine.output.request_state import RequestState
 from pipeserve.engine.sampling.constraints import ConstraintSet, SamplerFilters
 from pipeserve.engine.sampling.samplers import make_processors, make_sampler
+from pipeserve.engine.sampling.thinking_budget import BudgetTracker
 from pipeserve.engine.speculative.draft import DraftProposer
 from pipeserve.engine.speculative.proposer import RowProposer, stop_cutter
 from pipeserve.engine.speculative.state import Speculation
@@ -66,9 +68,17 @@ class Scheduler:
         self._finished = 0
         self._stops: dict[frozenset[int], StopSequences] = {}
         self._constraints: ConstraintSet | None = None  # made at the first constrained job
+        # Rows with a thinking budget (engine/sampling/thinking_budget.py), by request key.
+        # A sharded model's ranks replay rank 0's steps: no forced tokens there (yet).
+        self.budgets: dict[int, BudgetTracker] = {}
+        # A request's n choices, prefilled once (engine/mlx/prompt_groups.py): by group id,
+        # and the group of each job that waits for its leader's prompt KV.
+        self.groups: dict[str, PromptGroup] = {}
+        self.held: dict[int, str] = {}
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
                      "requests_cancelled", "requests_failed", "engine_faults",
-                     "speculative_proposed_tokens_total", "speculative_accepted_tokens_total"):  # fmt: skip
+                     "speculative_proposed_tokens_total", "speculative_accepted_tokens_total",
+                     "prefill_tokens_total", "shared_prompt_rows_total"):  # fmt: skip
             stats.setdefault(name, 0)
         self._update_stats()
 
@@ -126,9 +136,81 @@ class Scheduler:
 
     def add(self, key: int, seq: RequestState, courier: Courier) -> None:
         job = seq.job
+        group_id = job.prompt_group if job.group_size > 1 else None
+        if group_id is None:
+            self._insert(key, seq, courier, self.prefix.fetch(job.prompt_token_ids))
+            return
+        group = self.groups.get(group_id)
+        if group is None:  # the group's leader: prefilled as usual, its KV shared
+            lookup = self.prefix.fetch(job.prompt_token_ids)
+            shareable = len(lookup.rest) > 1 and self.options.sharding is None
+            prompt = list(job.prompt_token_ids)
+            group = self.groups[group_id] = PromptGroup(job.group_size, key, prompt, shareable)
+            self._insert(key, seq, courier, lookup)
+        else:
+            group.arrived += 1
+            self._join(key, seq, group_id, group, courier)
+        if group.complete:
+            del self.groups[group_id]
+
+    def _join(
+        self, key: int, seq: RequestState, group_id: str, group: PromptGroup, courier: Courier
+    ) -> None:
+        """A job of a group that has a leader: its prompt KV copied, waiting for it, or
+        (nothing to share) added as usual."""
+        if seq.job.prompt_token_ids != group.prompt:
+            self._insert(key, seq, courier, self.prefix.fetch(seq.job.prompt_token_ids))
+        elif group.cache is not None:
+            self._insert(key, seq, courier, group.lookup(), shared=True)
+        elif group.open:
+            group.waiting.append((key, seq))
+            self.held[key] = group_id
+        else:
+            self._insert(key, seq, courier, self.prefix.fetch(group.prompt))
+
+    def _share_prompts(self, responses: list[Any], courier: Courier) -> None:
+        """Leaders whose prompt (all but its last token) is now in their KV cache: each
+        waiting job of their group joins with a copy of it."""
+        for response in responses:
+            if not response.end_of_segment or response.end_of_prompt:
+                continue
+            key = self.key_of.get(response.uid)
+            group_id = self.seqs[key].job.prompt_group if key is not None else None
+            group = self.groups.get(group_id) if group_id is not None else None
+            if group_id is None or group is None or group.leader != key or not group.open:
+                continue
+            ((cache, _),) = self.gen.extract_cache([response.uid]).values()
+            group.cache, group.open = cache, False
+            self._release_waiting(group_id, group, courier)
+
+    def _release_waiting(self, group_id: str, group: PromptGroup, courier: Courier) -> None:
+        waiting, group.waiting = group.waiting, []
+        for key, seq in waiting:
+            self.held.pop(key, None)
+            shared = group.cache is not None
+            lookup = group.lookup() if shared else self.prefix.fetch(group.prompt)
+            self._insert(key, seq, courier, lookup, shared=shared)
+        if group.complete:
+            self.groups.pop(group_id, None)
+
+    def _leader_gone(self, key: int, courier: Courier) -> None:
+        """A leader that ends before its prompt was shared: the others are added as usual."""
+        for group_id, group in list(self.groups.items()):
+            if group.leader == key and group.open:
+                group.open = False
+                self._release_waiting(group_id, group, courier)
+
+    def _insert(
+        self,
+        key: int,
+        seq: RequestState,
+        courier: Courier,
+        lookup: CacheLookup,
+        shared: bool = False,
+    ) -> None:
+        job = seq.job
         prompt = job.prompt_token_ids
         try:
-            lookup = self.prefix.fetch(prompt)
             (uid,) = self.gen.insert(
                 [list(lookup.rest)],
                 max_tokens=[job.max_tokens],
@@ -144,18 +226,25 @@ class Scheduler:
                 self._constraints.release(key)
             seq.finish(courier, "error", f"engine rejected the request: {exc}")
             self._count_finished("requests_failed")
+            self._leader_gone(key, courier)
             return
         self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
+        if job.thinking is not None and self.options.sharding is None:
+            self.budgets[key] = BudgetTracker(job.thinking)
         self._speculate(uid, seq)
         seq.ready(courier, lookup.cached_tokens)
         self.stats["prompt_tokens_total"] += len(prompt)
         self.stats["cached_tokens_total"] += lookup.cached_tokens
+        self.stats["prefill_tokens_total"] += len(lookup.rest)
+        self.stats["shared_prompt_rows_total"] += shared
         self._update_stats()
 
     def _speculate(self, uid: int, seq: RequestState) -> None:
         """Give the sequence a proposer when the model speculates or it has a prediction."""
         job = seq.job
         if self.speculation is None or not (self.options.speculative or job.prediction_token_ids):
+            return
+        if job.thinking is not None:  # forced tokens replace drawn ones: one token a step
             return
         method = self.options.speculative.method if self.options.speculative else None
         row = RowProposer(
@@ -226,6 +315,7 @@ class Scheduler:
         try:
             prompt_responses, responses = self.gen.step(self._plan())
             self._snapshot_prompts(prompt_responses)
+            self._share_prompts(prompt_responses, courier)
         except Exception as exc:
             log.exception(
                 "engine step failed; failing the %d requests in the batch", len(self.seqs)
@@ -266,6 +356,8 @@ class Scheduler:
             else:
                 seq.token(courier, response.token, response.logprobs, final=reason == "length")
                 self.stats["completion_tokens_total"] += 1
+                if reason is None and key in self.budgets:
+                    self._spend_thinking(key, response)
         except Exception as exc:
             log.exception("request %s: token delivery failed", seq.job.request_id)
             if reason is None:
@@ -282,10 +374,29 @@ class Scheduler:
             self._count_finished()
             self._observe_duration(time.monotonic() - seq.submitted_at)
 
+    def _spend_thinking(self, key: int, response: Any) -> None:
+        """Count the token against the row's thinking budget; once it is spent, the
+        close of the think block becomes the row's next tokens."""
+        tracker = self.budgets[key]
+        forced = tracker.after(response.token)
+        if forced is not None and not self.gen.force_next(response.uid, forced):
+            tracker.state = "done"  # the row is not decoding (it just ended)
+        if tracker.done:
+            del self.budgets[key]
+
     def cancel(self, key: int, courier: Courier) -> None:
+        group_id = self.held.pop(key, None)
+        if group_id is not None:  # waiting for its leader's prompt: not in the generator
+            group = self.groups[group_id]
+            for waiting in [w for w in group.waiting if w[0] == key]:
+                group.waiting.remove(waiting)
+                waiting[1].finish(courier, "cancelled")
+                self._count_finished("requests_cancelled")
+            return
         seq = self.seqs.get(key)
         if seq is None:
             return
+        self._leader_gone(key, courier)
         uid = self.uid_of[key]
         # Keep the KV state of a sequence that is decoding: agents often resend it.
         keep = seq.completion_tokens > 0 and self.prefix.enabled
@@ -301,6 +412,7 @@ class Scheduler:
     def _forget(self, key: int) -> None:
         if self._constraints is not None:
             self._constraints.release(key)
+        self.budgets.pop(key, None)
         seq = self.seqs.pop(key, None)
         uid = self.uid_of.pop(key, None)
         if uid is not None:
@@ -330,13 +442,21 @@ class Scheduler:
         finished, self._finished = self._finished, 0
         return finished
 
+    def _held_states(self) -> list[RequestState]:
+        """The jobs waiting for their leader's prompt (forgotten with their groups)."""
+        states = [seq for group in self.groups.values() for _, seq in group.waiting]
+        self.groups.clear()
+        self.held.clear()
+        return states
+
     def fail_all(self, courier: Courier, message: str) -> None:
-        for seq in self.seqs.values():
+        for seq in [*self.seqs.values(), *self._held_states()]:
             seq.finish(courier, "error", message)
             self._count_finished("requests_failed")
         self.seqs.clear()
         self.uid_of.clear()
         self.key_of.clear()
+        self.budgets.clear()
         if self.speculation is not None:
             self.speculation.clear()
         if self._constraints is not None:
@@ -348,7 +468,7 @@ class Scheduler:
         self._update_stats()
 
     def close(self, courier: Courier) -> None:
-        for seq in self.seqs.values():
+        for seq in [*self.seqs.values(), *self._held_states()]:
             seq.finish(courier, "error", "the model is shutting down")
         self.seqs.clear()
         self.gen.close()
