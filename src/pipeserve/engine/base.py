@@ -16,6 +16,7 @@ from pipeserve.events import Event
 from pipeserve.request import SamplingParams
 
 if TYPE_CHECKING:
+    from pipeserve.engine.embedding.spec import EmbeddingSpec
     from pipeserve.engine.sampling.grammar import Constraint, GrammarCompiler
 
 
@@ -102,3 +103,4 @@ class ModelRuntime:
     grammar: GrammarCompiler | None = None  # structured output (None: not available)
     # Sampling parameters for requests that leave them unset (YAML, else generation_config).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    embedding: EmbeddingSpec | None = None  # kind embedding / rerank: pooling, dimensions
