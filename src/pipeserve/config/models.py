@@ -512,7 +512,9 @@ class EmbeddingOptions(Strict):
         "Given a web search query, retrieve relevant passages that answer the query",
         description="Decoder rerankers: the {instruction} of the template.",
     )
-    yes_token: str = Field("yes", description="Decoder rerankers: the token whose probability is the score.")
+    yes_token: str = Field(
+        "yes", description="Decoder rerankers: the token whose probability is the score."
+    )
     no_token: str = Field("no", description="Decoder rerankers: the token it is weighed against.")
 
 
@@ -575,12 +577,17 @@ class ModelEntry(Strict):
         return self
 
 
+# Endpoint apis served without a wire protocol (server/embeddings.py; docs/embeddings.md).
+EMBEDDING_APIS: tuple[str, ...] = ("openai-embeddings", "rerank")
+
+
 class EndpointEntry(Strict):
     route: str = Field(..., description="URL path, e.g. /v1/chat/completions.")
     api: str = Field(
         ...,
         description="Wire protocol: openai-chat, anthropic-messages, openai-responses,"
-        " openai-completions or ollama (a route prefix such as /api).",
+        " openai-completions, ollama (a route prefix such as /api; with /embed and"
+        " /embeddings), openai-embeddings or rerank.",
     )
     models: list[str] | None = Field(
         None, description="Restrict to these model names (default: all)."

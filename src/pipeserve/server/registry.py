@@ -44,6 +44,13 @@ def build_chain(stages: Sequence[StageDecl], env: BuildEnv) -> Chain:
     return Chain(built, [decl.role for decl in stages])
 
 
+_KIND_TEXT = {
+    "generation": "a generation model",
+    "embedding": "an embedding model",
+    "rerank": "a rerank model",
+}
+
+
 class ModelTable:
     """Resolves request model names (exact names first, then alias globs)."""
 
@@ -51,7 +58,22 @@ class ModelTable:
         self.models = models
         self._by_name = {m.name: m for m in models}
 
-    def resolve(self, name: str | None, allowed: set[str] | None = None) -> ServedModel:
+    def resolve(
+        self, name: str | None, allowed: set[str] | None = None, kind: str = "generation"
+    ) -> ServedModel:
+        """The served model of a request's `model`, which must be of `kind` (a chat
+        route refuses an embedding model, and the other way round: 400 naming `model`)."""
+        model = self._find(name, allowed)
+        if model.entry.kind != kind:
+            raise ApiError(
+                "invalid_request",
+                f"model {model.name!r} is {_KIND_TEXT[model.entry.kind]}; this route serves"
+                f" {kind} models",
+                param="model",
+            )
+        return model
+
+    def _find(self, name: str | None, allowed: set[str] | None) -> ServedModel:
         candidates = [m for m in self.models if allowed is None or m.name in allowed]
         if not name:
             raise ApiError("invalid_request", "model: field required", param="model")

@@ -1,7 +1,7 @@
 """Which network an embedding / rerank folder holds, loaded behind one interface:
 
-    backbone.hidden(ids, mask, types) -> [batch, length, width] token vectors
-    backbone.score(hidden, lengths)   -> [batch] relevance scores (rerank models)
+backbone.hidden(ids, mask, types) -> [batch, length, width] token vectors
+backbone.score(hidden, lengths)   -> [batch] relevance scores (rerank models)
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def is_encoder(model_dir: Path) -> bool:
     return read_json(model_dir / "config.json").get("model_type") in ENCODER_TYPES
 
 
-def load_backbone(model_dir: Path, load_decoder: Any, yes_no: tuple[int | None, int | None]) -> Backbone:
+def load_backbone(
+    model_dir: Path, load_decoder: Any, yes_no: tuple[int | None, int | None]
+) -> Backbone:
     """On the engine thread. load_decoder(): the mlx-lm model (engine/loader.py)."""
     if is_encoder(model_dir):
         return EncoderBackbone(load_bert(model_dir))

@@ -85,7 +85,9 @@ class WaitingPool:
     def next_batch(self, budget: int) -> list[Item]:
         """Up to `budget` padded tokens around the oldest item (at least that one)."""
         anchor = len(self.items[0].seq.ids)
-        order = sorted(range(len(self.items)), key=lambda i: (abs(len(self.items[i].seq.ids) - anchor), i))
+        order = sorted(
+            range(len(self.items)), key=lambda i: (abs(len(self.items[i].seq.ids) - anchor), i)
+        )
         chosen: list[int] = []
         longest = 0
         for i in order:

@@ -108,7 +108,9 @@ class EmbeddingEngine(AlwaysHealthy):
             start_os_thread(self._run, name=f"pipeserve-embed-{name}")
         self._loaded.wait()
         if self._load_error is not None:
-            raise RuntimeError(f"model {name}: loading failed: {self._load_error}") from self._load_error
+            raise RuntimeError(
+                f"model {name}: loading failed: {self._load_error}"
+            ) from self._load_error
 
     # -- request side -------------------------------------------------------------
 
@@ -248,7 +250,9 @@ class EmbeddingEngine(AlwaysHealthy):
         for row, item in enumerate(batch):
             self._store(pool_, item, vectors[row], None if values is None else float(values[row]))
 
-    def _store(self, pool_: WaitingPool, item: Item, vector: np.ndarray, score: float | None) -> None:
+    def _store(
+        self, pool_: WaitingPool, item: Item, vector: np.ndarray, score: float | None
+    ) -> None:
         pending = item.pending
         if pending.done:
             return

@@ -62,7 +62,10 @@ def build_embedding_runtime(
 def yes_no_ids(entry: ModelEntry, tokenizer: InputTokenizer) -> tuple[int | None, int | None]:
     """A decoder reranker's yes / no token ids (each must be one token)."""
     options = entry.embedding
-    yes, no = single_token(tokenizer.plain, options.yes_token), single_token(tokenizer.plain, options.no_token)
+    yes, no = (
+        single_token(tokenizer.plain, options.yes_token),
+        single_token(tokenizer.plain, options.no_token),
+    )
     return yes, no
 
 
