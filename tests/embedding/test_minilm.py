@@ -1,0 +1,121 @@
+"""all-MiniLM-L6-v2 (a real sentence-transformers model from a registry wheel) through
+the embedding engine: its vectors match an independent numpy BERT within cosine 0.999
+for 50 sentences, pooling and normalisation come from the folder's own files, batching
+and padding change nothing, and admission, cancellation and limits hold."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeserve.config.models import EmbeddingOptions, EngineOptions, ModelEntry
+from pipeserve.engine.base import ModelRuntime
+from pipeserve.engine.embedding.engine import EmbeddingEngine
+from pipeserve.engine.embedding.inputs import InputTokenizer
+from pipeserve.engine.embedding.jobs import EmbedJob
+from pipeserve.engine.embedding.runtime import build_embedding_runtime
+from pipeserve.engine.embedding.spec import build_spec
+from pipeserve.errors import ApiError
+from tests.embedding.reference import SENTENCES, NumpyBert, cosine
+
+
+@pytest.fixture(scope="module")
+def runtime(minilm_dir: Path) -> Iterator[ModelRuntime]:
+    entry = ModelEntry(
+        name="minilm",
+        source=str(minilm_dir),
+        kind="embedding",
+        options=EngineOptions(max_batch=1, queue_size=0),
+        # small batches: the test process multiplies with MLX's bundled reference BLAS
+        # (servers preload OpenBLAS), and a cancel is applied between two batches
+        embedding=EmbeddingOptions(batch_tokens=128),
+    )
+    built = build_embedding_runtime(entry, minilm_dir)
+    yield built
+    built.engine.close()
+
+
+def embed(runtime: ModelRuntime, texts: list[str], dimensions: int | None = None) -> list[np.ndarray]:
+    assert isinstance(runtime.tokenizer, InputTokenizer)
+    assert isinstance(runtime.engine, EmbeddingEngine)
+    job = EmbedJob("t", runtime.tokenizer.texts(texts, "input", False), dimensions=dimensions)
+    result = runtime.engine.embed(job).wait(60)
+    assert result is not None and result.error is None
+    return result.vectors
+
+
+def test_spec_comes_from_the_folder(minilm_dir: Path) -> None:
+    spec = build_spec(minilm_dir, EmbeddingOptions(), decoder=False, hidden_size=384)
+    assert (spec.pooling, spec.normalize, spec.dimensions, spec.max_length) == ("mean", True, 384, 256)
+    yaml = EmbeddingOptions(pooling="cls", normalize=False, max_length=64)
+    spec = build_spec(minilm_dir, yaml, decoder=False, hidden_size=384)
+    assert (spec.pooling, spec.normalize, spec.max_length) == ("cls", False, 64)
+
+
+def test_fifty_sentences_match_the_numpy_reference(runtime: ModelRuntime, minilm_dir: Path) -> None:
+    assert len(SENTENCES) == 50
+    reference = NumpyBert(minilm_dir)
+    assert isinstance(runtime.tokenizer, InputTokenizer)
+    sequences = runtime.tokenizer.texts(SENTENCES, "input", False)
+    vectors = embed(runtime, SENTENCES)  # one request: batched and padded by length
+    for text, seq, vector in zip(SENTENCES, sequences, vectors, strict=True):
+        assert seq.ids[0] == 101 and seq.ids[-1] == 102  # [CLS] ... [SEP]
+        expected = reference.embed(seq.ids)
+        assert cosine(vector, expected) >= 0.999, text
+        assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-5
+    # sentence-transformers' published first values for "hello world"
+    hello = embed(runtime, ["hello world"])[0]
+    assert np.allclose(hello[:3], [-0.0344773, 0.0310232, 0.0067349], atol=1e-5)
+
+
+def test_batching_and_padding_change_nothing(runtime: ModelRuntime) -> None:
+    together = embed(runtime, SENTENCES[:12])
+    alone = [embed(runtime, [text])[0] for text in SENTENCES[:12]]
+    for a, b in zip(together, alone, strict=True):
+        assert cosine(a, b) > 0.99999
+
+
+def test_similar_sentences_are_closer(runtime: ModelRuntime) -> None:
+    movie, great, pasta = embed(runtime, [SENTENCES[3], SENTENCES[6], SENTENCES[2]])
+    assert cosine(movie, great) > cosine(movie, pasta) + 0.3
+
+
+def test_matryoshka_cut_is_renormalised(runtime: ModelRuntime) -> None:
+    full, cut = embed(runtime, ["hello world"])[0], embed(runtime, ["hello world"], 64)[0]
+    assert cut.shape == (64,) and abs(float(np.linalg.norm(cut)) - 1.0) < 1e-5
+    assert np.allclose(cut, full[:64] / np.linalg.norm(full[:64]), atol=1e-6)
+
+
+def test_full_engine_answers_429_and_a_cancelled_job_ends(runtime: ModelRuntime) -> None:
+    """Capacity 1 (max_batch 1, queue_size 0): while a long job runs, the next is refused."""
+    engine, tokenizer = runtime.engine, runtime.tokenizer
+    assert isinstance(engine, EmbeddingEngine) and isinstance(tokenizer, InputTokenizer)
+    big = EmbedJob("big", tokenizer.texts(["a short sentence"] * 3000, "input", False))
+    ticket = engine.embed(big)
+    with pytest.raises(ApiError) as refused:
+        engine.embed(EmbedJob("small", tokenizer.texts(["hi"], "input", False)))
+    assert refused.value.kind == "overloaded" and refused.value.retry_after is not None
+    ticket.cancel()
+    result = ticket.wait(60)
+    assert result is not None and result.error_kind == "cancelled" and not result.vectors
+    assert engine.stats()["overloaded_total"] >= 1
+    assert embed(runtime, ["hi again"])[0].shape == (384,)  # the place was freed
+
+
+def test_limits_name_the_field(runtime: ModelRuntime) -> None:
+    tokenizer = runtime.tokenizer
+    assert isinstance(tokenizer, InputTokenizer)
+    long_text = " ".join(["word"] * 300)
+    with pytest.raises(ApiError) as too_long:
+        tokenizer.texts(["ok", long_text], "input", truncate=False)
+    assert too_long.value.param == "input[1]" and "at most 256 tokens" in too_long.value.message
+    assert len(tokenizer.texts([long_text], "input", truncate=True)[0].ids) == 256
+    with pytest.raises(ApiError) as empty:
+        tokenizer.texts(["ok", ""], "input", truncate=False)
+    assert empty.value.param == "input[1]"
+    with pytest.raises(ApiError) as vocab:
+        tokenizer.token_arrays([[101, 30522, 102]], "input", truncate=False, single=True)
+    assert vocab.value.param == "input" and "30522" in vocab.value.message
