@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
+from tokenizers import Tokenizer
 
 
 def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -21,7 +22,9 @@ def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.n
 def _erf(x: np.ndarray) -> np.ndarray:
     """Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7)."""
     t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    poly = t * (
+        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    )
     return np.sign(x) * (1.0 - poly * np.exp(-x * x))
 
 
@@ -32,7 +35,9 @@ def _gelu(x: np.ndarray) -> np.ndarray:
 
 class NumpyBert:
     def __init__(self, folder: Path) -> None:
-        self.w = {k: v.astype(np.float64) for k, v in load_file(folder / "model.safetensors").items()}
+        self.w = {
+            k: v.astype(np.float64) for k, v in load_file(folder / "model.safetensors").items()
+        }
         config = json.loads((folder / "config.json").read_text())
         self.layers = config["num_hidden_layers"]
         self.heads = config["num_attention_heads"]
@@ -48,7 +53,9 @@ class NumpyBert:
         h = (w["embeddings.word_embeddings.weight"][ids]
              + w["embeddings.position_embeddings.weight"][:n]
              + w["embeddings.token_type_embeddings.weight"][0])  # fmt: skip
-        h = _layer_norm(h, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], self.eps)
+        h = _layer_norm(
+            h, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], self.eps
+        )
         for i in range(self.layers):
             p = f"encoder.layer.{i}."
             size = h.shape[1] // self.heads
@@ -76,6 +83,14 @@ class NumpyBert:
         """Mean pooling over the tokens, then L2 normalisation (all-MiniLM-L6-v2's modules)."""
         mean = self.tokens(ids).mean(0)
         return mean / np.linalg.norm(mean)
+
+
+def plain_tokenizer(folder: Path) -> Tokenizer:
+    """The folder's tokenizer.json without the fixed padding to 128 it declares."""
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -38,7 +38,9 @@ def runtime(minilm_dir: Path) -> Iterator[ModelRuntime]:
     built.engine.close()
 
 
-def embed(runtime: ModelRuntime, texts: list[str], dimensions: int | None = None) -> list[np.ndarray]:
+def embed(
+    runtime: ModelRuntime, texts: list[str], dimensions: int | None = None
+) -> list[np.ndarray]:
     assert isinstance(runtime.tokenizer, InputTokenizer)
     assert isinstance(runtime.engine, EmbeddingEngine)
     job = EmbedJob("t", runtime.tokenizer.texts(texts, "input", False), dimensions=dimensions)
@@ -49,7 +51,12 @@ def embed(runtime: ModelRuntime, texts: list[str], dimensions: int | None = None
 
 def test_spec_comes_from_the_folder(minilm_dir: Path) -> None:
     spec = build_spec(minilm_dir, EmbeddingOptions(), decoder=False, hidden_size=384)
-    assert (spec.pooling, spec.normalize, spec.dimensions, spec.max_length) == ("mean", True, 384, 256)
+    assert (spec.pooling, spec.normalize, spec.dimensions, spec.max_length) == (
+        "mean",
+        True,
+        384,
+        256,
+    )
     yaml = EmbeddingOptions(pooling="cls", normalize=False, max_length=64)
     spec = build_spec(minilm_dir, yaml, decoder=False, hidden_size=384)
     assert (spec.pooling, spec.normalize, spec.max_length) == ("cls", False, 64)

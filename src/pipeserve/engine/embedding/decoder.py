@@ -48,6 +48,7 @@ class DecoderBackbone:
 
 
 def single_token(tokenizer: Any, text: str) -> int | None:
-    """The id of `text` when it is exactly one token (no special tokens added)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    """The id of `text` when it is exactly one token (no special tokens added); tokenizer:
+    a `tokenizers.Tokenizer`."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
     return int(ids[0]) if len(ids) == 1 else None
