@@ -126,3 +126,23 @@ def test_limits_name_the_field(runtime: ModelRuntime) -> None:
     with pytest.raises(ApiError) as vocab:
         tokenizer.token_arrays([[101, 30522, 102]], "input", truncate=False, single=True)
     assert vocab.value.param == "input" and "30522" in vocab.value.message
+
+
+def test_pipeline_auto_detects_an_embedding_folder(minilm_dir: Path, tmp_path: Path) -> None:
+    from pipeserve.config import load_server_config
+    from pipeserve.config.auto import resolve_auto
+    from pipeserve.engine.demo import ensure_demo_model
+    from pipeserve.engine.embedding.spec import detect_kind
+    from tests.server.serverproc import REPO
+
+    assert detect_kind(minilm_dir) == "embedding"
+    assert detect_kind(ensure_demo_model("qwen3")) is None
+    config = tmp_path / "auto.yaml"
+    config.write_text(
+        f"pipelines_dir: {REPO / 'pipelines'}\n"
+        f"models:\n  - {{name: m, source: {minilm_dir}, pipeline: auto}}\n"
+        "endpoints:\n  - {route: /v1/embeddings, api: openai-embeddings}\n"
+    )
+    resolved = resolve_auto(load_server_config(config), {"m": minilm_dir})
+    entry = resolved.config.models[0]
+    assert (entry.kind, entry.pipeline) == ("embedding", "")

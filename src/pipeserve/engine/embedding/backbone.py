@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from pipeserve.engine.embedding.bert import ENCODER_TYPES, BertModel, load_bert
-from pipeserve.engine.embedding.spec import read_json
+from pipeserve.engine.embedding.bert import BertModel, load_bert
+from pipeserve.engine.embedding.spec import ENCODER_TYPES, read_json
 
 
 class Backbone(Protocol):

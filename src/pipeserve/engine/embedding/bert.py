@@ -18,7 +18,6 @@ import mlx.nn as nn
 
 from pipeserve.engine.embedding.spec import read_json
 
-ENCODER_TYPES = ("bert", "xlm-roberta", "roberta")
 _PREFIXES = ("bert.", "roberta.", "model.")
 
 

@@ -13,6 +13,7 @@ from pipeserve.config.models import EmbeddingOptions
 
 Pooling = Literal["cls", "mean", "last"]
 DEFAULT_MAX_LENGTH = 512
+ENCODER_TYPES = ("bert", "xlm-roberta", "roberta")  # config.json model_type of encoders
 _POOLING_KEYS: tuple[tuple[str, Pooling], ...] = (
     ("pooling_mode_cls_token", "cls"),
     ("pooling_mode_mean_tokens", "mean"),
@@ -87,3 +88,15 @@ def build_spec(
         matryoshka=options.matryoshka,
         max_length=options.max_length or folder_max_length(model_dir, config),
     )
+
+
+def detect_kind(model_dir: Path) -> str | None:
+    """`pipeline: auto` on an embedding folder: "embedding" for an encoder or a
+    sentence-transformers folder (modules.json), "rerank" for a cross-encoder, None for
+    a folder of a generation model."""
+    config = read_json(model_dir / "config.json")
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if config.get("model_type") in ENCODER_TYPES:
+        classifier = any("SequenceClassification" in a for a in architectures)
+        return "rerank" if classifier else "embedding"
+    return "embedding" if (model_dir / "modules.json").is_file() else None
