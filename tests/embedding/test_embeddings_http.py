@@ -148,7 +148,7 @@ def test_models_list_shows_kind_dimensions_and_pooling(client: openai.OpenAI, se
 def _direct_model() -> tuple[object, Tokenizer]:
     import mlx_lm
 
-    from pipeserve.engine.demo import ensure_demo_model
+    from pipeserve.engine.weights.demo.build import ensure_demo_model
 
     folder = ensure_demo_model("qwen3")
     model, _ = mlx_lm.load(str(folder))

@@ -131,8 +131,8 @@ def test_limits_name_the_field(runtime: ModelRuntime) -> None:
 def test_pipeline_auto_detects_an_embedding_folder(minilm_dir: Path, tmp_path: Path) -> None:
     from pipeserve.config import load_server_config
     from pipeserve.config.auto import resolve_auto
-    from pipeserve.engine.demo import ensure_demo_model
     from pipeserve.engine.embedding.spec import detect_kind
+    from pipeserve.engine.weights.demo.build import ensure_demo_model
     from tests.server.serverproc import REPO
 
     assert detect_kind(minilm_dir) == "embedding"

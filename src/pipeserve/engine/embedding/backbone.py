@@ -55,7 +55,7 @@ def is_encoder(model_dir: Path) -> bool:
 def load_backbone(
     model_dir: Path, load_decoder: Any, yes_no: tuple[int | None, int | None]
 ) -> Backbone:
-    """On the engine thread. load_decoder(): the mlx-lm model (engine/loader.py)."""
+    """On the engine thread. load_decoder(): the mlx-lm model (engine/weights/loader.py)."""
     if is_encoder(model_dir):
         return EncoderBackbone(load_bert(model_dir))
     from pipeserve.engine.embedding.decoder import DecoderBackbone

@@ -23,7 +23,6 @@ import numpy as np
 
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import AlwaysHealthy, GenerationJob, TokenStream
-from pipeserve.gevent_support import OsFlag, OsThreadHost, os_lock, os_simple_queue, start_os_thread
 from pipeserve.engine.embedding.backbone import Backbone
 from pipeserve.engine.embedding.batches import Item, Pending, WaitingPool, lay_out
 from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult
@@ -31,6 +30,7 @@ from pipeserve.engine.embedding.mailbox import Mailbox
 from pipeserve.engine.embedding.pooling import finish, pool
 from pipeserve.engine.embedding.spec import EmbeddingSpec
 from pipeserve.errors import ApiError
+from pipeserve.gevent_support import OsFlag, OsThreadHost, os_lock, os_simple_queue, start_os_thread
 
 log = logging.getLogger("pipeserve.engine")
 RETRY_AFTER_SECONDS = 1.0

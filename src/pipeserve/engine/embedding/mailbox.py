@@ -1,6 +1,6 @@
 """Handing one job's result from the engine OS thread to the request waiting for it.
 
-The same hop as engine/channel.py: the engine thread never touches a gevent object; it
+The same hop as engine/output/channel.py: the engine thread never touches a gevent object; it
 schedules one callback on the waiting greenlet's hub, which puts the result in a gevent
 queue. Without gevent a plain SimpleQueue."""
 
