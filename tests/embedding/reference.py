@@ -35,9 +35,8 @@ def _gelu(x: np.ndarray) -> np.ndarray:
 
 class NumpyBert:
     def __init__(self, folder: Path) -> None:
-        self.w = {
-            k: v.astype(np.float64) for k, v in load_file(folder / "model.safetensors").items()
-        }
+        raw = load_file(folder / "model.safetensors")
+        self.w = {k.removeprefix("bert."): v.astype(np.float64) for k, v in raw.items()}
         config = json.loads((folder / "config.json").read_text())
         self.layers = config["num_hidden_layers"]
         self.heads = config["num_attention_heads"]
@@ -47,12 +46,12 @@ class NumpyBert:
         # einsum's own loop, not BLAS: a BLAS pool beside the engine's oversubscribes 2 cores
         return np.einsum("nd,od->no", x, self.w[name + ".weight"]) + self.w[name + ".bias"]
 
-    def tokens(self, ids: list[int]) -> np.ndarray:
+    def tokens(self, ids: list[int], types: list[int] | None = None) -> np.ndarray:
         """The last layer's token vectors of one unpadded sequence, [length, hidden]."""
         w, n = self.w, len(ids)
         h = (w["embeddings.word_embeddings.weight"][ids]
              + w["embeddings.position_embeddings.weight"][:n]
-             + w["embeddings.token_type_embeddings.weight"][0])  # fmt: skip
+             + w["embeddings.token_type_embeddings.weight"][types or [0] * n])  # fmt: skip
         h = _layer_norm(
             h, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], self.eps
         )
@@ -78,6 +77,13 @@ class NumpyBert:
                             w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"],
                             self.eps)  # fmt: skip
         return h
+
+    def relevance(self, ids: list[int], types: list[int]) -> float:
+        """A cross-encoder's score: sigmoid(classifier(tanh(pooler([CLS]))))."""
+        first = self.tokens(ids, types)[0]
+        pooled = np.tanh(self._dense("pooler.dense", first[None]))
+        logit = float(self._dense("classifier", pooled)[0, 0])
+        return 1 / (1 + math.exp(-logit))
 
     def embed(self, ids: list[int]) -> np.ndarray:
         """Mean pooling over the tokens, then L2 normalisation (all-MiniLM-L6-v2's modules)."""
