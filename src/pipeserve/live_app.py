@@ -201,12 +201,23 @@ class LiveApp:
 
         def build() -> ModelRuntime:
             model_dir = resolve_source(entry.source, entry.sha256)
-            return build_embedding_runtime(entry, model_dir, manage)
+            return build_embedding_runtime(entry, model_dir, manage, self._chat_running)
 
         runtime = run_off_hub(build)
         created.append(runtime.engine)
         served = ServedModel(entry=entry, family=entry.kind, runtime=runtime, chain=Chain([], []))
         return Slot(rkey, "", served)
+
+    def _chat_running(self) -> bool:
+        """Whether a generation model of this worker decodes now (embedding engines give
+        way to it). Called from embedding engine threads, so it reads this worker's own
+        engines only (an engine host's would need the hub: not seen, docs/embeddings.md)."""
+        engines = [m.runtime.engine for m in self.table.models if m.entry.kind == "generation"]
+        return any(
+            e.stats().get("active_sequences", 0) > 0
+            for e in engines
+            if isinstance(e, ManagedEngine)
+        )
 
     def _log_changes(self, slots: dict[str, Slot]) -> None:
         if not self.slots:

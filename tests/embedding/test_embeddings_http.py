@@ -121,6 +121,7 @@ def test_ollama_client_embed_and_legacy(server: str) -> None:
     reply = client.embed(model="all-minilm:latest", input=["hello world", "Bananas are yellow."])
     assert len(reply.embeddings) == 2 and len(reply.embeddings[0]) == 384
     assert reply.prompt_eval_count and reply.prompt_eval_count > 0
+    assert client.show("minilm").capabilities == ["embedding"]
     legacy = client.embeddings(model="minilm", prompt="hello world")
     assert cosine(np.array(legacy.embedding), np.array(reply.embeddings[0])) > 0.99999
     with pytest.raises(ollama.ResponseError) as error:

@@ -146,3 +146,48 @@ def test_pipeline_auto_detects_an_embedding_folder(minilm_dir: Path, tmp_path: P
     resolved = resolve_auto(load_server_config(config), {"m": minilm_dir})
     entry = resolved.config.models[0]
     assert (entry.kind, entry.pipeline) == ("embedding", "")
+
+
+def test_batches_group_by_length_from_the_oldest_input() -> None:
+    from pipeserve.engine.embedding.batches import Pending, WaitingPool, lay_out
+    from pipeserve.engine.embedding.jobs import Sequence
+    from pipeserve.engine.embedding.mailbox import Mailbox
+
+    lengths = [10, 40, 11, 9, 38, 10]
+    job = EmbedJob("t", [Sequence(list(range(1, n + 1))) for n in lengths])
+    pool = WaitingPool()
+    pool.add(Pending(1, job, Mailbox()))
+    first = pool.next_batch(budget=1000)
+    assert [item.index for item in first] == [0, 2, 3, 5]  # the short ones, oldest first
+    layout = lay_out(first)
+    assert layout.ids.shape == (4, 11) and layout.mask.sum() == 10 + 11 + 9 + 10
+    assert [item.index for item in pool.next_batch(budget=1000)] == [1, 4]
+    assert pool.empty
+
+
+def test_engine_gives_way_to_chat(minilm_dir: Path) -> None:
+    """While a chat model decodes, batches shrink to Yielding.batch_tokens and a pause
+    follows each (share 0.5: as long as the batch took)."""
+    from pipeserve.engine.embedding.engine import Yielding
+
+    chat = [False]
+    spec = build_spec(minilm_dir, EmbeddingOptions(), decoder=False, hidden_size=384)
+    from pipeserve.engine.embedding.backbone import load_backbone
+
+    engine = EmbeddingEngine(
+        "y", lambda: load_backbone(minilm_dir, None, (None, None)), spec, EngineOptions(), 8192,
+        yielding=Yielding(lambda: chat[0], share=0.5, batch_tokens=64),
+    )  # fmt: skip
+    tokenizer = InputTokenizer(minilm_dir, 256, 30522)
+    try:
+        texts = [f"sentence number {i}" for i in range(40)]  # 5 tokens each: 12 per batch
+        for running, batches in ((False, 1), (True, 4)):
+            chat[0] = running
+            before = engine.stats()["batches_total"]
+            result = engine.embed(EmbedJob("t", tokenizer.texts(texts, "input", False))).wait(60)
+            assert result is not None and len(result.vectors) == 40
+            assert engine.stats()["batches_total"] - before == batches
+    finally:
+        engine.close()
+    assert Yielding(share=0.25).pause(0.1) == pytest.approx(0.3)
+    assert Yielding(share=1.0).budget(8192, chat=True) == 8192

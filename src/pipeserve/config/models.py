@@ -503,6 +503,13 @@ class EmbeddingOptions(Strict):
         description="Padded tokens encoded together in one engine step (inputs of all"
         " waiting requests, grouped by length).",
     )
+    chat_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="While a generation model of the same server decodes, the share of the"
+        " time this model's engine may take (smaller batches, then a pause); 1: no yielding.",
+    )
     rerank_template: str | None = Field(
         None,
         description="Decoder rerankers: the prompt with {instruction}, {query} and {document}"

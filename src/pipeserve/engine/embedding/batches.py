@@ -16,6 +16,8 @@ import numpy as np
 from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult, Sequence
 from pipeserve.engine.embedding.mailbox import Mailbox
 
+MAX_PADDING = 1.25  # padded tokens of a batch / its real tokens
+
 
 @dataclass(eq=False)
 class Pending:
@@ -83,19 +85,22 @@ class WaitingPool:
         yield from list(self.jobs.values())
 
     def next_batch(self, budget: int) -> list[Item]:
-        """Up to `budget` padded tokens around the oldest item (at least that one)."""
+        """Up to `budget` padded tokens around the oldest item (at least that one), while
+        padding adds at most MAX_PADDING over the real tokens (on a CPU every padded token
+        costs as much as a real one)."""
         anchor = len(self.items[0].seq.ids)
         order = sorted(
             range(len(self.items)), key=lambda i: (abs(len(self.items[i].seq.ids) - anchor), i)
         )
         chosen: list[int] = []
-        longest = 0
+        longest = real = 0
         for i in order:
             size = len(self.items[i].seq.ids)
-            if chosen and (len(chosen) + 1) * max(longest, size) > budget:
+            padded = (len(chosen) + 1) * max(longest, size)
+            if chosen and (padded > budget or padded > MAX_PADDING * (real + size)):
                 break
             chosen.append(i)
-            longest = max(longest, size)
+            longest, real = max(longest, size), real + size
         taken = set(chosen)
         batch = [self.items[i] for i in sorted(chosen)]
         self.items = [item for i, item in enumerate(self.items) if i not in taken]

@@ -16,6 +16,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -30,9 +31,36 @@ from pipeserve.engine.embedding.mailbox import Mailbox
 from pipeserve.engine.embedding.pooling import finish, pool
 from pipeserve.engine.embedding.spec import EmbeddingSpec
 from pipeserve.errors import ApiError
-from pipeserve.gevent_support import OsFlag, OsThreadHost, os_lock, os_simple_queue, start_os_thread
+from pipeserve.gevent_support import (
+    OsFlag,
+    OsThreadHost,
+    os_lock,
+    os_simple_queue,
+    os_sleep,
+    start_os_thread,
+)
 
 log = logging.getLogger("pipeserve.engine")
+
+
+@dataclass
+class Yielding:
+    """How an embedding engine gives way to chat: while `chat_running()` says a
+    generation engine of the same server is decoding, each batch is at most
+    `batch_tokens` padded tokens and is followed by a pause that keeps the embedding
+    engine's share of the time at `share` (YAML embedding.chat_share; 1: no yielding)."""
+
+    chat_running: Callable[[], bool] = lambda: False
+    share: float = 1.0
+    batch_tokens: int = 512
+
+    def budget(self, configured: int, chat: bool) -> int:
+        return min(configured, self.batch_tokens) if chat and self.share < 1 else configured
+
+    def pause(self, seconds: float) -> float:
+        return seconds * (1 / self.share - 1) if self.share < 1 else 0.0
+
+
 RETRY_AFTER_SECONDS = 1.0
 MAX_RETRY_AFTER = 60.0
 
@@ -78,8 +106,10 @@ class EmbeddingEngine(AlwaysHealthy):
         options: EngineOptions,
         batch_tokens: int,
         host: OsThreadHost | None = None,
+        yielding: Yielding | None = None,
     ) -> None:
         self.name = name
+        self.yielding = yielding or Yielding()
         self.spec = spec
         self.options = options
         self.batch_tokens = batch_tokens
@@ -203,8 +233,10 @@ class EmbeddingEngine(AlwaysHealthy):
         while self._drain(pool_, block=pool_.empty):
             if pool_.empty:
                 continue
-            batch = pool_.next_batch(self.batch_tokens)
+            chat = self.yielding.chat_running()
+            batch = pool_.next_batch(self.yielding.budget(self.batch_tokens, chat))
             self._active = len(batch)
+            started = time.monotonic()
             try:
                 self._encode(pool_, batch)
             except Exception as exc:  # a bug must not kill the engine thread
@@ -214,6 +246,8 @@ class EmbeddingEngine(AlwaysHealthy):
                     message = f"engine fault: {type(exc).__name__}: {exc}"
                     self._deliver(pool_, pending, "internal", message)
             self._active = 0
+            if chat:
+                os_sleep(self.yielding.pause(time.monotonic() - started))
 
     def _drain(self, pool_: WaitingPool, block: bool) -> bool:
         while True:

@@ -17,7 +17,7 @@ from pipeserve.engine.base import Engine, ModelRuntime
 from pipeserve.engine.embedding.backbone import Backbone, is_encoder, load_backbone
 from pipeserve.engine.embedding.bert import BertConfig
 from pipeserve.engine.embedding.decoder import single_token
-from pipeserve.engine.embedding.engine import EmbeddingEngine
+from pipeserve.engine.embedding.engine import EmbeddingEngine, Yielding
 from pipeserve.engine.embedding.inputs import InputTokenizer
 from pipeserve.engine.embedding.spec import EmbeddingSpec, build_spec, read_json
 from pipeserve.gevent_support import OsThreadHost
@@ -40,12 +40,16 @@ def build_embedding_runtime(
     entry: ModelEntry,
     model_dir: Path,
     manage: Callable[[Callable[[], Engine], Path], Engine] | None = None,
+    chat_running: Callable[[], bool] | None = None,
 ) -> ModelRuntime:
+    """chat_running: whether a generation model of the server decodes now (the engine
+    then gives way to it, EmbeddingOptions.chat_share)."""
     width, vocab = model_facts(model_dir)
     spec = build_spec(model_dir, entry.embedding, not is_encoder(model_dir), width)
     tokenizer = InputTokenizer(model_dir, spec.max_length, vocab)
     yes_no = yes_no_ids(entry, tokenizer) if entry.kind == "rerank" else (None, None)
-    start = partial(start_embedding_engine, entry, model_dir, spec, yes_no)
+    yielding = Yielding(chat_running or (lambda: False), entry.embedding.chat_share)
+    start = partial(start_embedding_engine, entry, model_dir, spec, yes_no, yielding)
     engine = manage(start, model_dir) if manage is not None else start()
     return ModelRuntime(
         name=entry.name,
@@ -74,6 +78,7 @@ def start_embedding_engine(
     model_dir: Path,
     spec: EmbeddingSpec,
     yes_no: tuple[int | None, int | None],
+    yielding: Yielding,
     host: OsThreadHost | None = None,
 ) -> Engine:
     options = entry.options
@@ -90,7 +95,8 @@ def start_embedding_engine(
             )
         return backbone
 
-    engine = EmbeddingEngine(entry.name, load, spec, options, entry.embedding.batch_tokens, host)
+    batch_tokens = entry.embedding.batch_tokens
+    engine = EmbeddingEngine(entry.name, load, spec, options, batch_tokens, host, yielding)
     log.info("model %s: %s engine on %s (%s)", entry.name, entry.kind, model_dir, spec.describe())
     return engine
 
