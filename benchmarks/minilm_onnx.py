@@ -53,7 +53,9 @@ def build_minilm_onnx(folder: Path) -> bytes:
         return g.const(key, np.ascontiguousarray(value.T) if transpose else value)
 
     def dense(x: str, prefix: str) -> str:
-        return g.op("Add", [g.op("MatMul", [x, param(prefix + ".weight", True)]), param(prefix + ".bias")])
+        return g.op(
+            "Add", [g.op("MatMul", [x, param(prefix + ".weight", True)]), param(prefix + ".bias")]
+        )
 
     def norm(x: str, prefix: str) -> str:
         return g.op("LayerNormalization", [x, param(prefix + ".weight"), param(prefix + ".bias")],
@@ -69,22 +71,52 @@ def build_minilm_onnx(folder: Path) -> bytes:
     split = g.const("split_shape", np.array([0, 0, heads, size], np.int64))
     merge = g.const("merge_shape", np.array([0, 0, hidden], np.int64))
     scale = g.const("scale", np.array(1 / math.sqrt(size), np.float32))
-    half, root2 = g.const("half", np.array(0.5, np.float32)), g.const("root2", np.array(math.sqrt(2), np.float32))
+    half, root2 = (
+        g.const("half", np.array(0.5, np.float32)),
+        g.const("root2", np.array(math.sqrt(2), np.float32)),
+    )
     for i in range(config["num_hidden_layers"]):
         p = f"encoder.layer.{i}."
-        q = g.op("Transpose", [g.op("Reshape", [dense(h, p + "attention.self.query"), split])], perm=[0, 2, 1, 3])
-        k = g.op("Transpose", [g.op("Reshape", [dense(h, p + "attention.self.key"), split])], perm=[0, 2, 3, 1])
-        v = g.op("Transpose", [g.op("Reshape", [dense(h, p + "attention.self.value"), split])], perm=[0, 2, 1, 3])
+        q = g.op(
+            "Transpose",
+            [g.op("Reshape", [dense(h, p + "attention.self.query"), split])],
+            perm=[0, 2, 1, 3],
+        )
+        k = g.op(
+            "Transpose",
+            [g.op("Reshape", [dense(h, p + "attention.self.key"), split])],
+            perm=[0, 2, 3, 1],
+        )
+        v = g.op(
+            "Transpose",
+            [g.op("Reshape", [dense(h, p + "attention.self.value"), split])],
+            perm=[0, 2, 1, 3],
+        )
         scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, k]), scale]), bias])
         context = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
         context = g.op("Reshape", [g.op("Transpose", [context], perm=[0, 2, 1, 3]), merge])
-        h = norm(g.op("Add", [dense(context, p + "attention.output.dense"), h]), p + "attention.output.LayerNorm")
+        h = norm(
+            g.op("Add", [dense(context, p + "attention.output.dense"), h]),
+            p + "attention.output.LayerNorm",
+        )
         mid = dense(h, p + "intermediate.dense")
-        gelu = g.op("Mul", [g.op("Mul", [mid, half]), g.op("Add", [g.op("Erf", [g.op("Div", [mid, root2])]), one])])
+        gelu = g.op(
+            "Mul",
+            [
+                g.op("Mul", [mid, half]),
+                g.op("Add", [g.op("Erf", [g.op("Div", [mid, root2])]), one]),
+            ],
+        )
         h = norm(g.op("Add", [dense(gelu, p + "output.dense"), h]), p + "output.LayerNorm")
     weights = g.op("Unsqueeze", ["attention_mask", g.const("axis2", np.array([2], np.int64))])
-    total = g.op("ReduceSum", [g.op("Mul", [h, weights]), g.const("axis1", np.array([1], np.int64))], keepdims=0)
-    count = g.op("ReduceSum", ["attention_mask", g.const("axis1b", np.array([1], np.int64))], keepdims=1)
+    total = g.op(
+        "ReduceSum",
+        [g.op("Mul", [h, weights]), g.const("axis1", np.array([1], np.int64))],
+        keepdims=0,
+    )
+    count = g.op(
+        "ReduceSum", ["attention_mask", g.const("axis1b", np.array([1], np.int64))], keepdims=1
+    )
     pooled = g.op("Div", [total, count])
     graph = helper.make_graph(
         g.nodes,
@@ -108,7 +140,9 @@ class OnnxEmbedder:
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(build_minilm_onnx(folder), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            build_minilm_onnx(folder), options, providers=["CPUExecutionProvider"]
+        )
 
     def embed(self, batch: list[list[int]]) -> np.ndarray:
         width = max(len(ids) for ids in batch)
@@ -116,7 +150,11 @@ class OnnxEmbedder:
         mask = np.zeros((len(batch), width), np.float32)
         for row, seq in enumerate(batch):
             ids[row, : len(seq)], mask[row, : len(seq)] = seq, 1.0
-        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.arange(width, dtype=np.int64)}
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": np.arange(width, dtype=np.int64),
+        }
         (pooled,) = self.session.run(None, feeds)
         out: np.ndarray = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
         return out
