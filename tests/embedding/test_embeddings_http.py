@@ -264,3 +264,20 @@ def test_chat_still_serves_beside_embeddings(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         client.embeddings.create(model="demo", input="hi")
     assert "generation model" in str(error.value)
+
+
+def test_console_models_view_shows_the_embedding_chain(server: str) -> None:
+    auth = {"authorization": f"Bearer {KEY}"}
+    models = httpx.get(server + "/console/api/models", headers=auth, timeout=30).json()["models"]
+    by_name = {m["name"]: m for m in models}
+    minilm, demo = by_name["minilm"], by_name["demo"]
+    assert minilm["kind"] == "embedding" and minilm["embedding"]["dimensions"] == 384
+    assert minilm["embedding"]["pooling"] == "mean" and minilm["stages"] == []
+    routes = {r["api"]: r["paths"] for r in minilm["routes"]}
+    assert routes == {
+        "openai-embeddings": ["/v1/embeddings"],
+        "ollama": ["/api/embed", "/api/embeddings"],
+    }
+    assert {r["api"] for r in by_name["qwen3-rerank"]["routes"]} == {"rerank"}
+    assert demo["kind"] == "generation" and demo["embedding"] is None
+    assert {r["api"] for r in demo["routes"]} == {"openai-chat", "ollama"}

@@ -16,6 +16,7 @@ from pipeserve.config.detect import AUTO, DetectionError, detect_pipeline, read_
 from pipeserve.config.loader import display_path
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.validate import Validator
+from pipeserve.engine.embedding.spec import detect_kind
 
 Locate = Callable[[str], Path | None]
 
@@ -55,9 +56,16 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
     lines = [f"{display_path(loaded.path)}:"]
     for entry in loaded.config.models:
         folder = locate(entry.source)
+        if entry.kind != "generation":
+            lines.append(f"  {entry.name}: kind {entry.kind} (no pipeline: docs/embeddings.md)")
+            continue
         if folder is None:
             where = f"{entry.source} is not here yet (downloaded when the server starts)"
             lines.append(f"  {entry.name}: pipeline {entry.pipeline}; {where}")
+            continue
+        kind = detect_kind(folder) if entry.pipeline == AUTO else None
+        if kind is not None:
+            lines.append(f"  {entry.name}: auto -> kind {kind} (docs/embeddings.md)")
             continue
         detection = detect_pipeline(read_evidence(folder), pool)
         if entry.pipeline == AUTO:
