@@ -112,13 +112,40 @@ class Attention(nn.Module):
         return self.output(attend(h, bias), h)
 
 
+# erf(x) on [-4, 4] as x * P(x^2) / Q(x^2) (Eigen's float erf; |error| < 2e-6 in
+# GELU), clamped outside: only multiplies and adds, which mx.compile fuses into one pass.
+# MLX's CPU `erf` is a scalar loop (~36 ns per element, 2-8x the matmul before it).
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)  # fmt: skip
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)  # fmt: skip
+
+
+def _gelu_erf(v: mx.array) -> mx.array:
+    """BERT's exact GELU, 0.5 * v * (1 + erf(v / sqrt(2)))."""
+    x = mx.clip(v * 0.7071067811865476, -4.0, 4.0)
+    x2 = x * x
+    p = x2 * _ERF_P[0] + _ERF_P[1]
+    for a in _ERF_P[2:]:
+        p = x2 * p + a
+    q = x2 * _ERF_Q[0] + _ERF_Q[1]
+    for b in _ERF_Q[2:]:
+        q = x2 * q + b
+    return 0.5 * v * (1.0 + x * p / q)
+
+
+gelu_erf = mx.compile(_gelu_erf, shapeless=True)
+
+
 class Intermediate(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
 
     def __call__(self, h: mx.array) -> mx.array:
-        return nn.gelu(self.dense(h))  # BERT's exact (erf) GELU
+        out: mx.array = gelu_erf(self.dense(h))
+        return out
 
 
 class Layer(nn.Module):
