@@ -168,7 +168,7 @@ def test_batches_group_by_length_from_the_oldest_input() -> None:
 def test_engine_gives_way_to_chat(minilm_dir: Path) -> None:
     """While a chat model decodes, batches shrink to Yielding.batch_tokens and a pause
     follows each (share 0.5: as long as the batch took)."""
-    from pipeserve.engine.embedding.engine import Yielding
+    from pipeserve.engine.embedding.yielding import Yielding
 
     chat = [False]
     spec = build_spec(minilm_dir, EmbeddingOptions(), decoder=False, hidden_size=384)

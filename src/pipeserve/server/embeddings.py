@@ -21,9 +21,10 @@ from pipeserve.api.embeddings.decode import (
 )
 from pipeserve.api.embeddings.encode import encode_embeddings, encode_rerank
 from pipeserve.engine.base import ModelRuntime
-from pipeserve.engine.embedding.engine import EmbeddingEngine, EmbedTicket
+from pipeserve.engine.embedding.engine import EmbeddingEngine
 from pipeserve.engine.embedding.inputs import InputTokenizer
 from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult, Sequence
+from pipeserve.engine.embedding.ticket import EmbedTicket
 from pipeserve.errors import ApiError, invalid
 from pipeserve.server.body import read_json_body
 from pipeserve.server.disconnect import watch_disconnect

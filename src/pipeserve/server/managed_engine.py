@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pipeserve.engine.base import Engine, GenerationJob, TokenStream
-from pipeserve.engine.embedding.engine import EmbeddingEngine, EmbedTicket
+from pipeserve.engine.embedding.engine import EmbeddingEngine
 from pipeserve.engine.embedding.jobs import EmbedJob
+from pipeserve.engine.embedding.ticket import EmbedTicket
 from pipeserve.engine.weights.memory import release_free_memory
 from pipeserve.errors import ApiError, refused_load
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage

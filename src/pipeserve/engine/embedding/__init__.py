@@ -13,5 +13,7 @@ waiting input of every request (docs/embeddings.md).
     mailbox.py   handing results from the engine thread to the waiting greenlet
     batches.py   the waiting sequences, grouped into padded batches by length
     engine.py    the engine thread: admission (429), batching, cancellation, stats
+    ticket.py    the request's side of a job: wait, cancel
+    yielding.py  giving way to chat decoding in the same server
     runtime.py   a model entry of kind embedding / rerank -> its ModelRuntime
 """

@@ -16,7 +16,6 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +29,8 @@ from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult
 from pipeserve.engine.embedding.mailbox import Mailbox
 from pipeserve.engine.embedding.pooling import finish, pool
 from pipeserve.engine.embedding.spec import EmbeddingSpec
+from pipeserve.engine.embedding.ticket import EmbedTicket
+from pipeserve.engine.embedding.yielding import Yielding
 from pipeserve.errors import ApiError
 from pipeserve.gevent_support import (
     OsFlag,
@@ -41,57 +42,8 @@ from pipeserve.gevent_support import (
 )
 
 log = logging.getLogger("pipeserve.engine")
-
-
-@dataclass
-class Yielding:
-    """How an embedding engine gives way to chat: while `chat_running()` says a
-    generation engine of the same server is decoding, each batch is at most
-    `batch_tokens` padded tokens and is followed by a pause that keeps the embedding
-    engine's share of the time at `share` (YAML embedding.chat_share; 1: no yielding)."""
-
-    chat_running: Callable[[], bool] = lambda: False
-    share: float = 1.0
-    batch_tokens: int = 512
-
-    def budget(self, configured: int, chat: bool) -> int:
-        return min(configured, self.batch_tokens) if chat and self.share < 1 else configured
-
-    def pause(self, seconds: float) -> float:
-        return seconds * (1 / self.share - 1) if self.share < 1 else 0.0
-
-
 RETRY_AFTER_SECONDS = 1.0
 MAX_RETRY_AFTER = 60.0
-
-
-class EmbedTicket:
-    """The request side of a submitted job: wait for its result, or cancel it."""
-
-    def __init__(self, mailbox: Mailbox, cancel: Callable[[], None]) -> None:
-        self._mailbox = mailbox
-        self._cancel = cancel
-        self._done: list[Callable[[], None]] = []
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        self._done.append(callback)
-
-    def wait(self, timeout: float) -> EmbedResult | None:
-        """The result, or None after `timeout` seconds (the job is then cancelled)."""
-        result = self._mailbox.get(timeout)
-        if result is None:
-            self.cancel()
-        self._finish()
-        return result
-
-    def cancel(self) -> None:
-        self._cancel()
-        self._finish()
-
-    def _finish(self) -> None:
-        callbacks, self._done = self._done, []
-        for callback in callbacks:
-            callback()
 
 
 class EmbeddingEngine(AlwaysHealthy):

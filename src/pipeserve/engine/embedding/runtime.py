@@ -17,9 +17,10 @@ from pipeserve.engine.base import Engine, ModelRuntime
 from pipeserve.engine.embedding.backbone import Backbone, is_encoder, load_backbone
 from pipeserve.engine.embedding.bert import BertConfig
 from pipeserve.engine.embedding.decoder import single_token
-from pipeserve.engine.embedding.engine import EmbeddingEngine, Yielding
+from pipeserve.engine.embedding.engine import EmbeddingEngine
 from pipeserve.engine.embedding.inputs import InputTokenizer
 from pipeserve.engine.embedding.spec import EmbeddingSpec, build_spec, read_json
+from pipeserve.engine.embedding.yielding import Yielding
 from pipeserve.gevent_support import OsThreadHost
 
 log = logging.getLogger("pipeserve.engine")
