@@ -15,13 +15,14 @@ import falcon
 
 from pipeserve.api import load_builtin_protocols
 from pipeserve.api.base import WireProtocol
-from pipeserve.config.models import EndpointEntry, ServerConfig, ServerSection
+from pipeserve.config.models import EMBEDDING_APIS, EndpointEntry, ServerConfig, ServerSection
 from pipeserve.server.auth import KeyRing
 from pipeserve.server.catalog import add_catalog_routes
 from pipeserve.server.cluster import ClusterResource
 from pipeserve.server.console.config_view import ConfigSource
 from pipeserve.server.console.routes import add_console_routes
-from pipeserve.server.generation import GenerationResource, HttpOptions
+from pipeserve.server.embeddings import add_embedding_routes
+from pipeserve.server.generation import GenerationResource, HttpOptions, ProtocolErrors
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.misc import (
     CountTokensResource,
@@ -72,6 +73,15 @@ def create_app(
     protocols = load_builtin_protocols()
     served: dict[str, WireProtocol] = {}
     for endpoint in config.endpoints:
+        allowed = set(endpoint.models) if endpoint.models else None
+        errors = ProtocolErrors(
+            protocols["ollama" if endpoint.api == "ollama" else "openai-chat"]()
+        )
+        add_embedding_routes(
+            app, endpoint.route, endpoint.api, table, allowed, options, metrics, errors
+        )
+        if endpoint.api in EMBEDDING_APIS:
+            continue
         served[endpoint.route] = protocols[endpoint.api]()
         add_endpoint(app, endpoint, served[endpoint.route], table, options, metrics)
         if store is not None and served[endpoint.route].stores_responses:

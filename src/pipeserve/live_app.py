@@ -27,7 +27,7 @@ from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.config.memory import budget_bytes
 from pipeserve.config.models import ModelEntry
 from pipeserve.config.pipeline_checks import LoadedPipeline
-from pipeserve.engine.base import Engine
+from pipeserve.engine.base import Engine, ModelRuntime
 from pipeserve.gevent_support import run_off_hub
 from pipeserve.server.console.config_view import ConfigSource
 from pipeserve.server.fleet import Fleet, FleetView
@@ -123,7 +123,8 @@ class LiveApp:
         try:
             models = loaded.config.models
             slots = {
-                e.name: self._slot(e, loaded.pipelines[e.pipeline], created, models) for e in models
+                e.name: self._slot(e, loaded.pipelines.get(e.pipeline), created, models)
+                for e in models
             }
             for slot in slots.values():
                 engine = slot.model.runtime.engine
@@ -157,10 +158,13 @@ class LiveApp:
     def _slot(
         self,
         entry: ModelEntry,
-        pipeline: LoadedPipeline,
+        pipeline: LoadedPipeline | None,
         created: list[Engine],
         models: list[ModelEntry],
     ) -> Slot:
+        if entry.kind != "generation":  # embedding / rerank: no stage chain
+            return self._embedding_slot(entry, created)
+        assert pipeline is not None  # validated: every generation model has its pipeline
         old = self.slots.get(entry.name)
         rkey, ckey = runtime_key(entry, models), chain_key(entry, pipeline)
         if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
@@ -181,6 +185,39 @@ class LiveApp:
             stages=tuple(decls),
         )
         return Slot(rkey, ckey, served)
+
+    def _embedding_slot(self, entry: ModelEntry, created: list[Engine]) -> Slot:
+        """An embedding or rerank model: its runtime (kept while its entry is unchanged)
+        and an empty chain. It always runs in this worker's own fleet."""
+        from pipeserve.engine.embedding.runtime import build_embedding_runtime
+        from pipeserve.engine.weights.loader import resolve_source
+        from pipeserve.stages.base import Chain
+
+        old = self.slots.get(entry.name)
+        rkey = runtime_key(entry)
+        if old is not None and old.runtime_key == rkey:
+            return old
+        manage = self.fleet.manager_for(entry)
+
+        def build() -> ModelRuntime:
+            model_dir = resolve_source(entry.source, entry.sha256)
+            return build_embedding_runtime(entry, model_dir, manage, self._chat_running)
+
+        runtime = run_off_hub(build)
+        created.append(runtime.engine)
+        served = ServedModel(entry=entry, family=entry.kind, runtime=runtime, chain=Chain([], []))
+        return Slot(rkey, "", served)
+
+    def _chat_running(self) -> bool:
+        """Whether a generation model of this worker decodes now (embedding engines give
+        way to it). Called from embedding engine threads, so it reads this worker's own
+        engines only (an engine host's would need the hub: not seen, docs/embeddings.md)."""
+        engines = [m.runtime.engine for m in self.table.models if m.entry.kind == "generation"]
+        return any(
+            e.stats().get("active_sequences", 0) > 0
+            for e in engines
+            if isinstance(e, ManagedEngine)
+        )
 
     def _log_changes(self, slots: dict[str, Slot]) -> None:
         if not self.slots:

@@ -44,7 +44,8 @@ class ModelFacts:
     source: str
     folder: Path | None = None
     context_length: int | None = None
-    capabilities: frozenset[str] = frozenset()  # beyond "completion": "tools", "thinking"
+    # beyond "completion": "tools", "thinking"; "embedding" / "rerank" for those kinds
+    capabilities: frozenset[str] = frozenset()
     chat_template: str | None = None
     resident: bool = True  # weights loaded now (models loaded on demand may not be)
     memory_bytes: int = 0  # what the loaded model holds, when the engine reports it

@@ -16,6 +16,7 @@ from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.config.detect import AUTO, Detection, DetectionError, detect_pipeline, read_evidence
 from pipeserve.config.loader import load_yaml
 from pipeserve.config.problems import ConfigError, Problem
+from pipeserve.engine.embedding.spec import detect_kind
 
 log = logging.getLogger("pipeserve.config")
 
@@ -36,6 +37,13 @@ def resolve_auto(loaded: LoadedConfig, folders: Mapping[str, Path]) -> LoadedCon
     for index, entry in enumerate(loaded.config.models):
         if entry.pipeline != AUTO:
             models.append(entry)
+            continue
+        kind = detect_kind(folders[entry.name])
+        if kind is not None and entry.kind == "generation":
+            log.info(
+                "model %s: pipeline auto found %s model (docs/embeddings.md)", entry.name, kind
+            )
+            models.append(entry.model_copy(update={"kind": kind, "pipeline": ""}))
             continue
         try:
             detection = detect_pipeline(read_evidence(folders[entry.name]), candidates)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from pipeserve.config.detect import AUTO
 from pipeserve.config.loader import YamlDoc, display_path, dotted
-from pipeserve.config.models import ModelEntry, ServerConfig
+from pipeserve.config.models import EMBEDDING_APIS, ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.pipeline_folder import pipeline_folder
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
@@ -135,8 +135,8 @@ def _check_endpoints(
     names = {n for n in model_names if isinstance(n, str)}
     for i, endpoint in endpoints:
         api = endpoint.get("api")
-        if isinstance(api, str) and api not in KNOWN_APIS:
-            message = f"unknown api {api!r}{suggestion(api, KNOWN_APIS)}"
+        if isinstance(api, str) and api not in KNOWN_APIS + EMBEDDING_APIS:
+            message = f"unknown api {api!r}{suggestion(api, KNOWN_APIS + EMBEDDING_APIS)}"
             problems.append(doc.problem(("endpoints", i, "api"), message))
         restrict = endpoint.get("models")
         for j, name in enumerate(restrict if isinstance(restrict, list) else []):
@@ -177,8 +177,8 @@ def _check_model_pipelines(
     available = _pipeline_files(folder)
     for i, model in models:
         name = model.get("pipeline")
-        if not isinstance(name, str) or not name:
-            continue
+        if not isinstance(name, str) or not name or model.get("kind") in ("embedding", "rerank"):
+            continue  # embedding and rerank models have no stage chain
         if name == AUTO:
             problems += _check_auto(doc, i, available, validator, pipelines, problems)
             continue

@@ -19,6 +19,7 @@ from pipeserve.config.loader import display_path
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.pipeline_folder import pipeline_folder
 from pipeserve.config.validate import Validator
+from pipeserve.engine.embedding.spec import detect_kind
 
 Locate = Callable[[str], Path | None]
 
@@ -62,9 +63,16 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
     for entry in loaded.config.models:
         summary = gguf_summary(entry)
         folder = locate(entry.source) if summary is None else summary.path
+        if entry.kind != "generation":
+            lines.append(f"  {entry.name}: kind {entry.kind} (no pipeline: docs/embeddings.md)")
+            continue
         if folder is None:
             where = f"{entry.source} is not here yet (downloaded when the server starts)"
             lines.append(f"  {entry.name}: pipeline {entry.pipeline}; {where}")
+            continue
+        kind = detect_kind(folder) if entry.pipeline == AUTO and summary is None else None
+        if kind is not None:
+            lines.append(f"  {entry.name}: auto -> kind {kind} (docs/embeddings.md)")
             continue
         evidence = read_evidence(folder) if summary is None else gguf_evidence(summary)
         detection = detect_pipeline(evidence, pool)

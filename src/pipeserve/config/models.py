@@ -507,6 +507,61 @@ class SamplingDefaults(Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
 
 
+class EmbeddingOptions(Strict):
+    """How an embedding or rerank model (kind: embedding / rerank) pools, limits and
+    scores; each field unset is read from the model folder (docs/embeddings.md)."""
+
+    pooling: Literal["cls", "mean", "last"] | None = Field(
+        None,
+        description="Pooling of the token vectors (else the folder's 1_Pooling/config.json;"
+        " else mean for an encoder, last for a decoder).",
+    )
+    normalize: bool | None = Field(
+        None,
+        description="L2-normalise the vectors (else: as modules.json says; true without one).",
+    )
+    matryoshka: bool = Field(
+        False,
+        description="The model is trained for truncated vectors: requests may ask for fewer"
+        " `dimensions` (cut, then renormalised).",
+    )
+    max_length: int | None = Field(
+        None,
+        ge=2,
+        description="Longest input in tokens (else sentence_bert_config.json's max_seq_length,"
+        " else the model's positions).",
+    )
+    max_inputs: int = Field(
+        2048, ge=1, le=100_000, description="Most inputs (or documents) one request may send."
+    )
+    batch_tokens: int = Field(
+        8192,
+        ge=16,
+        description="Padded tokens encoded together in one engine step (inputs of all"
+        " waiting requests, grouped by length).",
+    )
+    chat_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="While a generation model of the same server decodes, the share of the"
+        " time this model's engine may take (smaller batches, then a pause); 1: no yielding.",
+    )
+    rerank_template: str | None = Field(
+        None,
+        description="Decoder rerankers: the prompt with {instruction}, {query} and {document}"
+        " (default: Qwen3-Reranker's).",
+    )
+    rerank_instruction: str = Field(
+        "Given a web search query, retrieve relevant passages that answer the query",
+        description="Decoder rerankers: the {instruction} of the template.",
+    )
+    yes_token: str = Field(
+        "yes", description="Decoder rerankers: the token whose probability is the score."
+    )
+    no_token: str = Field("no", description="Decoder rerankers: the token it is weighed against.")
+
+
 class ModelEntry(Strict):
     name: str = Field(..., min_length=1, description="Client-facing model name.")
     source: str = Field(
@@ -528,13 +583,19 @@ class ModelEntry(Strict):
     chat_template: str | None = Field(
         None,
         description="A chat template for a model whose tokenizer has none (a base model's "
-        "GGUF), or in place of its own: a built-in name (chatml, gemma, glm, gpt-oss, kimi, "
-        "qwen3) or a .jinja file (relative to the working directory, as source).",
+        "GGUF), or in place of its own: a built-in name (a shipped family template:"
+        " `pipeserve validate` lists them when the name is unknown) or a .jinja file (relative"
+        " to the working directory, as source).",
+    )
+    kind: Literal["generation", "embedding", "rerank"] = Field(
+        "generation",
+        description="generation: chat and completions; embedding: /v1/embeddings and Ollama's"
+        " /api/embed; rerank: /v1/rerank. `pipeline: auto` detects embedding models.",
     )
     pipeline: str = Field(
-        ...,
-        min_length=1,
-        description="Pipeline name (pipelines/<name>.yaml), or `auto` to pick it from the model folder.",
+        "",
+        description="Pipeline name (pipelines/<name>.yaml), or `auto` to pick it from the model"
+        " folder; required for kind generation, unused by embedding and rerank models.",
     )
     engine: Literal["mlx", "replay"] = "mlx"
     aliases: list[str] = Field(
@@ -559,6 +620,20 @@ class ModelEntry(Strict):
     output_format: OutputFormatDefault | None = Field(
         None, description="Default structured output for this model's answers."
     )
+    embedding: EmbeddingOptions = Field(
+        default_factory=EmbeddingOptions,
+        description="Pooling, normalisation and limits of an embedding or rerank model.",
+    )
+
+    @model_validator(mode="after")
+    def _pipeline_for_generation(self) -> ModelEntry:
+        if self.kind == "generation" and not self.pipeline:
+            raise ValueError("pipeline: field required (a generation model needs a pipeline)")
+        return self
+
+
+# Endpoint apis served without a wire protocol (server/embeddings.py; docs/embeddings.md).
+EMBEDDING_APIS: tuple[str, ...] = ("openai-embeddings", "rerank")
 
 
 class EndpointEntry(Strict):
@@ -566,8 +641,9 @@ class EndpointEntry(Strict):
     api: str = Field(
         ...,
         description="Wire protocol: openai-chat, anthropic-messages, openai-responses,"
-        " openai-completions, ollama (a route prefix such as /api) or llama-cpp (a route"
-        " prefix such as /: /infill, /tokenize, /detokenize).",
+        " openai-completions, ollama (a route prefix such as /api; with /embed and"
+        " /embeddings), llama-cpp (a route prefix such as /: /infill, /tokenize,"
+        " /detokenize), openai-embeddings or rerank.",
     )
     models: list[str] | None = Field(
         None, description="Restrict to these model names (default: all)."

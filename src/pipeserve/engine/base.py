@@ -17,6 +17,7 @@ from pipeserve.events import Event
 from pipeserve.request import SamplingParams
 
 if TYPE_CHECKING:
+    from pipeserve.engine.embedding.spec import EmbeddingSpec
     from pipeserve.engine.sampling.grammar import Constraint, GrammarCompiler
 
 
@@ -125,3 +126,4 @@ class ModelRuntime:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # Thinking budgets (the YAML's `reasoning:`): cap and per-effort table.
     reasoning: ReasoningLimits = field(default_factory=ReasoningLimits)
+    embedding: EmbeddingSpec | None = None  # kind embedding / rerank: pooling, dimensions

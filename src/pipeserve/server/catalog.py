@@ -30,7 +30,11 @@ def model_facts(served: ServedModel) -> ModelFacts:
         source=served.entry.source,
         folder=runtime.model_dir,
         context_length=runtime.context_length,
-        capabilities=served.chain.capabilities(),
+        capabilities=(
+            served.chain.capabilities()
+            if served.entry.kind == "generation"
+            else frozenset({served.entry.kind})
+        ),
         chat_template=template if isinstance(template, str) else None,
         resident=bool(stats.get("resident", True)),
         memory_bytes=int(stats.get("memory_bytes", 0)),

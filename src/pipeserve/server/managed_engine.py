@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pipeserve.engine.base import Engine, GenerationJob, TokenStream
+from pipeserve.engine.embedding.engine import EmbeddingEngine
+from pipeserve.engine.embedding.jobs import EmbedJob
+from pipeserve.engine.embedding.ticket import EmbedTicket
 from pipeserve.engine.weights.memory import release_free_memory
 from pipeserve.errors import ApiError, refused_load
 from pipeserve.events import ErrorEvent, Event, Finish, KeepAlive, PromptReady, Usage
@@ -122,6 +125,33 @@ class ManagedEngine:
         stream = self.engine.submit(job)  # may raise overloaded: nothing is in flight then
         self.acquire()
         return TrackedStream(stream, self.release)
+
+    def embed(self, job: EmbedJob, timeout: float) -> EmbedTicket:
+        """Queue an embedding job, loading the model first when it is not resident (the
+        caller waits: embeddings answer once, with no stream to ping). ApiError:
+        overloaded (429), a load that failed or did not finish within `timeout`."""
+        self.acquire()
+        try:
+            engine = self._resident(timeout)
+            if not isinstance(engine, EmbeddingEngine):
+                raise ApiError("invalid_request", f"model {self.name} does not embed", "model")
+            ticket = engine.embed(job)
+        except BaseException:
+            self.release()
+            raise
+        ticket.on_done(self.release)
+        return ticket
+
+    def _resident(self, timeout: float) -> Engine:
+        deadline = time.monotonic() + timeout
+        while self.engine is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ApiError("timeout", f"model {self.name} did not load within {timeout:.0f} s")
+            outcome = self.fleet.request_load(self).wait(left)
+            if isinstance(outcome, ApiError):
+                raise outcome
+        return self.engine
 
     def acquire(self) -> None:
         self.in_flight += 1

@@ -125,8 +125,13 @@ class ModelsResource:
 
 
 def residency(model: ServedModel) -> dict[str, Any]:
-    """state (loaded / loading / not-loaded), load policy and memory, as LM Studio lists them."""
-    return dict(model.runtime.engine.describe())
+    """state (loaded / loading / not-loaded), load policy and memory, as LM Studio lists them;
+    an embedding or rerank model adds its kind, dimensions and pooling."""
+    facts = dict(model.runtime.engine.describe())
+    spec = model.runtime.embedding
+    if spec is not None:
+        facts.update(kind=model.entry.kind, **spec.describe())
+    return facts
 
 
 class MetricsResource:

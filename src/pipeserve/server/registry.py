@@ -44,6 +44,13 @@ def build_chain(stages: Sequence[StageDecl], env: BuildEnv) -> Chain:
     return Chain(built, [decl.role for decl in stages])
 
 
+_KIND_TEXT = {
+    "generation": "a generation model",
+    "embedding": "an embedding model",
+    "rerank": "a rerank model",
+}
+
+
 class ModelTable:
     """Resolves request model names (exact names first, then alias globs)."""
 
@@ -52,9 +59,26 @@ class ModelTable:
         self._by_name = {m.name: m for m in models}
 
     def resolve(
-        self, name: str | None, allowed: set[str] | None = None, sole: bool = False
+        self,
+        name: str | None,
+        allowed: set[str] | None = None,
+        sole: bool = False,
+        kind: str = "generation",
     ) -> ServedModel:
-        """The model `name` names; sole: no name picks the route's only model."""
+        """The served model of a request's `model` (sole: no name picks the route's only
+        model), which must be of `kind` (a chat route refuses an embedding model, and the
+        other way round: 400 naming `model`)."""
+        model = self._find(name, allowed, sole)
+        if model.entry.kind != kind:
+            raise ApiError(
+                "invalid_request",
+                f"model {model.name!r} is {_KIND_TEXT[model.entry.kind]}; this route serves"
+                f" {kind} models",
+                param="model",
+            )
+        return model
+
+    def _find(self, name: str | None, allowed: set[str] | None, sole: bool) -> ServedModel:
         candidates = [m for m in self.models if allowed is None or m.name in allowed]
         if not name and sole and len(candidates) == 1:
             return candidates[0]

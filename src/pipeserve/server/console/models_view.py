@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeserve.api.base import WireProtocol
 from pipeserve.backend import installed_backends
-from pipeserve.config.models import EndpointEntry, ShardingOptions
+from pipeserve.config.models import EMBEDDING_APIS, EndpointEntry, ShardingOptions
 from pipeserve.server.registry import ServedModel
 
 
@@ -50,7 +50,9 @@ def describe_model(
             {"kind": d.kind, "role": d.role, "params": d.params.model_dump(mode="json")}
             for d in served.stages
         ],
-        "routes": routes_of(served.name, endpoints, protocols),
+        "routes": routes_of(served.name, endpoints, protocols, entry.kind),
+        "kind": entry.kind,
+        "embedding": runtime.embedding.describe() if runtime.embedding is not None else None,
         "in_flight": int(stats.get("in_flight", stats.get("active_sequences", 0))),
         "queue": int(stats.get("queue_depth", 0)),
         "healthy": engine.healthy,
@@ -80,16 +82,34 @@ def device_of(engine: str) -> str:
     return "cpu"
 
 
+_EMBEDDING_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("embedding", "openai-embeddings"): ("",),
+    ("embedding", "ollama"): ("/embed", "/embeddings"),
+    ("rerank", "rerank"): ("",),
+}
+
+
 def routes_of(
-    name: str, endpoints: Sequence[EndpointEntry], protocols: Mapping[str, WireProtocol]
+    name: str,
+    endpoints: Sequence[EndpointEntry],
+    protocols: Mapping[str, WireProtocol],
+    kind: str = "generation",
 ) -> list[dict[str, Any]]:
-    """Each route that serves the model, with its protocol and its generation paths."""
+    """Each route that serves the model, with its protocol and its paths (generation
+    paths for a generation model, the embedding or rerank paths for the others)."""
     out = []
     for endpoint in endpoints:
         if endpoint.models is not None and name not in endpoint.models:
             continue
         protocol = protocols.get(endpoint.route)
-        paths = protocol.generation_paths if protocol is not None else ("",)
+        if kind == "generation":
+            if endpoint.api in EMBEDDING_APIS:
+                continue
+            paths = protocol.generation_paths if protocol is not None else ("",)
+        elif (kind, endpoint.api) in _EMBEDDING_PATHS:
+            paths = _EMBEDDING_PATHS[(kind, endpoint.api)]
+        else:
+            continue
         base = endpoint.route.rstrip("/")
         out.append({"route": endpoint.route, "api": endpoint.api,
                     "paths": [(base + p) or "/" for p in paths]})  # fmt: skip

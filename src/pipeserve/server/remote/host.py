@@ -89,6 +89,8 @@ class HostedModels:
             self.fleet.room_timeout = server.request_timeout
             current: dict[str, ModelRuntime] = {}
             for entry in loaded.config.models:
+                if entry.kind != "generation":  # embedding models run in each worker
+                    continue
                 key = model_key(entry)
                 runtime = self.runtimes.get(key)
                 if runtime is None or managed(runtime).retired:

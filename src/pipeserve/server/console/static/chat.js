@@ -56,7 +56,7 @@ export function showChat(root) {
 function servedProtocols(model) {
   const found = [];
   for (const route of model.routes) {
-    if (route.api in PROTOCOLS && !found.some((r) => r.api === route.api)) {
+    if (model.kind === "generation" && route.api in PROTOCOLS && !found.some((r) => r.api === route.api)) {
       found.push({ api: route.api, path: route.paths[0] });
     }
   }

@@ -54,14 +54,40 @@ function modelCard(model, placed) {
       fact("backend", model.backend),
       fact("context", model.context_length ? `${model.context_length} tokens` : "model default"),
       fact("in flight / queue", `${model.in_flight} / ${model.queue}`),
-      fact("sampling defaults", samplingText(model.sampling)),
+      model.embedding ? null : fact("sampling defaults", samplingText(model.sampling)),
+      ...embeddingFacts(model),
       fact("source", model.source)),
-    el("h3", {}, `Pipeline: ${model.pipeline}`),
-    chain(model.stages),
+    el("h3", {}, model.embedding ? `Pipeline: ${model.kind}` : `Pipeline: ${model.pipeline}`),
+    model.embedding ? embeddingChain(model) : chain(model.stages),
     el("h3", {}, "Routes"),
     routes(model.routes),
     model.sharding ? sharding(model.sharding) : null,
     placed ? placement(placed) : null);
+}
+
+// An embedding or rerank model: its dimensions, pooling and limits, and its chain.
+function embeddingFacts(model) {
+  const spec = model.embedding;
+  if (!spec) return [];
+  return [
+    fact("kind", model.kind),
+    fact("dimensions", `${spec.dimensions}${spec.matryoshka ? " (shorter on request)" : ""}`),
+    fact("pooling", `${spec.pooling}${spec.normalize ? ", normalised" : ""}`),
+    fact("max input", `${spec.max_length} tokens`),
+  ];
+}
+
+function embeddingChain(model) {
+  const spec = model.embedding;
+  const steps = model.kind === "rerank"
+    ? ["tokenize", "encode", "score"]
+    : ["tokenize", "encode", `pool (${spec.pooling})`, spec.normalize ? "normalise" : null];
+  const node = el("div", { class: "chain" });
+  steps.filter(Boolean).forEach((step, index) => {
+    if (index) node.append(el("span", { class: "arrow" }, "→"));
+    node.append(el("div", { class: "stage" }, el("div", { class: "kind" }, step)));
+  });
+  return node;
 }
 
 function fact(name, value) {

@@ -1,0 +1,283 @@
+"""Embeddings and reranking on a real server (gunicorn + gevent), through the official
+`openai` and `ollama` clients: all-MiniLM-L6-v2 from its wheel, the demo Qwen3 model as
+a decoder embedder and as a yes/no reranker (checked against a direct forward pass),
+chat beside them, and hostile input answered with a 4xx naming the field."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import ollama
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from tests.embedding.conftest import MINILM_SHA256, MINILM_SOURCE
+from tests.embedding.reference import SENTENCES, NumpyBert, cosine, plain_tokenizer
+from tests.server.serverproc import REPO, running_server
+
+pytestmark = pytest.mark.server
+KEY, SCOPED = "sk-embed-all", "sk-chat-only"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
+TEMPLATE_ARGS = {
+    "instruction": "Given a web search query, retrieve relevant passages that answer the query"
+}
+
+CONFIG = f"""
+pipelines_dir: {REPO / "pipelines"}
+server:
+  api_keys:
+    - {{key: {KEY}}}
+    - {{key: {SCOPED}, models: [demo]}}
+models:
+  - name: minilm
+    kind: embedding
+    source: {MINILM_SOURCE}
+    sha256: {MINILM_SHA256}
+    aliases: [all-minilm, "all-minilm:*"]
+    embedding: {{matryoshka: true}}
+  - name: demo
+    source: demo:qwen3
+    pipeline: qwen3
+  - name: qwen3-embed
+    kind: embedding
+    source: demo:qwen3
+    embedding: {{pooling: last}}
+    load: on_demand
+  - name: qwen3-rerank
+    kind: rerank
+    source: demo:qwen3
+endpoints:
+  - {{route: /v1/chat/completions, api: openai-chat}}
+  - {{route: /v1/embeddings, api: openai-embeddings}}
+  - {{route: /v1/rerank, api: rerank}}
+  - {{route: /api, api: ollama}}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> Iterator[str]:
+    config = tmp_path_factory.mktemp("embed") / "embeddings.yaml"
+    config.write_text(CONFIG)
+    # one BLAS thread: on a shared 2-core machine OpenBLAS's spinning pool is slower
+    with running_server(config, env={"OPENBLAS_NUM_THREADS": "1"}) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(server: str, path: str, body: object, key: str = KEY) -> httpx.Response:
+    return httpx.post(
+        server + path, json=body, headers={"authorization": f"Bearer {key}"}, timeout=60
+    )
+
+
+def test_openai_sdk_vectors_match_the_reference(client: openai.OpenAI, minilm_dir: Path) -> None:
+    reference = NumpyBert(minilm_dir)
+    tokenizer = plain_tokenizer(minilm_dir)
+    texts = SENTENCES[:10]
+    answer = client.embeddings.create(model="minilm", input=texts)  # the SDK asks for base64
+    assert [d.index for d in answer.data] == list(range(10)) and answer.model == "minilm"
+    total = 0
+    for text, item in zip(texts, answer.data, strict=True):
+        ids = tokenizer.encode(text).ids
+        total += len(ids)
+        assert len(item.embedding) == 384
+        assert cosine(np.array(item.embedding), reference.embed(ids)) >= 0.999
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == total
+
+
+def test_float_base64_tokens_and_dimensions(
+    client: openai.OpenAI, server: str, minilm_dir: Path
+) -> None:
+    floats = post(server, "/v1/embeddings", {"model": "minilm", "input": "hello world"}).json()
+    vector = np.array(floats["data"][0]["embedding"], dtype=np.float32)
+    b64 = post(server, "/v1/embeddings",
+               {"model": "minilm", "input": "hello world", "encoding_format": "base64"}).json()  # fmt: skip
+    decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, vector)
+    ids = plain_tokenizer(minilm_dir).encode("hello world").ids
+    by_ids = client.embeddings.create(model="minilm", input=ids, encoding_format="float")
+    assert cosine(np.array(by_ids.data[0].embedding), vector) > 0.99999
+    two = client.embeddings.create(model="all-minilm", input=[ids, ids[:3]])
+    assert len(two.data) == 2 and two.usage.prompt_tokens == len(ids) + 3
+    short = client.embeddings.create(model="minilm", input="hello world", dimensions=64)
+    cut = np.array(short.data[0].embedding)
+    assert cut.shape == (64,) and np.allclose(
+        cut, vector[:64] / np.linalg.norm(vector[:64]), atol=1e-5
+    )
+
+
+def test_ollama_client_embed_and_legacy(server: str) -> None:
+    client = ollama.Client(host=server, headers={"authorization": f"Bearer {KEY}"})
+    reply = client.embed(model="all-minilm:latest", input=["hello world", "Bananas are yellow."])
+    assert len(reply.embeddings) == 2 and len(reply.embeddings[0]) == 384
+    assert reply.prompt_eval_count and reply.prompt_eval_count > 0
+    assert client.show("minilm").capabilities == ["embedding"]
+    legacy = client.embeddings(model="minilm", prompt="hello world")
+    assert cosine(np.array(legacy.embedding), np.array(reply.embeddings[0])) > 0.99999
+    with pytest.raises(ollama.ResponseError) as error:
+        client.embed(model="minilm", input=["ok", ""])
+    assert error.value.status_code == 400 and "input[1]" in error.value.error
+
+
+def test_models_list_shows_kind_dimensions_and_pooling(client: openai.OpenAI, server: str) -> None:
+    cards = {
+        m["id"]: m
+        for m in httpx.get(
+            server + "/v1/models", headers={"authorization": f"Bearer {KEY}"}
+        ).json()["data"]
+    }
+    assert cards["minilm"]["kind"] == "embedding" and cards["minilm"]["dimensions"] == 384
+    assert cards["minilm"]["pooling"] == "mean" and cards["minilm"]["normalize"] is True
+    assert cards["qwen3-embed"]["pooling"] == "last" and cards["qwen3-embed"]["dimensions"] == 64
+    assert cards["qwen3-rerank"]["kind"] == "rerank" and "kind" not in cards["demo"]
+    scoped = httpx.get(server + "/v1/models", headers={"authorization": f"Bearer {SCOPED}"}).json()
+    assert [m["id"] for m in scoped["data"]] == ["demo"]
+    refused = post(server, "/v1/embeddings", {"model": "minilm", "input": "x"}, key=SCOPED)
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
+
+
+def _direct_model() -> tuple[object, Tokenizer]:
+    import mlx_lm
+
+    from pipeserve.engine.weights.demo.build import ensure_demo_model
+
+    folder = ensure_demo_model("qwen3")
+    model, _ = mlx_lm.load(str(folder))
+    return model, Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def test_decoder_reranker_scores_are_the_models_yes_probability(server: str) -> None:
+    from pipeserve.server.embeddings import DEFAULT_RERANK_TEMPLATE
+
+    query = "What is the capital of France?"
+    body = {"model": "qwen3-rerank", "query": query, "documents": DOCS, "return_documents": True}
+    answer = post(server, "/v1/rerank", body).json()
+    model, tokenizer = _direct_model()
+    expected = []
+    for doc in DOCS:
+        prompt = DEFAULT_RERANK_TEMPLATE.format(query=query, document=doc, **TEMPLATE_ARGS)
+        ids = tokenizer.encode(prompt).ids
+        logits = model(mx.array([ids]))[0, -1].astype(mx.float32)  # type: ignore[operator]
+        pair = mx.softmax(mx.stack([logits[2152], logits[9693]]))  # "no", "yes"
+        expected.append(float(pair[1]))
+    results = answer["results"]
+    assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -expected[i])
+    for r in results:
+        assert abs(r["relevance_score"] - expected[r["index"]]) < 1e-4
+        assert r["document"]["text"] == DOCS[r["index"]]
+    top = post(server, "/v1/rerank", {**body, "top_n": 1, "return_documents": False}).json()
+    assert len(top["results"]) == 1 and "document" not in top["results"][0]
+    assert top["results"][0]["index"] == results[0]["index"] and top["usage"]["total_tokens"] > 0
+
+
+def test_decoder_embedder_is_the_last_hidden_state(client: openai.OpenAI) -> None:
+    model, tokenizer = _direct_model()
+    texts = ["hello there", "a somewhat longer sentence to pad the other one"]
+    answer = client.embeddings.create(model="qwen3-embed", input=texts)  # loads on demand
+    for text, item in zip(texts, answer.data, strict=True):
+        ids = tokenizer.encode(text).ids
+        hidden = np.array(model.model(mx.array([ids]))[0, -1].astype(mx.float32))  # type: ignore[attr-defined]
+        assert cosine(np.array(item.embedding), hidden) >= 0.999
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "field"),
+    [
+        ("/v1/embeddings", {"model": "minilm", "input": ""}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": []}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": ["a", ""]}, 400, "input[1]"),
+        ("/v1/embeddings", {"model": "minilm", "input": ["a"] * 10_000}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": [[101, 999999]]}, 400, "input[0]"),
+        ("/v1/embeddings", {"model": "minilm", "input": [101, -1]}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 385}, 400, "dimensions"),
+        (
+            "/v1/embeddings",
+            {"model": "minilm", "input": "x", "encoding_format": "hex"},
+            400,
+            "encoding_format",
+        ),
+        ("/v1/embeddings", {"model": "minilm", "input": " w" * 300}, 400, "input"),
+        ("/v1/embeddings", {"model": "demo", "input": "x"}, 400, "model"),
+        ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, "model"),
+        ("/v1/embeddings", {"input": "x"}, 400, "model"),
+        (
+            "/v1/chat/completions",
+            {"model": "minilm", "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "model",
+        ),
+        ("/v1/rerank", {"model": "minilm", "query": "q", "documents": ["d"]}, 400, "model"),
+        ("/v1/rerank", {"model": "qwen3-rerank", "query": "", "documents": ["d"]}, 400, "query"),
+        ("/v1/rerank", {"model": "qwen3-rerank", "query": "q", "documents": []}, 400, "documents"),
+        (
+            "/v1/rerank",
+            {"model": "qwen3-rerank", "query": "q", "documents": ["d", ""]},
+            400,
+            "documents[1]",
+        ),
+        (
+            "/v1/rerank",
+            {"model": "qwen3-rerank", "query": "q", "documents": ["d"], "top_n": 0},
+            400,
+            "top_n",
+        ),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_the_field(
+    server: str, path: str, body: dict[str, object], status: int, field: str
+) -> None:
+    answer = post(server, path, body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == field, error
+    assert error["message"]
+
+
+def test_long_input_is_cut_only_when_asked(server: str) -> None:
+    long_text = " w" * 300
+    refused = post(server, "/v1/embeddings", {"model": "minilm", "input": long_text})
+    assert refused.status_code == 400 and "at most 256 tokens" in refused.json()["error"]["message"]
+    cut = post(server, "/v1/embeddings", {"model": "minilm", "input": long_text, "truncate": True})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 256
+    ollama_refused = post(
+        server, "/api/embed", {"model": "minilm", "input": long_text, "truncate": False}
+    )
+    assert ollama_refused.status_code == 400 and "256" in ollama_refused.json()["error"]
+    assert post(server, "/api/embed", {"model": "minilm", "input": long_text}).status_code == 200
+
+
+def test_chat_still_serves_beside_embeddings(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model="demo", input="hi")
+    assert "generation model" in str(error.value)
+
+
+def test_console_models_view_shows_the_embedding_chain(server: str) -> None:
+    auth = {"authorization": f"Bearer {KEY}"}
+    models = httpx.get(server + "/console/api/models", headers=auth, timeout=30).json()["models"]
+    by_name = {m["name"]: m for m in models}
+    minilm, demo = by_name["minilm"], by_name["demo"]
+    assert minilm["kind"] == "embedding" and minilm["embedding"]["dimensions"] == 384
+    assert minilm["embedding"]["pooling"] == "mean" and minilm["stages"] == []
+    routes = {r["api"]: r["paths"] for r in minilm["routes"]}
+    assert routes == {
+        "openai-embeddings": ["/v1/embeddings"],
+        "ollama": ["/api/embed", "/api/embeddings"],
+    }
+    assert {r["api"] for r in by_name["qwen3-rerank"]["routes"]} == {"rerank"}
+    assert demo["kind"] == "generation" and demo["embedding"] is None
+    assert {r["api"] for r in demo["routes"]} == {"openai-chat", "ollama"}
