@@ -29,7 +29,7 @@ def check_sources(doc: YamlDoc, models: list[tuple[int, dict[str, Any]]]) -> lis
 
 def template_problem(value: str) -> str | None:
     """Why a `chat_template:` value names no template; None when it does."""
-    from pipeserve.engine.chat_templates import ChatTemplateError, chat_template_text
+    from pipeserve.engine.weights.chat_templates import ChatTemplateError, chat_template_text
 
     try:
         chat_template_text(value)

@@ -79,9 +79,9 @@ def build_runtime(
 
 def _tokenizer(entry: ModelEntry, model_dir: Path, tokenizers: dict[Path, Any] | None) -> Any:
     """The folder's tokenizer (shared through `tokenizers`), or one of the entry's own
-    when it sets `chat_template:` (engine/chat_templates.py)."""
+    when it sets `chat_template:` (engine/weights/chat_templates.py)."""
     if entry.chat_template is not None:
-        from pipeserve.engine.chat_templates import set_chat_template
+        from pipeserve.engine.weights.chat_templates import set_chat_template
 
         tokenizer = load_tokenizer(model_dir)
         set_chat_template(tokenizer, entry.chat_template)

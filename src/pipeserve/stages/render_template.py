@@ -21,7 +21,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from pipeserve.engine.chat_templates import no_template_message
+from pipeserve.engine.weights.chat_templates import no_template_message
 from pipeserve.errors import ApiError
 from pipeserve.request import GenerationRequest, Message, ToolSpec
 from pipeserve.stages.base import BuildEnv, Stage, register_stage

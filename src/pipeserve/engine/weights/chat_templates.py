@@ -1,7 +1,7 @@
 """A model entry's `chat_template:` option: a chat template for a model whose tokenizer
 has none (a base model's GGUF) or replaces the one it has.
 
-    chat_template: gemma              # a built-in: engine/templates/<name>.jinja
+    chat_template: gemma              # a built-in: engine/weights/demo/templates/<name>.jinja
     chat_template: ./my-model.jinja   # a file (relative to the working directory, as sources)
 
 A value that ends in `.jinja` or holds a `/` is a file; anything else names a built-in.
