@@ -56,6 +56,7 @@ class ConnectionLimits:
             return len(self._open)
 
     def _reap(self) -> None:
+        """Shut connections past their deadline; ends when none is open (admit restarts it)."""
         while True:
             os_sleep(REAP_EVERY)
             now = time.monotonic()
@@ -63,8 +64,13 @@ class ConnectionLimits:
                 late = [s for s, (_, ends) in self._open.items() if ends <= now]
                 for sock in late:
                     del self._open[sock]
+                done = not self._open
+                if done:
+                    self._reaping = False
             for sock in late:
                 shut(sock)
+            if done:
+                return
 
 
 def shut(sock: Any) -> None:
