@@ -121,6 +121,10 @@ CASES = [
      [WEATHER, TIME, DONE]),
     ("gemma", "json-two-blocks", '```json\n{"name": "get_weather", "parameters": {"city": "Paris", "days": "2"}}\n```\n'
      '```json\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n```', [WEATHER, TIME, DONE]),
+    ("gemma", "python-list", '[get_weather(city="Paris", days=2), get_time(tz="UTC")]', [WEATHER, TIME, DONE]),
+    ("gemma", "python-list-unknown-is-text", "[print(1)] and more",
+     [("content", "[print(1)] and more"), ("finish", "stop")]),
+    ("gemma", "bracket-text", "[1] A footnote.", [("content", "[1] A footnote."), ("finish", "stop")]),
     ("gemma", "json-sample-is-text", 'Example:\n```json\n{"a": 1}\n```\nbye',
      [("content", 'Example:\n```json\n{"a": 1}\n```\nbye'), ("finish", "stop")]),
     ("gemma", "code-is-text", '```tool_code\nprint("hi")\n```',
