@@ -14,6 +14,7 @@ from pipeserve.cli import main
 from pipeserve.config import load_server_config
 from pipeserve.config.auto import resolve_auto
 from pipeserve.config.detect import detect_pipeline, read_evidence
+from tests.config.shipped import REPO
 from tests.config.test_detect import fake_model, shipped, write_config  # noqa: F401
 
 NEW_FAMILIES = ["llama3", "mistral", "qwen3-coder", "deepseek", "phi4", "granite", "gemma"]
@@ -160,3 +161,31 @@ def test_a_converted_gguf_detects_as_the_file_does(tmp_path: Path, shipped: dict
     assert detect_pipeline(read_evidence(folder), shipped).pipeline == "chatml"
     assert detect_pipeline(read_evidence(path), shipped).pipeline == "chatml"
     assert detect_pipeline(read_evidence(with_template), shipped).pipeline == "chatml"
+
+
+def test_a_gguf_with_pipeline_auto_is_served_by_its_family(tmp_path: Path) -> None:
+    """The server's own path: the GGUF is converted, detected as Llama 3 by its control
+    tokens, and its calls are parsed by the llama3 pipeline."""
+    import httpx
+
+    from pipeserve.loading import build_app_from_config
+    from tests.engine.weights.gguf_fixtures import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "llama31.gguf", specials=tuple(LLAMA31))
+    completion = 'Sure.<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}'
+    config = tmp_path / "auto.yaml"
+    config.write_text(
+        f"pipelines_dir: {REPO / 'pipelines'}\n"
+        "models:\n"
+        f"  - {{name: g, source: '{gguf}', pipeline: auto, engine: replay,\n"
+        f"     replay: {{completion: '{completion}'}}}}\n"
+        "endpoints:\n  - {route: /v1/chat/completions, api: openai-chat}\n"
+    )
+    app = build_app_from_config(config)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    body = {"model": "g", "messages": [{"role": "user", "content": "time?"}], "tools": [tool]}
+    with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://t") as client:
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}

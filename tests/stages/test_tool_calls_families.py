@@ -71,6 +71,8 @@ CASES = [
      [TIME, DONE]),
     ("mistral", "bad-name-is-text", 'Hi [TOOL_CALLS]not a name[ARGS]{"x": 1}',
      [("content", 'Hi [TOOL_CALLS]not a name[ARGS]{"x": 1}'), ("finish", "stop")]),
+    ("mistral", "prose-after-marker-is-text", "[TOOL_CALLS] is how I call tools, see [ARGS]",
+     [("content", "[TOOL_CALLS] is how I call tools, see [ARGS]"), ("finish", "stop")]),
     ("mistral", "bare-marker-is-text", "Hi [TOOL_CALLS]get_time",
      [("content", "Hi [TOOL_CALLS]get_time"), ("finish", "stop")]),
     # -- qwen3_coder: raw-text values typed by the schema
@@ -86,6 +88,8 @@ CASES = [
     ("qwen3_coder", "missing-parameter-end", "<tool_call>\n<function=get_weather>\n<parameter=days>\nabc\n"
      "<parameter=city>Rome</function></tool_call>",
      [("call", "get_weather", '{"days": "abc", "city": "Rome"}'), DONE]),  # abc: passed as written
+    ("qwen3_coder", "prose-function-is-text", "<tool_call><function=a long name> x</tool_call>",
+     [("content", "<tool_call><function=a long name> x</tool_call>"), ("finish", "stop")]),
     ("qwen3_coder", "json-inside-is-text", 'x<tool_call>{"name": "get_time"}</tool_call>y',
      [("content", 'x<tool_call>{"name": "get_time"}</tool_call>y'), ("finish", "stop")]),
     ("qwen3_coder", "unicode", "天気<tool_call><function=get_weather><parameter=city>東京 🙂</parameter>"
@@ -117,6 +121,10 @@ CASES = [
      [WEATHER, TIME, DONE]),
     ("gemma", "json-two-blocks", '```json\n{"name": "get_weather", "parameters": {"city": "Paris", "days": "2"}}\n```\n'
      '```json\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n```', [WEATHER, TIME, DONE]),
+    ("gemma", "python-list", '[get_weather(city="Paris", days=2), get_time(tz="UTC")]', [WEATHER, TIME, DONE]),
+    ("gemma", "python-list-unknown-is-text", "[print(1)] and more",
+     [("content", "[print(1)] and more"), ("finish", "stop")]),
+    ("gemma", "bracket-text", "[1] A footnote.", [("content", "[1] A footnote."), ("finish", "stop")]),
     ("gemma", "json-sample-is-text", 'Example:\n```json\n{"a": 1}\n```\nbye',
      [("content", 'Example:\n```json\n{"a": 1}\n```\nbye'), ("finish", "stop")]),
     ("gemma", "code-is-text", '```tool_code\nprint("hi")\n```',

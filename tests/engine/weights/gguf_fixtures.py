@@ -94,11 +94,13 @@ def spm_vocabulary() -> tuple[list[str], list[int], list[float]]:
     return tokens, types, scores
 
 
-def vocabulary() -> tuple[list[str], list[int]]:
-    tokens = SPECIALS + byte_tokens()
+def vocabulary(specials: tuple[str, ...] = ()) -> tuple[list[str], list[int]]:
+    """ChatML's specials (and `specials` after them), the bytes and a few merges."""
+    special = [*SPECIALS, *specials]
+    tokens = special + byte_tokens()
     for merge in MERGES:
         tokens.append(merge.replace(" ", ""))
-    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    types = [3] * len(special) + [1] * (len(tokens) - len(special))
     return tokens, types
 
 
@@ -112,6 +114,7 @@ def write_tiny_gguf(
     raw_tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
     vocab: str = "bpe",
     dims: Dims = SMALL,
+    specials: tuple[str, ...] = (),
 ) -> Path:
     """A 2-layer model of `arch` with its matrices stored as `qtype` (a type, or a
     function of the tensor name), with a byte-level BPE (`vocab="bpe"`) or a
@@ -127,7 +130,7 @@ def write_tiny_gguf(
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    tokens = _add_vocabulary(writer, vocab, pre)
+    tokens = _add_vocabulary(writer, vocab, pre, specials)
 
     def matrix(name: str, rows: int, cols: int, kind: GGMLQuantizationType | None = None) -> None:
         kind = kind or (qtype(name) if callable(qtype) else qtype)
@@ -178,7 +181,9 @@ def write_tiny_gguf(
     return path
 
 
-def _add_vocabulary(writer: GGUFWriter, vocab: str, pre: str) -> list[str]:
+def _add_vocabulary(
+    writer: GGUFWriter, vocab: str, pre: str, specials: tuple[str, ...] = ()
+) -> list[str]:
     if vocab == "spm":  # llama / mistral style: BOS added, no chat template of its own
         tokens, types, scores = spm_vocabulary()
         writer.add_string("tokenizer.ggml.model", "llama")
@@ -189,7 +194,7 @@ def _add_vocabulary(writer: GGUFWriter, vocab: str, pre: str) -> list[str]:
         writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
         writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
         return tokens
-    tokens, types = vocabulary()
+    tokens, types = vocabulary(specials)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)

@@ -77,8 +77,9 @@ def element_call(text: str) -> tuple[str, Any] | None:
 
 
 class CallArray:
-    """The calls after one call marker. feed() returns text after the calls (or text
-    that failed to parse, which the caller delivers as content via `failed`)."""
+    """The calls after one call marker. feed() returns the text after the calls once they
+    are complete; text that turns out not to be calls is emitted as content (from the
+    marker on) and `failed` is set."""
 
     def __init__(
         self,

@@ -5,7 +5,8 @@
     ```
 
 (Python call expressions, one per line or a list) or ```` ```json ```` with
-`{"name": "f", "parameters": {...}}` (or a list of them). A JSON block streams its
+`{"name": "f", "parameters": {...}}` (or a list of them); or, as the whole answer, the
+list `[get_weather(city="Paris"), ...]` of Google's function-calling prompt. A JSON block streams its
 arguments as they are generated (toolfmt/call_array.py); a tool_code block is read
 whole at its closing fence. A block counts as calls only when it names the request's
 tools, so a code sample in an answer stays text, exactly as written.
@@ -22,7 +23,7 @@ from pipeserve.events import Event
 from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, ToolFormat, content
 from pipeserve.stages.toolfmt.call_array import CallArray
 from pipeserve.stages.toolfmt.markers import MarkerSet
-from pipeserve.stages.toolfmt.pycall import parse_python_calls
+from pipeserve.stages.toolfmt.pycall import parse_python_calls, python_list_start
 from pipeserve.stages.toolfmt.registry import (
     CallFrame,
     CallsLayout,
@@ -30,7 +31,8 @@ from pipeserve.stages.toolfmt.registry import (
     register_tool_format,
 )
 
-CONTENT, JSON, CODE, CLOSING = range(4)
+CONTENT, JSON, CODE, CLOSING, START, PYLIST = range(6)
+_NONE = MarkerSet([])
 
 
 class GemmaFormat(MarkerParser):
@@ -40,15 +42,21 @@ class GemmaFormat(MarkerParser):
         self.json_start, self.code_start, self.fence = json_start, code_start, fence
         self._open_set = MarkerSet([json_start, code_start])
         self._close_set = MarkerSet([fence])
-        self.state = CONTENT
+        self.state = START
         self.calls: CallArray | None = None
         self.code: list[str] = []
 
     def _markers(self) -> MarkerSet:
-        return self._open_set if self.state == CONTENT else self._close_set
+        if self.state in (CONTENT, START):
+            return self._open_set
+        return _NONE if self.state == PYLIST else self._close_set
 
     def _text(self, text: str, out: list[Event]) -> None:
-        if self.state == CONTENT:
+        if self.state == START:
+            self._start(text, out)
+        elif self.state == PYLIST:
+            self.code.append(text)
+        elif self.state == CONTENT:
             content(text, out)
         elif self.state == CODE:
             self.code.append(text)
@@ -62,7 +70,24 @@ class GemmaFormat(MarkerParser):
                     content(rest, out)
         # CLOSING: whitespace before the closing fence
 
+    def _start(self, text: str, out: list[Event]) -> None:
+        """The answer's opening: a `[f(...), ...]` list of calls (read whole at the end)
+        or text."""
+        self.code.append(text)
+        buf = "".join(self.code)
+        pythonic = python_list_start(buf.lstrip())
+        if pythonic is None or not buf.strip():
+            return
+        if pythonic:
+            self.state = PYLIST
+        else:
+            self.state, self.code = CONTENT, []
+            content(buf, out)
+
     def _marker(self, marker: str, out: list[Event]) -> None:
+        if self.state == START:
+            self.state, held, self.code = CONTENT, "".join(self.code), []
+            content(held, out)
         if self.state == CONTENT:
             if marker == self.json_start:
                 self.state = JSON
@@ -75,7 +100,10 @@ class GemmaFormat(MarkerParser):
         self._close(marker, out)
 
     def _close(self, fence: str, out: list[Event]) -> None:
-        if self.state == CODE:
+        if self.state in (START, PYLIST):
+            self.code = ["", *self.code]  # no opening marker
+            self._code(fence or self.fence, out, fence)
+        elif self.state == CODE:
             self._code(fence, out)
         elif self.calls is not None:
             self.calls.end(out, cut=not fence)
@@ -84,7 +112,9 @@ class GemmaFormat(MarkerParser):
             self.calls = None
         self.state = CONTENT
 
-    def _code(self, fence: str, out: list[Event]) -> None:
+    def _code(self, fence: str, out: list[Event], closing: str | None = None) -> None:
+        """A tool_code block (or the whole answer as a call list) at its end: calls when
+        every name is a request's tool, else the text as written (`closing` after it)."""
         body = "".join(self.code[1:])
         calls = parse_python_calls(body) if fence else None
         if calls is None and fence:
@@ -93,7 +123,7 @@ class GemmaFormat(MarkerParser):
             if lines and all(found is not None for found in each):
                 calls = [call for found in each if found for call in found]
         if not calls or not all(self.sink.has(name) for name, _ in calls):
-            content("".join(self.code) + fence, out)
+            content("".join(self.code) + (fence if closing is None else closing), out)
         else:
             for name, arguments in calls:
                 self.sink.whole(name, arguments, out)
@@ -103,6 +133,7 @@ class GemmaFormat(MarkerParser):
         self.flush(out)
         if self.state != CONTENT:
             self._close("", out)
+        self.state = CONTENT
 
 
 _FENCE = "```"

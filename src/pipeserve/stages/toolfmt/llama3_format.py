@@ -22,7 +22,7 @@ from pipeserve.events import Event
 from pipeserve.stages.toolfmt.base import CallSink, MarkerParser, ToolFormat, content
 from pipeserve.stages.toolfmt.call_array import CallArray
 from pipeserve.stages.toolfmt.markers import MarkerSet
-from pipeserve.stages.toolfmt.pycall import parse_python_calls
+from pipeserve.stages.toolfmt.pycall import parse_python_calls, python_list_start
 from pipeserve.stages.toolfmt.registry import (
     CallFrame,
     CallsLayout,
@@ -36,16 +36,12 @@ START, CONTENT, TAGGED, CODE = range(4)
 def _opening_kind(body: str) -> str | None:
     """json, python (a `[f(...)]` list, Llama 3.2's pythonic calls), text, or None
     while a lone `[` does not tell yet."""
-    if body[0] == "{":
+    if body[0] == "{" or body[:1] == "[" and body[1:].lstrip()[:1] in ("{", "]"):
         return "json"
-    if body[0] != "[":
-        return "text"
-    rest = body[1:].lstrip()
-    if not rest:
+    pythonic = python_list_start(body)
+    if pythonic is None:
         return None
-    if rest[0] in "{]":
-        return "json"
-    return "python" if rest[0].isalpha() or rest[0] == "_" else "text"
+    return "python" if pythonic else "text"
 
 
 class Llama3Format(MarkerParser):

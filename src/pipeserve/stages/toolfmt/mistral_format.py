@@ -34,6 +34,7 @@ from pipeserve.stages.toolfmt.registry import (
 )
 
 _NAME = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*")
+_NAME_SO_FAR = re.compile(r"\s*[A-Za-z0-9_.:-]{0,128}\s*")  # can still become a name
 CONTENT, OPENED, NAME, CALL_ID, ARGS, ARRAY = range(6)
 
 
@@ -72,7 +73,9 @@ class MistralFormat(MarkerParser):
                 content(rest, out)
         elif state == OPENED:
             self._opened(text, out)
-        elif state in (NAME, CALL_ID):
+        elif state == NAME:
+            self._name_text_grows(text, out)
+        elif state == CALL_ID:
             self.raw.append(text)
         else:
             content(text, out)
@@ -88,7 +91,14 @@ class MistralFormat(MarkerParser):
             self._text(body, out)
         else:
             self.state = NAME
-            self.raw.append(text)
+            self._name_text_grows(text, out)
+
+    def _name_text_grows(self, text: str, out: list[Event]) -> None:
+        """Text after the marker that can no longer be a name is text, at once."""
+        self.raw.append(text)
+        if not _NAME_SO_FAR.fullmatch("".join(self.raw[1:])):
+            content("".join(self.raw), out)
+            self.state, self.raw = CONTENT, []
 
     def _marker(self, marker: str, out: list[Event]) -> None:
         state = self.state

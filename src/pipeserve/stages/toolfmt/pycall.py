@@ -21,6 +21,17 @@ def parse_python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
     return [call for call in calls if call is not None]
 
 
+def python_list_start(body: str) -> bool | None:
+    """Whether text (stripped of leading whitespace) opens a `[f(...), ...]` list of
+    calls; None while a lone `[` does not tell yet."""
+    if body[:1] != "[":
+        return False
+    rest = body[1:].lstrip()
+    if not rest:
+        return None
+    return rest[0].isalpha() or rest[0] == "_"
+
+
 def _call(node: ast.expr) -> tuple[str, dict[str, Any]] | None:
     if not isinstance(node, ast.Call) or node.args:
         return None

@@ -45,6 +45,7 @@ log = logging.getLogger("pipeserve.toolfmt")
 _FUNC, _FUNC_END = "<function=", "</function>"
 _PARAM, _PARAM_END = "<parameter=", "</parameter>"
 _NAME = re.compile(r"[^\s<>=]+")
+_NAME_SO_FAR = re.compile(r"\s*[^\s<>=]{0,128}\s*")
 CONTENT, OPENED, FUNC_NAME, FUNCTION, PARAM_NAME, VALUE = range(6)
 _STRING = frozenset(("string",))
 
@@ -145,6 +146,8 @@ class Qwen3CoderFormat(MarkerParser):
         elif state in (FUNC_NAME, PARAM_NAME):
             self.name.append(text)
             self.raw.append(text)
+            if state == FUNC_NAME and not _NAME_SO_FAR.fullmatch("".join(self.name)):
+                self._fail(out)  # not a function name: the text it was, at once
         elif state == OPENED:
             self.raw.append(text)
             if text.strip():
