@@ -185,3 +185,12 @@ def test_missing_file_wrong_hash_and_not_gguf(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf")
     message = _error(gguf, home, sha256="0" * 64)
     assert message.startswith(f"{gguf}: sha256 is ") and message.endswith("expects " + "0" * 64)
+
+
+def test_truncated_file_is_refused_at_load_naming_the_tensor(tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "m.gguf")
+    data = gguf.read_bytes()
+    gguf.write_bytes(data[:-100])
+    message = _error(gguf, tmp_path / "home")
+    assert message.startswith(f"{gguf}: tensor output_norm.weight (F32, 64) needs 256 bytes ")
+    assert message.endswith("(its size does not match its shape: a truncated or corrupt file)")

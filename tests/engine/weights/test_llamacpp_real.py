@@ -24,8 +24,9 @@ def test_gemma3_270m_matches_llama_cpp(tmp_path: Path) -> None:
     from pipeserve.settings import pipeserve_home
 
     gguf = gemma3_270m(pipeserve_home())
-    matched = compare(gguf, tmp_path, CORPUS_COMMON + GEMMA_SPECIALS, GEMMA_PROMPTS)
-    assert sum(matched) >= 2 * TOKENS, matched
+    equal = compare(gguf, tmp_path, CORPUS_COMMON + GEMMA_SPECIALS, GEMMA_PROMPTS)
+    print(f"gemma3-270m: steps equal to llama.cpp's {equal} of {TOKENS} each")
+    assert sum(equal) >= 0.9 * len(GEMMA_PROMPTS) * TOKENS, equal
 
 
 def test_smollm2_matches_llama_cpp(tmp_path: Path) -> None:
@@ -33,5 +34,6 @@ def test_smollm2_matches_llama_cpp(tmp_path: Path) -> None:
 
     gguf = smollm2(pipeserve_home())
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
-    matched = compare(gguf, tmp_path, CORPUS_COMMON + SMOLLM_SPECIALS, prompts, exact=True)
-    assert sum(matched) >= 2 * TOKENS, matched
+    equal = compare(gguf, tmp_path, CORPUS_COMMON + SMOLLM_SPECIALS, prompts, exact=True)
+    print(f"smollm2-135m: steps equal to llama.cpp's {equal} of {TOKENS} each")
+    assert sum(equal) >= 0.9 * len(prompts) * TOKENS, equal

@@ -30,6 +30,10 @@ REFUSED_WHY = (
     "model from its original weights to Q4_K / Q5_K / Q8_0 instead"
 )
 
+REFUSED_OTHER = {
+    "MXFP4": ": MXFP4 comes with gpt-oss, whose architecture is not converted yet",
+}
+
 
 @dataclass(frozen=True)
 class GgufFile:
@@ -74,7 +78,7 @@ def check_tensor_types(file: GgufFile) -> None:
     for name, kind in file.types.items():
         if kind in PLAIN_TYPES or kind in QUANT_WIDTHS:
             continue
-        why = f": {REFUSED_WHY}" if kind.startswith(("IQ", "TQ")) else ""
+        why = f": {REFUSED_WHY}" if kind.startswith(("IQ", "TQ")) else REFUSED_OTHER.get(kind, "")
         raise GgufError(
             f"{file.path}: tensor {name} has GGUF type {kind}, which is not supported "
             f"(supported: {SUPPORTED_TYPES}){why}"
