@@ -55,8 +55,9 @@ CASES = [
 
 
 def layers_of(arch: str) -> int:
-    """Gemma 3's mlx-lm class needs one whole pattern of 5 sliding + 1 global layer."""
-    return 6 if arch == "gemma3" else LAYERS
+    """Gemma 3's mlx-lm class needs one whole pattern of 5 sliding + 1 global layer;
+    SmolLM3's every 4th layer has no rope."""
+    return {"gemma3": 6, "smollm3": 4}.get(arch, LAYERS)
 
 
 def default_types(name: str) -> GGMLQuantizationType:
