@@ -152,7 +152,7 @@ def test_unsupported_tensor_type_names_it(tmp_path: Path) -> None:
     message = _error(gguf, tmp_path / "home")
     assert message == (
         f"{gguf}: tensor blk.0.extra.weight has GGUF type IQ4_NL, which is not supported "
-        "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): "
+        "(supported: F32, F16, BF16, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): "
         "its weights are codebook or ternary entries with no affine form; re-quantize the "
         "model from its original weights to Q4_K / Q5_K / Q8_0 instead"
     )
@@ -163,7 +163,7 @@ def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf", arch="rwkv7")
     assert _error(gguf, tmp_path / "home") == (
         f"{gguf}: GGUF architecture 'rwkv7' is not supported (supported: llama, qwen2, "
-        "qwen3, gemma3, gemma2, phi3, granite, olmo2, glm4, smollm3, qwen2moe, qwen3moe)"
+        "qwen3, gemma3, gemma2, phi3, granite, olmo2, glm4, gpt-oss, smollm3, qwen2moe, qwen3moe)"
     )
 
 
