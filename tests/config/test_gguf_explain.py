@@ -72,6 +72,10 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     header_cut.write_bytes(data[:200])
     magic = tmp_path / "magic.gguf"
     magic.write_bytes(b"GGML" + data[4:])
+    unknown = tmp_path / "type.gguf"
+    name = b"output_norm.weight"  # a 1-D tensor: name, n_dims u32, one u64 dim, type u32
+    at = data.index(name) + len(name) + 4 + 8
+    unknown.write_bytes(data[:at] + (99).to_bytes(4, "little") + data[at + 4 :])
     arch = write_tiny_gguf(tmp_path / "arch.gguf", arch="mamba")
     iq = np.zeros((4, 18), dtype=np.uint8)
     iq_file = write_tiny_gguf(tmp_path / "iq.gguf", raw_tensors={"blk.0.x.weight": (iq, T.IQ4_NL)})
@@ -79,6 +83,11 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         "cut": (cut, f"{cut}: tensor output_norm.weight (F32, 64) needs 256 bytes but runs "),
         "header": (header_cut, f"{header_cut}: cannot read its GGUF header ({200} bytes): "),
         "magic": (magic, f"{magic} is not a GGUF file (no GGUF magic at its start)"),
+        "type": (
+            unknown,
+            f"{unknown}: cannot read its GGUF header ({len(data)} bytes): tensor "
+            "output_norm.weight has GGML type id 99, which is not known",
+        ),
         "arch": (arch, f"{arch}: GGUF architecture 'mamba' is not supported (supported: "),
         "iq": (iq_file, f"{iq_file}: tensor blk.0.x.weight has GGUF type IQ4_NL, which is not "),
     }

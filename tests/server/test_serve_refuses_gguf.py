@@ -46,7 +46,7 @@ def test_unsupported_gguf_tensor_type_refuses_to_start(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert (  # refused by validation, with the config position, before any conversion
         f"{tmp_path / 'config.yaml'}:3:23: models[0].source: {gguf}: tensor blk.0.extra.weight "
-        "has GGUF type IQ4_NL, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, "
+        "has GGUF type IQ4_NL, which is not supported (supported: F32, F16, BF16, MXFP4, Q4_0, Q4_1, "
         "Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): its weights are codebook or ternary "
         "entries with no affine form; re-quantize the model from its original weights to "
         "Q4_K / Q5_K / Q8_0 instead\n"

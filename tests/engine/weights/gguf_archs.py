@@ -20,6 +20,7 @@ from tests.engine.weights.gguf_fixtures import _K_SCALE_OFFSETS, _add_vocabulary
 T = GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 2, 64, 512, 2
 EXPERTS, USED, EXPERT_FFN = 4, 2, 256
+GPT_OSS_EXPERTS = [False]  # set while writing a gpt-oss file: its experts are MXFP4
 
 
 @dataclass(frozen=True)
@@ -49,19 +50,23 @@ CASES = [
     ArchCase("olmo2"),
     ArchCase("smollm3"),
     ArchCase("glm4"),
+    ArchCase("gpt-oss"),
     ArchCase("qwen2moe"),
     ArchCase("qwen3moe"),
 ]
 
 
 def layers_of(arch: str) -> int:
-    """Gemma 3's mlx-lm class needs one whole pattern of 5 sliding + 1 global layer."""
-    return 6 if arch == "gemma3" else LAYERS
+    """Gemma 3's mlx-lm class needs one whole pattern of 5 sliding + 1 global layer;
+    SmolLM3's every 4th layer has no rope."""
+    return {"gemma3": 6, "smollm3": 4}.get(arch, LAYERS)
 
 
 def default_types(name: str) -> GGMLQuantizationType:
     if ".ffn_gate_inp" in name:  # the router: llama.cpp keeps it F32
         return T.F32
+    if "_exps" in name and ".ffn_" in name:
+        return T.MXFP4 if GPT_OSS_EXPERTS[0] else T.F16
     if name.startswith("token_embd"):
         return T.Q8_0
     if ".attn_" in name and "norm" not in name:
@@ -129,7 +134,7 @@ def write_arch_gguf(
     for i in range(layers_of(arch)):
         _block(t, case, f"blk.{i}", norm_at)
     t.vector("output_norm.weight", HIDDEN, norm_at)
-    if arch in ("phi3", "granite", "olmo2", "qwen2moe", "glm4"):
+    if arch in ("phi3", "granite", "olmo2", "qwen2moe", "glm4", "gpt-oss"):
         t.matrix("output.weight", len(tokens), HIDDEN)
     if case.name == "llama3-rope":
         divisors = llama3_divisors(HEAD_DIM, 500000.0, {"factor": 8.0, **LLAMA3_ROPE})
@@ -152,7 +157,9 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
     ints["rope.dimension_count"] = HEAD_DIM // 2 if arch == "glm4" else HEAD_DIM
     if arch in ("gemma3", "gemma2") or case.name == "mistral":
         ints["attention.sliding_window"] = 1024
-    if arch.endswith("moe"):
+    if arch == "gpt-oss":
+        ints["attention.sliding_window"] = 8  # shorter than the prompts: the window matters
+    if arch.endswith("moe") or arch == "gpt-oss":
         ints |= {"expert_count": EXPERTS, "expert_used_count": USED,
                  "expert_feed_forward_length": EXPERT_FFN}  # fmt: skip
     if arch == "qwen2moe":
@@ -166,6 +173,10 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
                    "logit_scale": 2.0}  # fmt: skip
     if arch == "gemma2":
         floats |= {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    if arch == "gpt-oss":  # YaRN, as gpt-oss's files have it (there: factor 32 over 4096)
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        floats["rope.scaling.factor"] = 4.0
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", 64)
     for key, value in floats.items():
         writer.add_float32(f"{arch}.{key}", value)
 
@@ -182,10 +193,16 @@ def _block(t: _Tensors, case: ArchCase, p: str, norm_at: float) -> None:
         t.matrix(f"{p}.attn_k.weight", kv_rows, HIDDEN)
         t.matrix(f"{p}.attn_v.weight", kv_rows, HIDDEN)
     t.matrix(f"{p}.attn_output.weight", HIDDEN, q_rows)
-    if arch in ("qwen2", "qwen2moe", "glm4"):
+    if arch in ("qwen2", "qwen2moe", "glm4", "gpt-oss"):
         t.vector(f"{p}.attn_q.bias", q_rows, 0.0)
         t.vector(f"{p}.attn_k.bias", kv_rows, 0.0)
         t.vector(f"{p}.attn_v.bias", kv_rows, 0.0)
+    if arch == "gpt-oss":
+        t.vector(f"{p}.attn_output.bias", HIDDEN, 0.0)
+        t.vector(f"{p}.attn_sinks.weight", HEADS, 0.0)
+        t.vector(f"{p}.post_attention_norm.weight", HIDDEN, norm_at)
+        _oss_experts(t, p)
+        return
     if arch in ("qwen3", "qwen3moe", "gemma3"):
         t.vector(f"{p}.attn_q_norm.weight", HEAD_DIM, norm_at)
         t.vector(f"{p}.attn_k_norm.weight", HEAD_DIM, norm_at)
@@ -218,3 +235,23 @@ def _experts(t: _Tensors, p: str, shared: bool) -> None:
         t.matrix(f"{p}.ffn_gate_shexp.weight", EXPERT_FFN, HIDDEN)
         t.matrix(f"{p}.ffn_up_shexp.weight", EXPERT_FFN, HIDDEN)
         t.matrix(f"{p}.ffn_down_shexp.weight", HIDDEN, EXPERT_FFN)
+
+
+def _oss_experts(t: _Tensors, p: str) -> None:
+    """gpt-oss's MoE: a router with a bias, MXFP4 experts with biases."""
+    t.matrix(f"{p}.ffn_gate_inp.weight", EXPERTS, HIDDEN)
+    t.vector(f"{p}.ffn_gate_inp.bias", EXPERTS, 0.0)
+    GPT_OSS_EXPERTS[0] = True
+    try:
+        t.matrix(f"{p}.ffn_gate_exps.weight", EXPERTS, EXPERT_FFN, HIDDEN)
+        t.matrix(f"{p}.ffn_up_exps.weight", EXPERTS, EXPERT_FFN, HIDDEN)
+        t.matrix(f"{p}.ffn_down_exps.weight", EXPERTS, HIDDEN, EXPERT_FFN)
+    finally:
+        GPT_OSS_EXPERTS[0] = False
+    t.writer.add_tensor(f"{p}.ffn_gate_exps.bias", _small(t, EXPERTS, EXPERT_FFN))
+    t.writer.add_tensor(f"{p}.ffn_up_exps.bias", _small(t, EXPERTS, EXPERT_FFN))
+    t.writer.add_tensor(f"{p}.ffn_down_exps.bias", _small(t, EXPERTS, HIDDEN))
+
+
+def _small(t: _Tensors, *shape: int) -> np.ndarray:
+    return (0.05 * t.rng.standard_normal(shape)).astype(np.float32)

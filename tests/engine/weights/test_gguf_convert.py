@@ -152,7 +152,7 @@ def test_unsupported_tensor_type_names_it(tmp_path: Path) -> None:
     message = _error(gguf, tmp_path / "home")
     assert message == (
         f"{gguf}: tensor blk.0.extra.weight has GGUF type IQ4_NL, which is not supported "
-        "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): "
+        "(supported: F32, F16, BF16, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): "
         "its weights are codebook or ternary entries with no affine form; re-quantize the "
         "model from its original weights to Q4_K / Q5_K / Q8_0 instead"
     )
@@ -163,7 +163,7 @@ def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf", arch="rwkv7")
     assert _error(gguf, tmp_path / "home") == (
         f"{gguf}: GGUF architecture 'rwkv7' is not supported (supported: llama, qwen2, "
-        "qwen3, gemma3, gemma2, phi3, granite, olmo2, smollm3, qwen2moe, qwen3moe)"
+        "qwen3, gemma3, gemma2, phi3, granite, olmo2, glm4, gpt-oss, smollm3, qwen2moe, qwen3moe)"
     )
 
 
@@ -185,3 +185,12 @@ def test_missing_file_wrong_hash_and_not_gguf(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf")
     message = _error(gguf, home, sha256="0" * 64)
     assert message.startswith(f"{gguf}: sha256 is ") and message.endswith("expects " + "0" * 64)
+
+
+def test_truncated_file_is_refused_at_load_naming_the_tensor(tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "m.gguf")
+    data = gguf.read_bytes()
+    gguf.write_bytes(data[:-100])
+    message = _error(gguf, tmp_path / "home")
+    assert message.startswith(f"{gguf}: tensor output_norm.weight (F32, 64) needs 256 bytes ")
+    assert message.endswith("(its size does not match its shape: a truncated or corrupt file)")

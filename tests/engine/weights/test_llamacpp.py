@@ -10,7 +10,9 @@ first, or (other architectures) llama.cpp's top two are within TIE of its top lo
 comparison of that prompt ends there. Why: on Gemma 3 270M, "The capital of France is"
 + 11 greedy tokens, llama.cpp's one-token decode step ranks 7488 over 5279 by 0.16 (of
 17.1) while its batched evaluation of the same 17 tokens ranks 5279 over 7488 by 0.02:
-llama.cpp disagrees with itself there. The first step's top-5 logits agree within TOP5
+llama.cpp disagrees with itself there. Then all 32 steps of llama.cpp's continuation,
+fed to pipeserve whole, are checked the same way (test_llamacpp*.py print nothing; the
+counts of equal steps are in the assertion messages). The first step's top-5 logits agree within TOP5
 (relative to the largest of them); the tokenizer gives llama.cpp's ids on a corpus of
 code, whitespace runs, CJK, emoji, accents and the special tokens.
 
@@ -19,7 +21,7 @@ Tolerances: llama.cpp multiplies quantized weights with activations quantized to
 reference on SmolLM2 Q4_1's first steps (pipeserve: 0.002-0.006%); at SmolLM2's step 5
 of "def add(a, b):" it ranks 1797 over 2988 by 0.27 where the exact reference ranks 2988
 first by 0.22 (pipeserve agrees with the reference to 0.001). So TOP5 is 4% and the
-near-tie 2%. pipeserve's CPU kernels round activations to int16 and Q6_K is
+near-tie 3%. pipeserve's CPU kernels round activations to int16 and Q6_K is
 re-quantized to 8 bits (engine/weights/gguf/tensors.py).
 
 Not explained: the prompt "hello world, (x) of 12" (llama.cpp's ids [260, 111, 111, 114,
@@ -47,7 +49,7 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.mlx]
 
 TOKENS = 32
 EXACT_REFERENCE = set(ROPE_MODE)  # architectures gguf_reference.NumpyLlama computes
-TIE = 0.02  # near-tie: llama.cpp's top two logits within 2% of the top one
+TIE = 0.03  # near-tie: llama.cpp's top two logits within 3% of the top one
 TOP5 = 0.04  # first-step top-5 logits: |pipeserve - llama.cpp| <= TOP5 * max |logit|
 PROMPTS = ["the theater in 2024 is", "hello world, (x) of", "in the"]
 CORPUS_COMMON = [
@@ -79,27 +81,53 @@ def pipeserve_greedy(model: Any, ids: list[int], tokens: int) -> tuple[list[int]
     return out, first
 
 
+def check_divergence(
+    i: int, mine: int, reference: dict[str, Any], context: list[int],
+    exact: Callable[[list[int]], np.ndarray] | None,
+) -> None:  # fmt: skip
+    """Step i, where pipeserve's token differs from llama.cpp's: it must be llama.cpp's
+    second, and the exact reference must rank it first (or, without one, llama.cpp's
+    top two be within TIE of its top logit)."""
+    (best, top1), (second, top2) = reference["steps"][i]
+    where = f"step {i}: pipeserve {mine}, llama.cpp {best} {top1:.4f} / {second} {top2:.4f}"
+    assert mine == second, where
+    if exact is not None:
+        ranked = int(np.argmax(exact(context)))
+        assert ranked == mine, f"{where}; the exact reference ranks {ranked} first"
+    else:
+        assert top1 - top2 < TIE * abs(top1), where
+
+
 def check_greedy(
     ours: list[int], reference: dict[str, Any], exact: Callable[[list[int]], np.ndarray] | None
 ) -> int:
-    """The number of tokens equal before the first divergence (or all of them). At a
-    divergence, pipeserve's token must be llama.cpp's second and either the exact
-    float reference (`exact`: logits after a token list, for the architectures
-    gguf_reference.py computes) ranks pipeserve's token first, or, without one,
-    llama.cpp's top two are within TIE of its top logit."""
+    """pipeserve's own greedy decode equals llama.cpp's up to the first divergence, which
+    must be one of llama.cpp's (check_divergence); the number of equal tokens."""
     for i, (mine, theirs) in enumerate(zip(ours, reference["greedy"], strict=True)):
         if mine != theirs:
-            (best, top1), (second, top2) = reference["steps"][i]
-            where = f"step {i}: pipeserve {mine}, llama.cpp {theirs} ({best} {top1:.4f}, " \
-                f"{second} {top2:.4f}); so far {ours[:i]}"  # fmt: skip
-            assert mine == second, where
-            if exact is not None:
-                logits = exact(reference["ids"] + ours[:i])
-                assert int(np.argmax(logits)) == mine, f"{where}; exact ranks {np.argmax(logits)}"
-            else:
-                assert top1 - top2 < TIE * abs(top1), where
+            check_divergence(i, mine, reference, reference["ids"] + ours[:i], exact)
             return i
     return len(ours)
+
+
+def check_forced(
+    model: Any, reference: dict[str, Any], exact: Callable[[list[int]], np.ndarray] | None
+) -> int:
+    """Every one of the steps on llama.cpp's own continuation (fed to pipeserve whole):
+    pipeserve's next token is llama.cpp's, or a divergence of llama.cpp's; the number
+    of equal steps."""
+    import mlx.core as mx
+
+    ids, greedy = reference["ids"], reference["greedy"]
+    logits = np.array(model(mx.array([ids + greedy]))[0].astype(mx.float32))
+    equal = 0
+    for i, theirs in enumerate(greedy):
+        mine = int(np.argmax(logits[len(ids) - 1 + i]))
+        if mine == theirs:
+            equal += 1
+        else:
+            check_divergence(i, mine, reference, ids + greedy[:i], exact)
+    return equal
 
 
 def check_top5(first: np.ndarray, reference: dict[str, Any], tolerance: float = TOP5) -> float:
@@ -112,7 +140,8 @@ def check_top5(first: np.ndarray, reference: dict[str, Any], tolerance: float = 
 
 def compare(gguf: Path, work: Path, corpus: list[str], prompts: list[str] = PROMPTS,
             top5: float = TOP5, exact: bool = False) -> list[int]:  # fmt: skip
-    """Everything above for one file; the matched token counts per prompt."""
+    """Everything above for one file; per prompt, the steps of llama.cpp's continuation
+    where pipeserve's next token is the same."""
     from pipeserve.engine.weights.gguf import ensure_converted
     from pipeserve.engine.weights.loader import load_model, load_tokenizer
 
@@ -127,9 +156,10 @@ def compare(gguf: Path, work: Path, corpus: list[str], prompts: list[str] = PROM
     for text, answer in zip(prompts, reference["prompts"], strict=True):
         assert tokenizer.encode(text) == answer["ids"], text
         ours, first = pipeserve_greedy(model, answer["ids"], TOKENS)
-        check_top5(first, answer, top5)
+        print(f"top-5 error {check_top5(first, answer, top5):.4f} of the largest logit")
         forward = None if reference_model is None else _last_logits(reference_model)
-        matched.append(check_greedy(ours, answer, forward))
+        check_greedy(ours, answer, forward)
+        matched.append(check_forced(model, answer, forward))
     return matched
 
 
@@ -141,5 +171,7 @@ def _last_logits(model: NumpyLlama) -> Callable[[list[int]], np.ndarray]:
 def test_tiny_gguf_matches_llama_cpp(tmp_path: Path, case: ArchCase) -> None:
     gguf = write_arch_gguf(tmp_path / f"{case.id}.gguf", case)
     exact = case.arch in EXACT_REFERENCE
-    matched = compare(gguf, tmp_path, corpus_of(case.vocab), top5=case.top5, exact=exact)
-    assert sum(matched) >= 2 * TOKENS, matched  # near-ties are rare: most tokens compared
+    equal = compare(gguf, tmp_path, corpus_of(case.vocab), top5=case.top5, exact=exact)
+    print(f"{case.id}: steps equal to llama.cpp's {equal} of {TOKENS} each")
+    # Random weights give flat logits (~1.5): near-ties, each checked above, are common.
+    assert sum(equal) >= 0.8 * len(PROMPTS) * TOKENS, equal

@@ -31,6 +31,9 @@ CONFIG_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
 # GGUF vectors that mlx-lm holds as a one-row Linear (qwen2moe's shared-expert gate).
 ROW_VECTORS: tuple[str, ...] = (".ffn_gate_inp_shexp.weight",)
 
+# GGUF tensors that are one mlx-lm parameter, not a module's `.weight` (gpt-oss's sinks).
+PARAMETER_TENSORS: tuple[str, ...] = (".attn_sinks.weight",)
+
 # Names inside `blk.N.` -> names inside `model.layers.N.` (llama's layer).
 BLOCK_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
@@ -169,6 +172,25 @@ ARCHITECTURES: dict[str, Architecture] = {
             "post_ffw_norm": "post_mlp_layernorm",
         },
         constants={"partial_rotary_factor": 1.0},  # the file's rope dimension sets it
+    ),
+    "gpt-oss": Architecture(
+        "gpt_oss",
+        rope="neox",
+        block_tensors={
+            "attn_sinks": "self_attn.sinks",
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_gate_inp": "mlp.router",
+            "ffn_gate_exps": "mlp.experts.gate_proj",
+            "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj",
+        },
+        config={
+            "num_local_experts": ("expert_count", REQUIRED),
+            "num_experts_per_tok": ("expert_used_count", REQUIRED),
+            "intermediate_size": ("expert_feed_forward_length", REQUIRED),
+            "sliding_window": ("attention.sliding_window", 128),
+        },
+        own_window_pattern=True,  # mlx-lm alternates sliding and full layers
     ),
     "smollm3": Architecture("smollm3", rope="traditional", constants={"no_rope_layer_interval": 4}),
     "qwen2moe": Architecture(

@@ -23,6 +23,7 @@ from pipeserve.engine.weights.gguf.architectures import (
     BLOCK_TENSORS,
     CONFIG_TENSORS,
     GLOBAL_TENSORS,
+    PARAMETER_TENSORS,
     ROW_VECTORS,
     Architecture,
 )
@@ -98,6 +99,9 @@ def read_weights(
             continue
         arrays = read_tensor(tensor)
         arrays = _adjusted(tensor.name, names[tensor.name], arrays, arch, config)
+        if tensor.name.endswith(PARAMETER_TENSORS):
+            yield names[tensor.name], arrays["weight"]
+            continue
         for suffix, value in arrays.items():
             part = "bias" if tensor.name.endswith(".bias") else suffix
             yield f"{names[tensor.name]}.{part}", value

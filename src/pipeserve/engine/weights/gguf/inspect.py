@@ -30,6 +30,8 @@ REFUSED_WHY = (
     "model from its original weights to Q4_K / Q5_K / Q8_0 instead"
 )
 
+REFUSED_OTHER: dict[str, str] = {}
+
 
 @dataclass(frozen=True)
 class GgufFile:
@@ -74,7 +76,7 @@ def check_tensor_types(file: GgufFile) -> None:
     for name, kind in file.types.items():
         if kind in PLAIN_TYPES or kind in QUANT_WIDTHS:
             continue
-        why = f": {REFUSED_WHY}" if kind.startswith(("IQ", "TQ")) else ""
+        why = f": {REFUSED_WHY}" if kind.startswith(("IQ", "TQ")) else REFUSED_OTHER.get(kind, "")
         raise GgufError(
             f"{file.path}: tensor {name} has GGUF type {kind}, which is not supported "
             f"(supported: {SUPPORTED_TYPES}){why}"
@@ -149,10 +151,11 @@ class GgufSummary:
         return lines
 
 
-def _held_bytes(kind: str, count: int) -> int:
-    """Bytes of `count` weights as loaded: quantized types as MLX affine blocks (the CPU
-    kernels keep them), float types as float32 (the CPU's dense layout)."""
-    if kind in QUANT_WIDTHS:
+def _held_bytes(name: str, kind: str, count: int) -> int:
+    """Bytes of `count` weights as loaded on the CPU: quantized types as MLX blocks (the
+    CPU kernels keep them), float types and mixture-of-experts weights (`*_exps`: the
+    kernels do not take them, they are dequantized at load) as float32."""
+    if kind in QUANT_WIDTHS and "_exps" not in name:
         return count * QUANT_WIDTHS[kind] // 8 + count // GROUP_SIZE * 4
     return count * 4
 
@@ -182,7 +185,9 @@ def summarize(file: GgufFile) -> GgufSummary:
         context_length=number("context_length"),
         chat_template=str(meta.get("tokenizer.chat_template") or ""),
         special_tokens=specials,
-        weight_bytes=sum(_held_bytes(t.tensor_type.name, int(t.n_elements)) for t in file.tensors),
+        weight_bytes=sum(
+            _held_bytes(t.name, t.tensor_type.name, t.n_elements) for t in file.tensors
+        ),
         kv_bytes_per_token=layers * kv_heads * (key_length + value_length) * 4,
     )
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from pipeserve.engine.weights.gguf.architectures import CONFIG_KEYS, REQUIRED, Architecture
 from pipeserve.engine.weights.gguf.files import GgufError
-from pipeserve.engine.weights.gguf.tensors import GROUP_SIZE, QUANT_WIDTHS
+from pipeserve.engine.weights.gguf.tensors import GROUP_SIZE, MODES, QUANT_WIDTHS
 
 # Llama 3.x rope scaling: llama.cpp's converter writes the per-frequency divisors as the
 # tensor rope_freqs.weight; Meta's parameters other than the factor are these for every
@@ -84,8 +84,27 @@ def _rope(
         config["rope_scaling"] = llama3_scaling(rope_freqs, config)
     elif kind == "linear" and factor:
         config["rope_scaling"] = {"type": "linear", "factor": float(factor)}
+    elif kind == "yarn" and factor:
+        config["rope_scaling"] = _yarn(meta, arch_name, float(factor))
     elif kind not in (None, "none"):
-        raise GgufError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, llama3)")
+        raise GgufError(
+            f"GGUF rope scaling {kind!r} is not supported (supported: linear, llama3, yarn)"
+        )
+
+
+def _yarn(meta: dict[str, Any], arch_name: str, factor: float) -> dict[str, Any]:
+    """mlx-lm's `yarn` rope scaling from llama.cpp's keys (gpt-oss)."""
+    key = f"{arch_name}.rope.scaling"
+    original = meta.get(f"{key}.original_context_length")
+    if original is None:
+        raise GgufError(f"GGUF metadata {key}.original_context_length is missing (yarn)")
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(meta.get(f"{key}.yarn_beta_fast", 32.0)),
+        "beta_slow": float(meta.get(f"{key}.yarn_beta_slow", 1.0)),
+    }
 
 
 def llama3_scaling(divisors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
@@ -121,16 +140,19 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
 
 def quantization_config(names: dict[str, str], types: dict[str, str]) -> dict[str, Any]:
     """mlx-lm's `quantization`: the most common bit width, other widths per layer."""
-    bits = {
-        names[n]: QUANT_WIDTHS[t]
-        for n, t in types.items()
-        if t in QUANT_WIDTHS and n.endswith(".weight") and n in names
-    }
-    if not bits:
+    kinds = {names[n]: t for n, t in types.items() if t in QUANT_WIDTHS and n.endswith(".weight")}
+    if not kinds:
         return {}
-    common = Counter(bits.values()).most_common(1)[0][0]
-    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
-    for layer, width in sorted(bits.items()):
-        if width != common:
-            config[layer] = {"group_size": GROUP_SIZE, "bits": width}
+    common = Counter(kinds.values()).most_common(1)[0][0]
+    config: dict[str, Any] = _layer_quantization(common)
+    for layer, kind in sorted(kinds.items()):
+        if _layer_quantization(kind) != config:
+            config[layer] = _layer_quantization(kind)
     return config
+
+
+def _layer_quantization(kind: str) -> dict[str, Any]:
+    found: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": QUANT_WIDTHS[kind]}
+    if kind in MODES:
+        found["mode"] = MODES[kind]
+    return found

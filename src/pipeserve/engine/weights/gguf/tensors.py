@@ -22,7 +22,10 @@ import numpy as np
 from pipeserve.engine.weights.gguf.affine_blocks import AFFINE_BITS, decode, pack
 
 REQUANT_BITS: dict[str, int] = {"Q2_K": 4, "Q3_K": 5, "Q6_K": 8}
-QUANT_WIDTHS: dict[str, int] = {**AFFINE_BITS, **REQUANT_BITS}  # MLX bits of each type
+# MXFP4 (gpt-oss's experts): 32 E2M1 codes under one E8M0 exponent, which is MLX's own
+# `mxfp4` mode: the codes and exponents are repacked, exact.
+MODES: dict[str, str] = {"MXFP4": "mxfp4"}  # MLX quantization mode where not affine
+QUANT_WIDTHS: dict[str, int] = {**AFFINE_BITS, **REQUANT_BITS, "MXFP4": 4}  # MLX bits
 GROUP_SIZE = 32
 _CHUNK_WEIGHTS = 1 << 22  # weights decoded at once (16 MB as float32, 32 MB as bits)
 
@@ -47,8 +50,7 @@ def read_tensor(tensor: Any) -> dict[str, Any]:
     ]
     lead = shape[:-1]
     return {
-        name: mx.concatenate([part[name] for part in parts]).reshape(*lead, -1)
-        for name in ("weight", "scales", "biases")
+        name: mx.concatenate([part[name] for part in parts]).reshape(*lead, -1) for name in parts[0]
     }
 
 
@@ -57,6 +59,8 @@ def _quantized_rows(blocks: np.ndarray, qtype: Any) -> dict[str, Any]:
     from gguf import dequantize
 
     kind, rows = qtype.name, blocks.shape[0]
+    if kind == "MXFP4":
+        return _mxfp4_rows(blocks.reshape(-1, _block_bytes(qtype)), rows)
     if kind in AFFINE_BITS:
         q, scale, bias = decode(blocks.reshape(-1, _block_bytes(qtype)), kind)
         weight = mx.array(pack(q.reshape(rows, -1), AFFINE_BITS[kind]))
@@ -77,3 +81,18 @@ def _block_bytes(qtype: Any) -> int:
     from gguf import GGML_QUANT_SIZES
 
     return GGML_QUANT_SIZES[qtype][1]
+
+
+def _mxfp4_rows(blocks: np.ndarray, rows: int) -> dict[str, Any]:
+    """ggml's MXFP4 blocks (one exponent byte, 16 bytes of codes: the low nibbles are
+    values 0-15, the high ones 16-31) as MLX's mxfp4 arrays: the same codes packed
+    eight to a word, the exponents as the uint8 scales."""
+    import mlx.core as mx
+
+    codes = np.concatenate([blocks[:, 1:17] & 0x0F, blocks[:, 1:17] >> 4], axis=-1)
+    out = {
+        "weight": mx.array(pack(codes.reshape(rows, -1), 4)),
+        "scales": mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(rows, -1)),
+    }
+    mx.eval(out)
+    return out

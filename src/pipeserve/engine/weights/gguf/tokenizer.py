@@ -32,22 +32,52 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral's tekken (Nemo, Small 3): case changes split words; digits one by one.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# OpenAI's o200k (gpt-oss, `gpt-4o`): tekken's word rule with contractions, 1-3 digits.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class PreTokenizer:
-    split: str | None  # a regex applied before byte mapping; None: GPT-2's own regex
+    # Regexes applied one after the other before byte mapping (each splits the pieces
+    # of the one before, as llama.cpp applies its list); empty: GPT-2's own regex.
+    split: tuple[str, ...]
     digits: bool = False  # every digit its own piece first (llama.cpp's `\p{N}` rule)
     ignore_merges: bool = False  # a whole piece that is a token stays one (llama 3)
 
 
-_GPT2 = PreTokenizer(split=None)
-_DIGITS_GPT2 = PreTokenizer(split=None, digits=True)
-_QWEN2 = PreTokenizer(split=_QWEN2_SPLIT)
-_LLAMA3 = PreTokenizer(split=_LLAMA3_SPLIT, ignore_merges=True)
+# llama.cpp's "default" (an older BPE file that names no pre-tokenizer): four regexes.
+_DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+
+_GPT2 = PreTokenizer(split=())
+_DIGITS_GPT2 = PreTokenizer(split=(), digits=True)
+_DEFAULT = PreTokenizer(split=_DEFAULT_SPLITS)
+_QWEN2 = PreTokenizer(split=(_QWEN2_SPLIT,))
+_LLAMA3 = PreTokenizer(split=(_LLAMA3_SPLIT,), ignore_merges=True)
+_CL100K = PreTokenizer(split=(_LLAMA3_SPLIT,))  # llama 3's split, merges applied as ranked
+_TEKKEN = PreTokenizer(split=(_TEKKEN_SPLIT,), ignore_merges=True)
+_GPT4O = PreTokenizer(split=(_GPT4O_SPLIT,))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    "gpt2": _GPT2,
-    "default": _GPT2,
+    "gpt-2": _GPT2,  # llama.cpp's name (it refuses "gpt2")
+    "default": _DEFAULT,
     "smollm": _DIGITS_GPT2,
     "starcoder": _DIGITS_GPT2,
     "refact": _DIGITS_GPT2,
@@ -57,6 +87,12 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
+    "smaug-bpe": _CL100K,
+    "dbrx": _CL100K,  # OLMo 2
+    "chatglm-bpe": _CL100K,  # GLM-4
+    "glm4": _CL100K,
+    "tekken": _TEKKEN,
+    "gpt-4o": _GPT4O,
 }
 
 
@@ -128,9 +164,9 @@ def _pre_tokenizer(pre: PreTokenizer) -> pre_tokenizers.PreTokenizer:
     steps: list[pre_tokenizers.PreTokenizer] = []
     if pre.digits:
         steps.append(pre_tokenizers.Digits(individual_digits=True))
-    if pre.split is not None:
-        steps.append(pre_tokenizers.Split(Regex(pre.split), behavior="isolated", invert=False))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.split is None))
+    for split in pre.split:
+        steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not pre.split))
     return pre_tokenizers.Sequence(steps)
 
 
