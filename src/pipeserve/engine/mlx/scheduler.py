@@ -413,6 +413,9 @@ class Scheduler:
         if self._constraints is not None:
             self._constraints.release(key)
         self.budgets.pop(key, None)
+        for group_id, group in list(self.groups.items()):
+            if group.leader == key and not group.open:  # choices not submitted (yet): they
+                del self.groups[group_id]  # prefill on their own, the KV copy is freed
         seq = self.seqs.pop(key, None)
         uid = self.uid_of.pop(key, None)
         if uid is not None:
