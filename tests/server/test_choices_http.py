@@ -119,6 +119,14 @@ def test_each_choice_is_parsed_on_its_own(replay_server: str) -> None:
     assert [c.message.tool_calls[0].function.name for c in final.choices] == ["get_weather"] * 2  # type: ignore[index]
 
 
+def test_more_choices_than_the_model_admits_is_a_400(demo_server: str) -> None:
+    body = {"model": "demo", "n": 41, "max_tokens": 2}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    reply = httpx.post(f"{demo_server}/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
+    assert "at most 40" in reply.json()["error"]["message"]  # max_batch 8 + queue_size 32
+
+
 @pytest.mark.parametrize(
     ("n", "path"),
     [(0, "chat"), (1000, "chat"), ("2", "chat"), (0, "completions"), (129, "completions")],

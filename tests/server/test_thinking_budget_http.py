@@ -37,6 +37,12 @@ MODELS = f"""\
     engine: replay
     replay: {{completion: {json.dumps(SCRIPT)}}}
     reasoning: {{effort_budgets: {{low: 8, medium: 64}}}}
+  - name: loop-kimi
+    source: demo:kimi
+    pipeline: kimi
+    engine: replay
+    replay: {{completion: {json.dumps(SCRIPT)}}}
+    reasoning: {{effort_budgets: {{low: 8}}}}
   - name: capped
     source: demo:qwen3
     pipeline: qwen3
@@ -182,6 +188,43 @@ def test_gpt_oss_analysis_channel(chat: openai.OpenAI, stream: bool) -> None:
     reasoning, content, usage = chat_answer(chat, stream, model="loop-oss", reasoning_effort="low")
     ids = _tokenizer("gpt-oss").encode(LOOP * 300, add_special_tokens=False)[:8]
     assert reasoning == _tokenizer("gpt-oss").decode(ids) and content == ANSWER
+
+
+def test_kimi_think_block(chat: openai.OpenAI) -> None:
+    reasoning, content, _ = chat_answer(chat, False, model="loop-kimi", reasoning_effort="low")
+    ids = _tokenizer("kimi").encode("\n" + LOOP * 300, add_special_tokens=False)[:8]
+    assert reasoning == _tokenizer("kimi").decode(ids).strip("\n") and content == ANSWER
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("stream", [False, True])
+def test_real_generation_on_messages_and_responses(base: str, stream: bool) -> None:
+    """glm (template-opened block, max_thinking_tokens 6): Anthropic's budget and the
+    Responses effort end the block after at most 6 tokens, and the model answers."""
+    claude = anthropic.Anthropic(base_url=base, api_key="k", max_retries=0)
+    fields: dict[str, Any] = {"model": "glm", "max_tokens": 24, "messages": ASK}
+    fields |= {"extra_body": {"temperature": 0}}  # this SDK version has no temperature
+    fields |= {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    if stream:
+        with claude.messages.stream(**fields) as events:
+            message = events.get_final_message()
+    else:
+        message = claude.messages.create(**fields)
+    thinking = "".join(b.thinking for b in message.content if b.type == "thinking")
+    assert 0 < len(_tokenizer("glm").encode(thinking, add_special_tokens=False)) <= 6
+    assert "".join(b.text for b in message.content if b.type == "text") != ""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="k", max_retries=0)
+    asked: dict[str, Any] = {"model": "glm-free", "input": "What is 2+2?", "temperature": 0}
+    asked |= {"reasoning": {"effort": "low"}, "max_output_tokens": 24}
+    if stream:  # it ends at max_output_tokens: response.incomplete, not .completed
+        *_, last = client.responses.create(stream=True, **asked)
+        assert last.type in ("response.completed", "response.incomplete")
+        response = last.response
+    else:
+        response = client.responses.create(**asked)
+    assert response.usage is not None
+    assert response.usage.output_tokens_details.reasoning_tokens <= 6 + 1
+    assert response.output_text != ""
 
 
 def test_ollama_think_levels(base: str) -> None:

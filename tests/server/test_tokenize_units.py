@@ -52,3 +52,23 @@ def test_byte_level_pieces(demo_tokenizer: Callable[[str], Any]) -> None:
     assert "<|im_end|>" in pieces  # a special token's piece is its text
     assert any(isinstance(p, list) for p in pieces)  # the rocket spans byte tokens
     assert text_tokens(hf, TokenizeRequest(None, content=text, add_special=True)) == ids  # no BOS
+
+
+def test_the_gguf_corpus_round_trips_on_gguf_tokenizers(
+    tmp_path: Path, smollm2: tuple[Path, Path]
+) -> None:
+    """The strings the GGUF tokenizer tests use, on the tiny GGUF's byte-level BPE and on
+    SmolLM2's: tokenize (as /tokenize does) then decode (as /detokenize does) gives the
+    text back, and the pieces spell its bytes."""
+    from tests.engine.weights.test_gguf_convert import STRINGS
+
+    tiny = ensure_converted(write_tiny_gguf(tmp_path / "m.gguf", pre="qwen2"), tmp_path)
+    for folder in (tiny, smollm2[1]):
+        tokenizer = load_tokenizer(folder)
+        hf = tokenizer._tokenizer
+        for text in STRINGS:
+            for parse_special in (True, False):
+                request = TokenizeRequest(None, content=text, parse_special=parse_special)
+                ids = text_tokens(hf, request)
+                assert hf.decode(ids) == text, (folder.name, text)
+                assert joined(token_pieces(tokenizer, ids)) == text.encode(), text

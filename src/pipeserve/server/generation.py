@@ -141,6 +141,14 @@ class GenerationResource(ProtocolRoute):
         prepared (a full queue) cancels those that were."""
         if request.n > 1 and not self.protocol.serves_choices:
             raise ApiError("invalid_request", "Only n=1 is supported.", "n")
+        options = served.entry.options
+        capacity = options.max_batch + options.queue_size  # what the engine admits at once
+        if request.n > capacity:
+            message = (
+                f"Invalid value for 'n': model {served.name!r} takes at most {capacity} "
+                "choices at once (its max_batch + queue_size)."
+            )
+            raise ApiError("invalid_request", message, "n")
         ctxs = [
             RequestContext(
                 request=request.choice(i) if request.n > 1 else request,

@@ -113,3 +113,18 @@ def test_budgeted_rows_in_a_speculating_batch(demo_model_dir: Callable[[str], An
     assert [r.ids for r in speculated] == [r.ids for r in plain]
     assert tuple(plain[1].ids[4:6]) == close
     assert speculated[0].usage.accepted_tokens > 0 and speculated[1].usage.proposed_tokens == 0
+
+
+def test_a_block_opened_by_the_first_token_is_closed_right_after_it(
+    mlx_runtime: Callable[[str], Any],
+) -> None:
+    """The row's very first token opens the block (the start marker here is whatever
+    token the model writes first) and the budget is 0: the close follows at once."""
+    runtime = mlx_runtime("qwen3")
+    hf = runtime.tokenizer
+    prompt = list(hf.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"))
+    free = collect(runtime.engine.submit(job(prompt, 12))).ids
+    close = tuple(hf.encode("</think>\n\n", add_special_tokens=False))
+    limit = ThinkingLimit(0, (free[0],), tuple(hf.encode("</think>")), close)
+    got = collect(runtime.engine.submit(dataclasses.replace(job(prompt, 12), thinking=limit)))
+    assert got.ids[0] == free[0] and tuple(got.ids[1:3]) == close

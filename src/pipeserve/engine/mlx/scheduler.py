@@ -16,6 +16,7 @@ import itertools
 import logging
 import random
 import time
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -25,7 +26,7 @@ from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.cpu_kernels import kernels
 from pipeserve.engine.kv.prefix_cache import CacheLookup, PrefixCache
 from pipeserve.engine.mlx.generator import BatchGenerator
-from pipeserve.engine.mlx.prompt_groups import PromptGroup
+from pipeserve.engine.mlx.prompt_groups import Insert, PromptGroups
 from pipeserve.engine.mlx.step_plan import StepPlan
 from pipeserve.engine.output.channel import Courier
 from pipeserve.engine.output.request_state import RequestState
@@ -71,10 +72,8 @@ class Scheduler:
         # Rows with a thinking budget (engine/sampling/thinking_budget.py), by request key.
         # A sharded model's ranks replay rank 0's steps: no forced tokens there (yet).
         self.budgets: dict[int, BudgetTracker] = {}
-        # A request's n choices, prefilled once (engine/mlx/prompt_groups.py): by group id,
-        # and the group of each job that waits for its leader's prompt KV.
-        self.groups: dict[str, PromptGroup] = {}
-        self.held: dict[int, str] = {}
+        # A request's n choices, prefilled once (engine/mlx/prompt_groups.py).
+        self.groups = PromptGroups(self.prefix.fetch, options.sharding is None)
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
                      "requests_cancelled", "requests_failed", "engine_faults",
                      "speculative_proposed_tokens_total", "speculative_accepted_tokens_total",
@@ -135,79 +134,16 @@ class Scheduler:
         return not self.seqs
 
     def add(self, key: int, seq: RequestState, courier: Courier) -> None:
-        job = seq.job
-        group_id = job.prompt_group if job.group_size > 1 else None
-        if group_id is None:
-            self._insert(key, seq, courier, self.prefix.fetch(job.prompt_token_ids))
-            return
-        group = self.groups.get(group_id)
-        if group is None:  # the group's leader: prefilled as usual, its KV shared
-            lookup = self.prefix.fetch(job.prompt_token_ids)
-            shareable = len(lookup.rest) > 1 and self.options.sharding is None
-            prompt = list(job.prompt_token_ids)
-            group = self.groups[group_id] = PromptGroup(job.group_size, key, prompt, shareable)
-            self._insert(key, seq, courier, lookup)
-        else:
-            group.arrived += 1
-            self._join(key, seq, group_id, group, courier)
-        if group.complete:
-            del self.groups[group_id]
+        self.groups.add(self._inserter(courier), key, seq)
 
-    def _join(
-        self, key: int, seq: RequestState, group_id: str, group: PromptGroup, courier: Courier
-    ) -> None:
-        """A job of a group that has a leader: its prompt KV copied, waiting for it, or
-        (nothing to share) added as usual."""
-        if seq.job.prompt_token_ids != group.prompt:
-            self._insert(key, seq, courier, self.prefix.fetch(seq.job.prompt_token_ids))
-        elif group.cache is not None:
-            self._insert(key, seq, courier, group.lookup(), shared=True)
-        elif group.open:
-            group.waiting.append((key, seq))
-            self.held[key] = group_id
-        else:
-            self._insert(key, seq, courier, self.prefix.fetch(group.prompt))
-
-    def _share_prompts(self, responses: list[Any], courier: Courier) -> None:
-        """Leaders whose prompt (all but its last token) is now in their KV cache: each
-        waiting job of their group joins with a copy of it."""
-        for response in responses:
-            if not response.end_of_segment or response.end_of_prompt:
-                continue
-            key = self.key_of.get(response.uid)
-            group_id = self.seqs[key].job.prompt_group if key is not None else None
-            group = self.groups.get(group_id) if group_id is not None else None
-            if group_id is None or group is None or group.leader != key or not group.open:
-                continue
-            ((cache, _),) = self.gen.extract_cache([response.uid]).values()
-            group.cache, group.open = cache, False
-            self._release_waiting(group_id, group, courier)
-
-    def _release_waiting(self, group_id: str, group: PromptGroup, courier: Courier) -> None:
-        waiting, group.waiting = group.waiting, []
-        for key, seq in waiting:
-            self.held.pop(key, None)
-            shared = group.cache is not None
-            lookup = group.lookup() if shared else self.prefix.fetch(group.prompt)
-            self._insert(key, seq, courier, lookup, shared=shared)
-        if group.complete:
-            self.groups.pop(group_id, None)
-
-    def _leader_gone(self, key: int, courier: Courier) -> None:
-        """A leader that ends before its prompt was shared: the others are added as usual."""
-        for group_id, group in list(self.groups.items()):
-            if group.leader == key and group.open:
-                group.open = False
-                self._release_waiting(group_id, group, courier)
+    def _inserter(self, courier: Courier) -> Insert:
+        """_insert with this step's courier (for the prompt groups)."""
+        return partial(self._insert, courier)
 
     def _insert(
-        self,
-        key: int,
-        seq: RequestState,
-        courier: Courier,
-        lookup: CacheLookup,
-        shared: bool = False,
+        self, courier: Courier, key: int, seq: RequestState, lookup: CacheLookup, shared: bool
     ) -> None:
+        """Add a job to the generator, from `lookup`'s KV (shared: a prompt group's copy)."""
         job = seq.job
         prompt = job.prompt_token_ids
         try:
@@ -226,7 +162,7 @@ class Scheduler:
                 self._constraints.release(key)
             seq.finish(courier, "error", f"engine rejected the request: {exc}")
             self._count_finished("requests_failed")
-            self._leader_gone(key, courier)
+            self.groups.leader_gone(self._inserter(courier), key)
             return
         self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
         if job.thinking is not None and self.options.sharding is None:
@@ -330,6 +266,25 @@ class Scheduler:
                 self._deliver(key, response, courier)
         self._update_stats()
 
+    def _share_prompts(self, responses: list[Any], courier: Courier) -> None:
+        """Prompts now in their KV cache (all but their last token): a prompt group's
+        leader shares it with the group's waiting jobs."""
+        for response in responses:
+            key = self.key_of.get(response.uid)
+            if key is None or not response.end_of_segment or response.end_of_prompt:
+                continue
+            self.groups.prompt_prefilled(
+                self._inserter(courier),
+                key,
+                self.seqs[key].job.prompt_group,
+                partial(self._prompt_cache, response.uid),
+            )
+
+    def _prompt_cache(self, uid: int) -> Any:
+        """The KV cache of row `uid`'s processed tokens (a copy out of the batch)."""
+        ((cache, _),) = self.gen.extract_cache([uid]).values()
+        return cache
+
     def _snapshot_prompts(self, responses: list[Any]) -> None:
         """Cache the KV state of each prompt (minus its last token) once it is prefilled.
 
@@ -385,18 +340,15 @@ class Scheduler:
             del self.budgets[key]
 
     def cancel(self, key: int, courier: Courier) -> None:
-        group_id = self.held.pop(key, None)
-        if group_id is not None:  # waiting for its leader's prompt: not in the generator
-            group = self.groups[group_id]
-            for waiting in [w for w in group.waiting if w[0] == key]:
-                group.waiting.remove(waiting)
-                waiting[1].finish(courier, "cancelled")
-                self._count_finished("requests_cancelled")
+        held = self.groups.take_held(key)
+        if held is not None:  # waiting for its leader's prompt: not in the generator
+            held.finish(courier, "cancelled")
+            self._count_finished("requests_cancelled")
             return
         seq = self.seqs.get(key)
         if seq is None:
             return
-        self._leader_gone(key, courier)
+        self.groups.leader_gone(self._inserter(courier), key)
         uid = self.uid_of[key]
         # Keep the KV state of a sequence that is decoding: agents often resend it.
         keep = seq.completion_tokens > 0 and self.prefix.enabled
@@ -413,6 +365,7 @@ class Scheduler:
         if self._constraints is not None:
             self._constraints.release(key)
         self.budgets.pop(key, None)
+        self.groups.forget(key)
         seq = self.seqs.pop(key, None)
         uid = self.uid_of.pop(key, None)
         if uid is not None:
@@ -442,15 +395,8 @@ class Scheduler:
         finished, self._finished = self._finished, 0
         return finished
 
-    def _held_states(self) -> list[RequestState]:
-        """The jobs waiting for their leader's prompt (forgotten with their groups)."""
-        states = [seq for group in self.groups.values() for _, seq in group.waiting]
-        self.groups.clear()
-        self.held.clear()
-        return states
-
     def fail_all(self, courier: Courier, message: str) -> None:
-        for seq in [*self.seqs.values(), *self._held_states()]:
+        for seq in [*self.seqs.values(), *self.groups.drain()]:
             seq.finish(courier, "error", message)
             self._count_finished("requests_failed")
         self.seqs.clear()
@@ -468,7 +414,7 @@ class Scheduler:
         self._update_stats()
 
     def close(self, courier: Courier) -> None:
-        for seq in [*self.seqs.values(), *self._held_states()]:
+        for seq in [*self.seqs.values(), *self.groups.drain()]:
             seq.finish(courier, "error", "the model is shutting down")
         self.seqs.clear()
         self.gen.close()
