@@ -17,7 +17,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.embedding.conftest import MINILM_SHA256, MINILM_SOURCE
+from tests.embedding.models import MINILM_SHA256, MINILM_SOURCE
 from tests.embedding.reference import SENTENCES, NumpyBert, cosine, plain_tokenizer
 from tests.server.serverproc import REPO, running_server
 
