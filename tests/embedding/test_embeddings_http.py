@@ -6,6 +6,8 @@ chat beside them, and hostile input answered with a 4xx naming the field."""
 from __future__ import annotations
 
 import base64
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +56,12 @@ models:
   - name: qwen3-rerank
     kind: rerank
     source: demo:qwen3
+  - name: minilm-one
+    kind: embedding
+    source: {MINILM_SOURCE}
+    sha256: {MINILM_SHA256}
+    options: {{max_batch: 1, queue_size: 0}}
+    embedding: {{batch_tokens: 512}}  # short steps: a cancel lands quickly
   - name: smollm2-embed
     kind: embedding
     source: {SMOLLM2_SOURCE}
@@ -217,6 +225,42 @@ def test_gguf_decoder_embedder_mean_pools_the_hidden_states(
         ids = tokenizer.encode(text).ids
         hidden = model.model(mx.array([ids]))[0].astype(mx.float32).mean(axis=0)
         assert cosine(np.array(item.embedding), np.array(hidden)) >= 0.999
+
+
+def active(server: str, model: str) -> float:
+    """The engine's inputs being encoded now (/metrics)."""
+    text = httpx.get(server + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    found = re.search(rf'^pipeserve_active_sequences\{{model="{model}"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_full_model_answers_429_and_a_client_that_leaves_frees_it(server: str) -> None:
+    """minilm-one takes one request at a time. A huge request (2048 inputs of ~250 tokens:
+    minutes of work) holds it: the next gets a 429 in OpenAI's shape with Retry-After.
+    The huge request's client leaves; its job is cancelled and the model serves again."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    body = json.dumps({"model": "minilm-one", "input": [" w" * 250] * 2048}).encode()
+    url = urlsplit(server)
+    sock = socket.create_connection((url.hostname, url.port))
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    sock.sendall(head.encode() + body)
+    deadline = time.monotonic() + 120
+    while active(server, "minilm-one") == 0:  # nothing else asks it: no race for the place
+        assert time.monotonic() < deadline, "the huge request never started"
+        time.sleep(0.2)
+    small = {"model": "minilm-one", "input": "hi"}
+    refused = post(server, "/v1/embeddings", small)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    sock.close()  # the client leaves
+    while (answer := post(server, "/v1/embeddings", small)).status_code == 429:
+        assert time.monotonic() < deadline, "the model stayed busy after its client left"
+        time.sleep(0.5)
+    assert answer.status_code == 200
 
 
 @pytest.mark.parametrize(
