@@ -54,6 +54,10 @@ def test_embedding_entries_need_no_pipeline(tmp_path: Path) -> None:
             "  - {name: e, source: demo:qwen3, kind: embedding, embedding: {polling: cls}}\n",
             "polling",
         ),
+        (
+            "  - {name: r, source: demo:qwen3, kind: rerank, embedding: {rerank_template: 'Q: {q}'}}\n",
+            "rerank_template",
+        ),
     ],
 )
 def test_bad_embedding_entries_are_refused_with_the_field(
