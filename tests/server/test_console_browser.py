@@ -41,15 +41,21 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def server(
-    browser: Any, smollm2: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    browser: Any,
+    smollm2: tuple[Path, Path],
+    minilm_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
-    """configs/default.yaml as shipped, plus a slow and a hostile replay model."""
+    """configs/default.yaml as shipped, plus a slow and a hostile replay model and an
+    embedding model."""
     config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     replay = {"source": "demo:qwen3", "pipeline": "qwen3", "engine": "replay"}
     config["models"] += [
         {**replay, "name": "slow", "replay": SLOW},
         {**replay, "name": "hostile", "replay": {"completion": HOSTILE}},
+        {"name": "minilm", "kind": "embedding", "source": str(minilm_dir)},
     ]
+    config["endpoints"].append({"route": "/v1/embeddings", "api": "openai-embeddings"})
     config["pipelines_dir"] = str(REPO / "pipelines")
     path = tmp_path_factory.mktemp("console") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -128,6 +134,25 @@ def test_models_view_draws_the_shipped_pipeline(page: Any, shots: Path) -> None:
     expect(card).to_contain_text("/v1/chat/completions")
     expect(card).to_contain_text("demo")  # its alias
     page.screenshot(path=str(shots / "console-models.png"))
+
+
+def test_models_view_shows_an_embedding_model_and_chat_leaves_it_out(page: Any) -> None:
+    from playwright.sync_api import expect
+
+    page.wait_for_selector('#chat-model option[value="smollm2"]', state="attached")
+    options = page.locator("#chat-model option").evaluate_all("os => os.map(o => o.value)")
+    assert "minilm" not in options
+    page.goto(page.url.split("#")[0] + "#models")
+    card = page.locator('.model[data-model="minilm"]')
+    expect(card).to_contain_text("384", timeout=30_000)
+    expect(card).to_contain_text("mean, normalised")
+    assert card.locator(".stage .kind").all_inner_texts() == [
+        "tokenize",
+        "encode",
+        "pool (mean)",
+        "normalise",
+    ]
+    expect(card).to_contain_text("/v1/embeddings")
 
 
 def active(base: str, model: str) -> float:

@@ -561,6 +561,22 @@ class EmbeddingOptions(Strict):
     )
     no_token: str = Field("no", description="Decoder rerankers: the token it is weighed against.")
 
+    @field_validator("rerank_template")
+    @classmethod
+    def _template_fields(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            value.format(instruction="", query="", document="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                "the template may only use {instruction}, {query} and {document}"
+                " (write {{ and }} for literal braces)"
+            ) from exc
+        if "{query}" not in value or "{document}" not in value:
+            raise ValueError("the template needs {query} and {document}")
+        return value
+
 
 class ModelEntry(Strict):
     name: str = Field(..., min_length=1, description="Client-facing model name.")
