@@ -133,8 +133,10 @@ def test_gguf_files_pick_their_family_from_metadata(
 def test_a_gguf_auto_entry_resolves_and_explains(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], demo_model_dir: Callable[[str], Path]
 ) -> None:
+    from tests.engine.weights.gguf_fixtures import write_tiny_gguf
+
     demo_model_dir("deepseek")
-    gguf = fake_gguf(tmp_path / "llama31.gguf", "llama", LLAMA31)
+    gguf = write_tiny_gguf(tmp_path / "llama31.gguf", specials=tuple(LLAMA31))
     config = write_config(tmp_path, [("g", str(gguf), "auto"), ("d", "demo:deepseek", "auto")])
     resolved = resolve_auto(
         load_server_config(config), {"g": gguf, "d": demo_model_dir("deepseek")}

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from pipeserve.cli import main
 from pipeserve.config.pipeline_folder import pipeline_folder, shipped_pipelines
+from pipeserve.engine.weights.chat_templates import builtin_templates
 from tests.config.shipped import REPO, require_shipped_and_real_stages
 from tests.engine.weights.gguf_fixtures import write_tiny_gguf
 
@@ -50,7 +51,10 @@ def test_explain_reads_gguf_files_from_a_config_anywhere(
     )  # fmt: skip
     assert main(["validate", "--explain", str(config)]) == 0
     out = capsys.readouterr().out
-    assert "  c: auto -> qwen3 (config.json model_type=qwen3; also matched, weaker: chatml)" in out
+    assert (
+        "  c: auto -> qwen3 (GGUF general.architecture model_type=qwen3; also matched, weaker: chatml)"
+        in out
+    )
     assert (
         "    GGUF chat.gguf: architecture qwen3 (mlx-lm qwen3), 0.1M parameters, context 512" in out
     )
@@ -122,7 +126,8 @@ def test_chat_template_option_is_checked(
     assert main(["validate", str(config)]) == 1
     err = capsys.readouterr().err
     assert (
-        "models[0].chat_template: no built-in chat template 'gema' (built-in: chatml, gemma, glm, gpt-oss, kimi, qwen3)"
+        "models[0].chat_template: no built-in chat template 'gema' (built-in: "
+        + ", ".join(builtin_templates())
         in err
     )
     assert (

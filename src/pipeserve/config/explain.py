@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeserve.config.config_checks import LoadedConfig, _pipeline_files
 from pipeserve.config.detect import AUTO, DetectionError, detect_pipeline, read_evidence
-from pipeserve.config.gguf_explain import gguf_evidence, gguf_lines, gguf_summary
+from pipeserve.config.gguf_explain import gguf_lines, gguf_summary
 from pipeserve.config.loader import display_path
 from pipeserve.config.pipeline_checks import LoadedPipeline
 from pipeserve.config.pipeline_folder import pipeline_folder
@@ -74,8 +74,7 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
         if kind is not None:
             lines.append(f"  {entry.name}: auto -> kind {kind} (docs/embeddings.md)")
             continue
-        evidence = read_evidence(folder) if summary is None else gguf_evidence(summary)
-        detection = detect_pipeline(evidence, pool)
+        detection = detect_pipeline(read_evidence(folder), pool)
         if entry.pipeline == AUTO:
             lines.append(f"  {entry.name}: auto -> {detection.describe()}")
         else:

@@ -1,13 +1,11 @@
 """`validate --explain` for a `.gguf` source: what the file holds, read from its header
-without converting it (engine/gguf/inspect.py), and the evidence `pipeline: auto`
-detects from: the mlx-lm model type it becomes, its chat template, its special tokens
-(the same facts the converted folder will show the server)."""
+without converting it (engine/weights/gguf/inspect.py). What `pipeline: auto` detects
+from a GGUF is config/detect.py's `read_gguf_evidence`, as at serve time."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeserve.config.detect import ModelEvidence
 from pipeserve.config.models import ModelEntry
 from pipeserve.engine.weights.gguf.inspect import GgufSummary, inspect_gguf
 
@@ -19,15 +17,6 @@ def gguf_summary(entry: ModelEntry) -> GgufSummary | None:
     if not is_gguf_source(entry.source) or entry.source.startswith("pypi:"):
         return None
     return inspect_gguf(Path(entry.source).expanduser())
-
-
-def gguf_evidence(summary: GgufSummary) -> ModelEvidence:
-    return ModelEvidence(
-        folder=summary.path,
-        model_types=frozenset({summary.model_type}),
-        template=summary.chat_template,
-        special_tokens=summary.special_tokens,
-    )
 
 
 def gguf_lines(entry: ModelEntry, summary: GgufSummary) -> list[str]:

@@ -11,9 +11,9 @@ the restarted host, waiting up to CONNECT_WAIT seconds for it.
 
 A status question (/health, /v1/models, /metrics) never waits for that: it makes one
 attempt of its own when no request is connecting, else answers "down" at once. Nor does
-it wait for a slow host: while a new answer is on its way, the last one (at most
-STATUS_STALE seconds old) is used; only without any recent answer does it wait, at most
-`status_wait` seconds.
+it wait for a slow host: a new answer is waited for STATUS_FRESH_WAIT seconds, then the
+last one (at most STATUS_STALE seconds old) stands in; only without any recent answer
+does it wait, at most `status_wait` seconds.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ CONNECT_WAIT = 10.0  # seconds a request waits for a (restarting) host to accept
 CONNECT_RETRY = 0.2
 STATUS_TTL = 0.1  # seconds a status answer is reused (one /metrics or /health answer)
 STATUS_STALE = 2.0  # seconds the last answer stands in while a newer one is on its way
+STATUS_FRESH_WAIT = 0.2  # seconds a poll waits for the newer answer before that
 STATUS_WAIT = 5.0
 SUBMIT_WAIT = 600.0  # a submit may wait for a reload or a grammar compilation
 
@@ -130,7 +131,16 @@ class HostClient:
             self._status = (now, None)
             return None
         if cached is not None and cached[1] is not None and now - cached[0] < STATUS_STALE:
-            return cached[1]  # the last answer, while the new one is on its way
+            # A fresh answer usually comes within milliseconds (a lost model must show at
+            # once); the last one stands in only while the host is slow to answer.
+            try:
+                fresh: dict[str, Any] = question.get(timeout=STATUS_FRESH_WAIT)
+                return fresh
+            except gevent.Timeout:
+                return cached[1]
+            except ApiError:
+                self._status = (time.monotonic(), None)
+                return None
         left = self._status_asked_at + self.status_wait - now  # waited for once, not per poll
         try:
             answer: dict[str, Any] = question.get(timeout=max(0.0, left))

@@ -87,6 +87,8 @@ def check_tensor_sizes(file: GgufFile) -> None:
     """Each tensor's data (its shape times its type's size) ends before the next one
     starts and within the file."""
     ordered = sorted(file.tensors, key=lambda t: int(t.data_offset))
+    if not ordered:
+        raise GgufError(f"{file.path}: the file holds no tensors (metadata only: not a model)")
     size = file.path.stat().st_size
     for tensor, following in zip(ordered, [*ordered[1:], None], strict=True):
         end = int(tensor.data_offset) + int(tensor.n_bytes)
