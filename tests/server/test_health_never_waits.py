@@ -45,7 +45,7 @@ from pipeserve.server.remote import client as client_module
 from pipeserve.server.remote.client import HostClient
 from pipeserve.server.remote.wire import frames, send_frame
 
-client_module.STATUS_STALE = 0.5
+client_module.STATUS_STALE = 1.2  # each poll also waits STATUS_FRESH_WAIT (0.2 s) for a fresh answer
 path = sys.argv[1]
 server = socket.socket(socket.AF_UNIX)
 server.bind(path)
