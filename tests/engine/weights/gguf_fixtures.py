@@ -31,6 +31,9 @@ SMALL = Dims()
 # K-quant rows hold whole 256-weight super-blocks: every row length a multiple of 256.
 K_QUANT = Dims(hidden=256, head_dim=64, ffn=512)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# the `bpe-fim` vocabulary: Qwen2.5-Coder's FIM tokens, control tokens after the merges
+FIM_SPECIALS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                "<|repo_name|>", "<|file_sep|>"]  # fmt: skip
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ 1", "1 2"]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -94,12 +97,13 @@ def spm_vocabulary() -> tuple[list[str], list[int], list[float]]:
     return tokens, types, scores
 
 
-def vocabulary() -> tuple[list[str], list[int]]:
+def vocabulary(extra: tuple[str, ...] = ()) -> tuple[list[str], list[int]]:
+    """SPECIALS, the bytes, the merges, then the `extra` control tokens."""
     tokens = SPECIALS + byte_tokens()
     for merge in MERGES:
         tokens.append(merge.replace(" ", ""))
-    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
-    return tokens, types
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)) + [3] * len(extra)
+    return tokens + list(extra), types
 
 
 def write_tiny_gguf(
@@ -189,7 +193,7 @@ def _add_vocabulary(writer: GGUFWriter, vocab: str, pre: str) -> list[str]:
         writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
         writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
         return tokens
-    tokens, types = vocabulary()
+    tokens, types = vocabulary(tuple(FIM_SPECIALS) if vocab == "bpe-fim" else ())
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
