@@ -79,8 +79,8 @@ def served(
 
 
 def test_decoder_embedder_matches_llama_cpp(
-    served: tuple[str, bool, ModelRuntime], reference: dict[str, object]
-) -> None:
+    reference: dict[str, object], served: tuple[str, bool, ModelRuntime]
+) -> None:  # reference first: without llama.cpp's venv the test skips before loading
     pooling, normalize, runtime = served
     assert isinstance(runtime.tokenizer, InputTokenizer)
     assert isinstance(runtime.engine, EmbeddingEngine)

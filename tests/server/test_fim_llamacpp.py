@@ -8,11 +8,14 @@ llama.cpp's vocabulary finds (llama_vocab_fim_pre/suf/mid/rep/sep), the prompt i
 server's /infill builds (format_infill, transcribed: repository context, BOS when the
 vocabulary adds one, PRE prefix prompt SUF suffix MID) and the same without the
 repository context for Completions' `suffix`, and llama.cpp's greedy continuation of
-those token ids. pipeserve's side: the ids stages/fim.py lays out (the same tokenizer the
-server loads), the prompt token counts the server reports, and the greedy text of
-/v1/completions with `suffix` and of /infill, which must be llama.cpp's text, up to its
-first end-of-generation token, for TOKENS tokens (or up to a near-tie of llama.cpp's
-top two logits, as in tests/engine/weights/test_llamacpp.py).
+those token ids (with its top two logits and log-probabilities per step). pipeserve's
+side: the ids stages/fim.py lays out (the same tokenizer the server loads), the prompt
+token counts the server reports, pipeserve's greedy tokens on those ids (mlx-lm's loop on
+the model as served), which must be llama.cpp's up to its first end-of-generation token,
+for TOKENS tokens, or up to a divergence that is a near-tie of llama.cpp's top two
+(test_llamacpp.check_greedy), and the served text of /v1/completions with `suffix` and
+of /infill for that many tokens, which must be llama.cpp's text of them; the sampled
+tokens' log-probabilities (Completions' `logprobs`) within LOGPROB of llama.cpp's.
 
 The file's matrices have a wide spread (FIM_CASE.spread): with the default one a random
 model repeats one token whatever the prompt; with this one the continuation depends on
@@ -128,7 +131,7 @@ def text_of(answer: dict[str, Any], n: int, key: str = "spelled") -> str:
     return str(answer[key][n - 1 if n and answer["eog"][n - 1] else n])
 
 
-def test_fim_token_ids_and_prompts_are_llama_cpp_s(folder: Path, reference: dict[str, Any]) -> None:
+def test_fim_token_ids_and_prompts_are_llama_cpp_s(reference: dict[str, Any], folder: Path) -> None:
     fim = layout(folder)
     t, theirs = fim.tokens, reference["fim"]
     assert (t.prefix, t.suffix, t.middle) == (theirs["pre"], theirs["suf"], theirs["mid"])
@@ -143,8 +146,8 @@ def test_fim_token_ids_and_prompts_are_llama_cpp_s(folder: Path, reference: dict
 
 
 def test_fim_middle_is_llama_cpp_s_greedy_answer(
-    server: str, folder: Path, reference: dict[str, Any]
-) -> None:
+    reference: dict[str, Any], server: str, folder: Path
+) -> None:  # reference first: without llama.cpp's venv the test skips before the server
     answers = reference["cases"]
     plain_counts = matched(folder, answers, "plain")
     infill_counts = matched(folder, answers, "infill")
