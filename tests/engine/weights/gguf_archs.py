@@ -26,9 +26,10 @@ GPT_OSS_EXPERTS = [False]  # set while writing a gpt-oss file: its experts are M
 @dataclass(frozen=True)
 class ArchCase:
     arch: str  # general.architecture
-    vocab: str = "bpe"  # or "spm"
+    vocab: str = "bpe"  # or "spm", or "bpe-fim" (bpe with FIM tokens, gguf_fixtures.py)
     name: str = ""  # the case's name when one arch has several
     top5: float = 0.02  # first-step top-5 tolerance (test_llamacpp.py), relative
+    spread: float = 0.6  # non-K matrices' weights: normal, std spread / sqrt(columns)
 
     @property
     def id(self) -> str:
@@ -54,6 +55,8 @@ CASES = [
     ArchCase("qwen2moe"),
     ArchCase("qwen3moe"),
 ]
+# fill-in-the-middle against llama.cpp (tests/server/test_fim_llamacpp.py)
+FIM_CASE = ArchCase("qwen2", vocab="bpe-fim", name="qwen2-fim", spread=5.0)
 
 
 def layers_of(arch: str) -> int:
@@ -95,8 +98,8 @@ def _scaled(raw: np.ndarray, kind: GGMLQuantizationType, factor: float) -> np.nd
 
 class _Tensors:
     def __init__(self, writer: GGUFWriter, rng: np.random.Generator,
-                 qtype: Callable[[str], GGMLQuantizationType]) -> None:  # fmt: skip
-        self.writer, self.rng, self.qtype = writer, rng, qtype
+                 qtype: Callable[[str], GGMLQuantizationType], spread: float = 0.6) -> None:  # fmt: skip
+        self.writer, self.rng, self.qtype, self.spread = writer, rng, qtype, spread
 
     def matrix(self, name: str, *shape: int) -> None:
         kind = self.qtype(name)
@@ -105,7 +108,9 @@ class _Tensors:
             raw = _scaled(k_quant_rows(self.rng, kind, rows, cols), kind, K_SCALE)
             self.writer.add_tensor(name, raw.reshape(*shape[:-1], -1), raw_dtype=kind)
             return
-        values = (self.rng.standard_normal((rows, cols)) * 0.6 / np.sqrt(cols)).astype(np.float32)
+        values = (self.rng.standard_normal((rows, cols)) * self.spread / np.sqrt(cols)).astype(
+            np.float32
+        )
         if kind == T.F32:
             self.writer.add_tensor(name, values.reshape(shape))
         elif kind == T.F16:
@@ -128,7 +133,7 @@ def write_arch_gguf(
     writer = GGUFWriter(str(path), arch)
     _metadata(writer, case)
     tokens = _add_vocabulary(writer, case.vocab, "smollm")
-    t = _Tensors(writer, rng, qtype)
+    t = _Tensors(writer, rng, qtype, case.spread)
     norm_at = 1.0  # llama.cpp stores Gemma's norms as 1 + w: around 1 either way
     t.matrix("token_embd.weight", len(tokens), HIDDEN)
     for i in range(layers_of(arch)):

@@ -31,6 +31,9 @@ SMALL = Dims()
 # K-quant rows hold whole 256-weight super-blocks: every row length a multiple of 256.
 K_QUANT = Dims(hidden=256, head_dim=64, ffn=512)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# the `bpe-fim` vocabulary: Qwen2.5-Coder's FIM tokens, control tokens after the merges
+FIM_SPECIALS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                "<|repo_name|>", "<|file_sep|>"]  # fmt: skip
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ 1", "1 2"]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -94,14 +97,17 @@ def spm_vocabulary() -> tuple[list[str], list[int], list[float]]:
     return tokens, types, scores
 
 
-def vocabulary(specials: tuple[str, ...] = ()) -> tuple[list[str], list[int]]:
-    """ChatML's specials (and `specials` after them), the bytes and a few merges."""
+def vocabulary(
+    specials: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+) -> tuple[list[str], list[int]]:
+    """ChatML's specials (and `specials` after them), the bytes, a few merges, then the
+    `extra` control tokens (at the end, so the ids before them do not move)."""
     special = [*SPECIALS, *specials]
     tokens = special + byte_tokens()
     for merge in MERGES:
         tokens.append(merge.replace(" ", ""))
-    types = [3] * len(special) + [1] * (len(tokens) - len(special))
-    return tokens, types
+    types = [3] * len(special) + [1] * (len(tokens) - len(special)) + [3] * len(extra)
+    return tokens + list(extra), types
 
 
 def write_tiny_gguf(
@@ -194,7 +200,7 @@ def _add_vocabulary(
         writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
         writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
         return tokens
-    tokens, types = vocabulary(specials)
+    tokens, types = vocabulary(specials, tuple(FIM_SPECIALS) if vocab == "bpe-fim" else ())
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)

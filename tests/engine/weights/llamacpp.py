@@ -43,10 +43,16 @@ def llama_python() -> str:
 def run_llama(gguf: Path, prompts: list[str], tokens: int, corpus: list[str],
               work: Path) -> dict[str, Any]:  # fmt: skip
     """llama.cpp's tokens, greedy continuations and logits (llamacpp_worker.py)."""
-    job, out = work / "llama-job.json", work / "llama-out.json"
-    job.write_text(json.dumps({"gguf": str(gguf), "prompts": prompts, "tokens": tokens,
-                               "corpus": corpus}))  # fmt: skip
-    result = subprocess.run([llama_python(), str(WORKER), str(job), str(out)],
+    job = {"gguf": str(gguf), "prompts": prompts, "tokens": tokens, "corpus": corpus}
+    return run_llama_job(job, work)
+
+
+def run_llama_job(job: dict[str, Any], work: Path) -> dict[str, Any]:
+    """One job of llamacpp_worker.py (its `command`: generate, embed, fim) -> its answer."""
+    command = job.get("command", "generate")
+    spec, out = work / f"llama-{command}-job.json", work / f"llama-{command}-out.json"
+    spec.write_text(json.dumps(job))
+    result = subprocess.run([llama_python(), str(WORKER), str(spec), str(out)],
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     answer: dict[str, Any] = json.loads(out.read_text())
