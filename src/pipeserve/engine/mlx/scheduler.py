@@ -73,7 +73,8 @@ class Scheduler:
         # A sharded model's ranks replay rank 0's steps: no forced tokens there (yet).
         self.budgets: dict[int, BudgetTracker] = {}
         # A request's n choices, prefilled once (engine/mlx/prompt_groups.py).
-        self.groups = PromptGroups(self.prefix.fetch, options.sharding is None)
+        # The lookup goes through self.prefix at each call: a sharded rank replaces it.
+        self.groups = PromptGroups(self._fetch, options.sharding is None)
         for name in ("prompt_tokens_total", "cached_tokens_total", "completion_tokens_total", "decode_steps",
                      "requests_cancelled", "requests_failed", "engine_faults",
                      "speculative_proposed_tokens_total", "speculative_accepted_tokens_total",
@@ -135,6 +136,9 @@ class Scheduler:
 
     def add(self, key: int, seq: RequestState, courier: Courier) -> None:
         self.groups.add(self._inserter(courier), key, seq)
+
+    def _fetch(self, tokens: list[int]) -> CacheLookup:
+        return self.prefix.fetch(tokens)
 
     def _inserter(self, courier: Courier) -> Insert:
         """_insert with this step's courier (for the prompt groups)."""
