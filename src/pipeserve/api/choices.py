@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from pipeserve.api.framing import KEEPALIVE_COMMENT, EventEncoder, Frame, close_events, frames
+from pipeserve.api.framing import (
+    KEEPALIVE_COMMENT,
+    EventEncoder,
+    Frame,
+    close_events,
+    frames,
+    json_frames,
+)
 from pipeserve.api.sse import sse_event
 from pipeserve.context import RequestContext
 from pipeserve.events import Event, KeepAlive
@@ -100,4 +107,45 @@ def close_all(streams: Sequence[Iterator[Event]]) -> None:
         close_events(stream)
 
 
-__all__ = ["choice_frames", "close_all", "folded_choices", "merge_usage", "sse_choices"]
+class ChoicesEncoding:
+    """`encode_choices_json` / `encode_choices_stream` of a protocol serving `n` (mixed
+    into its WireProtocol), from its one-encoder-per-choice factory and its fold."""
+
+    serves_choices: ClassVar[bool] = True
+
+    def choice_encoders(
+        self, ctxs: Sequence[RequestContext], folded: bool
+    ) -> Sequence[EventEncoder]:
+        """One encoder per choice under the first one's id; `folded`: for one JSON body."""
+        raise NotImplementedError
+
+    def fold_choice(self, frames_: Iterator[Frame], ctx: RequestContext) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def encode_choices_json(
+        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
+    ) -> dict[str, Any]:
+        try:
+            encoders = self.choice_encoders(ctxs, folded=True)
+            return folded_choices(encoders, streams, ctxs, self.fold_choice, json_frames)
+        finally:
+            close_all(streams)
+
+    def encode_choices_stream(
+        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
+    ) -> Iterator[bytes]:
+        try:
+            encoders = self.choice_encoders(ctxs, folded=False)
+            yield from sse_choices(choice_frames(encoders, streams, ctxs))
+        finally:
+            close_all(streams)
+
+
+__all__ = [
+    "ChoicesEncoding",
+    "choice_frames",
+    "close_all",
+    "folded_choices",
+    "merge_usage",
+    "sse_choices",
+]

@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.choices import choice_frames, close_all, folded_choices, sse_choices
-from pipeserve.api.framing import json_frames, sse_frames
+from pipeserve.api.choices import ChoicesEncoding
+from pipeserve.api.framing import Frame, json_frames, sse_frames
 from pipeserve.api.openai_chat.decode import ChatGenerationRequest, decode_chat
 from pipeserve.api.openai_chat.encode import ChatEvents
 from pipeserve.api.openai_chat.fold import fold_completion
@@ -21,9 +21,8 @@ from pipeserve.request import GenerationRequest
 
 
 @register_protocol
-class OpenAIChat(WireProtocol):
+class OpenAIChat(ChoicesEncoding, WireProtocol):
     name = "openai-chat"
-    serves_choices = True
 
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
         return decode_chat(body)
@@ -36,42 +35,29 @@ class OpenAIChat(WireProtocol):
             close_events(events)
 
     def encode_stream(self, events: Iterator[Event], ctx: RequestContext) -> Iterator[bytes]:
-        request = ctx.request
-        usage = isinstance(request, ChatGenerationRequest) and request.include_usage
         try:
-            yield from sse_frames(ChatEvents(ctx, include_usage=usage), events, ctx)
+            yield from sse_frames(ChatEvents(ctx, include_usage=wants_usage(ctx)), events, ctx)
         finally:
             close_events(events)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return openai_error_body(error)
 
-    def encode_choices_json(
-        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
-    ) -> dict[str, Any]:
-        try:
-            encoders = choice_encoders(ctxs, include_usage=True)
-            return folded_choices(encoders, streams, ctxs, fold_completion, json_frames)
-        finally:
-            close_all(streams)
+    def choice_encoders(self, ctxs: Sequence[RequestContext], folded: bool) -> list[ChatEvents]:
+        """One encoder per choice, all under the first one's id."""
+        encoders = [ChatEvents(ctx, include_usage=folded or wants_usage(ctx)) for ctx in ctxs]
+        for encoder in encoders[1:]:
+            encoder.id, encoder.created = encoders[0].id, encoders[0].created
+        return encoders
 
-    def encode_choices_stream(
-        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
-    ) -> Iterator[bytes]:
-        request = ctxs[0].request
-        usage = isinstance(request, ChatGenerationRequest) and request.include_usage
-        try:
-            yield from sse_choices(choice_frames(choice_encoders(ctxs, usage), streams, ctxs))
-        finally:
-            close_all(streams)
+    def fold_choice(self, frames: Iterator[Frame], ctx: RequestContext) -> dict[str, Any]:
+        return fold_completion(frames, ctx)
 
 
-def choice_encoders(ctxs: Sequence[RequestContext], include_usage: bool) -> list[ChatEvents]:
-    """One encoder per choice, all under the first one's id."""
-    encoders = [ChatEvents(ctx, include_usage=include_usage) for ctx in ctxs]
-    for encoder in encoders[1:]:
-        encoder.id, encoder.created = encoders[0].id, encoders[0].created
-    return encoders
+def wants_usage(ctx: RequestContext) -> bool:
+    """A streamed answer ends with a usage chunk only when stream_options asks."""
+    request = ctx.request
+    return isinstance(request, ChatGenerationRequest) and request.include_usage
 
 
 __all__ = ["OpenAIChat"]

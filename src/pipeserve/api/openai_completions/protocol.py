@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from pipeserve.api.base import RequestMeta, WireProtocol, register_protocol
-from pipeserve.api.choices import choice_frames, close_all, folded_choices, sse_choices
-from pipeserve.api.framing import json_frames, sse_frames
+from pipeserve.api.choices import ChoicesEncoding
+from pipeserve.api.framing import Frame, json_frames, sse_frames
 from pipeserve.api.openai_common import close_events, openai_error_body
 from pipeserve.api.openai_completions.decode import CompletionGenerationRequest, decode_completion
 from pipeserve.api.openai_completions.encode import CompletionEvents
@@ -30,18 +30,9 @@ def completion_events(ctx: RequestContext, fold: bool) -> CompletionEvents:
     return CompletionEvents(ctx, echo=echo, include_usage=usage)
 
 
-def choice_encoders(ctxs: Sequence[RequestContext], fold: bool) -> list[CompletionEvents]:
-    """One encoder per choice, all under the first one's id."""
-    encoders = [completion_events(ctx, fold) for ctx in ctxs]
-    for encoder in encoders[1:]:
-        encoder.base = encoders[0].base
-    return encoders
-
-
 @register_protocol
-class OpenAICompletions(WireProtocol):
+class OpenAICompletions(ChoicesEncoding, WireProtocol):
     name: ClassVar[str] = "openai-completions"
-    serves_choices: ClassVar[bool] = True
 
     def decode(self, body: Any, meta: RequestMeta) -> GenerationRequest:
         return decode_completion(body)
@@ -59,23 +50,17 @@ class OpenAICompletions(WireProtocol):
         finally:
             close_events(events)
 
-    def encode_choices_json(
-        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
-    ) -> dict[str, Any]:
-        try:
-            encoders = choice_encoders(ctxs, fold=True)
-            return folded_choices(encoders, streams, ctxs, fold_completion, json_frames)
-        finally:
-            close_all(streams)
+    def choice_encoders(
+        self, ctxs: Sequence[RequestContext], folded: bool
+    ) -> list[CompletionEvents]:
+        """One encoder per choice, all under the first one's id."""
+        encoders = [completion_events(ctx, folded) for ctx in ctxs]
+        for encoder in encoders[1:]:
+            encoder.base = encoders[0].base
+        return encoders
 
-    def encode_choices_stream(
-        self, streams: Sequence[Iterator[Event]], ctxs: Sequence[RequestContext]
-    ) -> Iterator[bytes]:
-        try:
-            encoders = choice_encoders(ctxs, fold=False)
-            yield from sse_choices(choice_frames(encoders, streams, ctxs))
-        finally:
-            close_all(streams)
+    def fold_choice(self, frames: Iterator[Frame], ctx: RequestContext) -> dict[str, Any]:
+        return fold_completion(frames, ctx)
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         body = openai_error_body(error)
