@@ -162,15 +162,21 @@ def parse_json_calls(body: str) -> list[tuple[str, Any]] | None:
         value = json.loads(body.strip(), strict=False)
     except ValueError:
         return None
-    calls: list[tuple[str, Any]] = []
-    for item in value if isinstance(value, list) else [value]:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+    calls = [json_call(item) for item in (value if isinstance(value, list) else [value])]
+    if not calls or any(call is None for call in calls):
+        return None
+    return [call for call in calls if call is not None]
+
+
+def json_call(item: Any) -> tuple[str, Any] | None:
+    """(name, arguments) of one parsed `{"name": .., "arguments" | "parameters": ..}`
+    object (arguments may be a JSON string), else None."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments, strict=False)
+        except ValueError:
             return None
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments, strict=False)
-            except ValueError:
-                return None
-        calls.append((item["name"], arguments if arguments is not None else {}))
-    return calls or None
+    return item["name"], {} if arguments is None else arguments

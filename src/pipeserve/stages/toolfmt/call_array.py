@@ -17,7 +17,8 @@ import re
 from typing import Any
 
 from pipeserve.events import Event
-from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, content
+from pipeserve.stages.toolfmt.base import CallSink, StreamedArgs, content, json_call
+from pipeserve.stages.toolfmt.json_stream import JsonDepth
 
 _NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'
 _HEAD = re.compile(r"\s*\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
@@ -28,35 +29,6 @@ _HEAD_LIMIT = 512
 OPEN, ELEMENT, HEAD, ARGS, TAIL, WHOLE, AFTER, DONE = range(8)
 
 
-class _Depth:
-    """Finds where one JSON object closes (strings and escapes respected)."""
-
-    __slots__ = ("depth", "in_str", "esc")
-
-    def __init__(self, depth: int) -> None:
-        self.depth, self.in_str, self.esc = depth, False, False
-
-    def scan(self, text: str) -> int:
-        """Index just past the object's closing brace in `text`, or -1."""
-        for i, ch in enumerate(text):
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return -1
-
-
 def element_call(text: str) -> tuple[str, Any] | None:
     """(name, arguments) of one call object in any accepted shape, else None."""
     try:
@@ -65,15 +37,7 @@ def element_call(text: str) -> tuple[str, Any] | None:
         return None
     if isinstance(item, dict) and isinstance(item.get("function"), dict):
         item = item["function"]  # {"type": "function", "function": {...}}
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-        return None
-    arguments = item.get("arguments", item.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments, strict=False)
-        except ValueError:
-            return None
-    return item["name"], {} if arguments is None else arguments
+    return json_call(item)
 
 
 class CallArray:
@@ -96,7 +60,7 @@ class CallArray:
         self.state = OPEN
         self.array = False
         self.head = ""
-        self.depth = _Depth(0)
+        self.depth = JsonDepth(0)
         self.args: StreamedArgs | None = None
         self.calls = 0
         self.failed = False
@@ -139,7 +103,7 @@ class CallArray:
             self.pending.append(ch)
             return i + 1
         if ch == "{" and state in (OPEN, ELEMENT):
-            self.state, self.head, self.depth = HEAD, "", _Depth(0)
+            self.state, self.head, self.depth = HEAD, "", JsonDepth(0)
             return i
         if state == ELEMENT and self.array and ch == "]" and not self.calls:
             self.state = DONE
@@ -218,7 +182,7 @@ class CallArray:
         if self.args.done:
             self.args.end(out)
             self.args = None
-            self.state, self.depth = TAIL, _Depth(1)
+            self.state, self.depth = TAIL, JsonDepth(1)
         return rest
 
     def _committed(self) -> None:

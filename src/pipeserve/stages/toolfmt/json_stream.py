@@ -46,18 +46,47 @@ class _Frame:
         self.count = 0
 
 
+class JsonDepth:
+    """Finds where one JSON container closes as its text arrives in pieces (strings and
+    escapes respected); starts inside `depth` open containers."""
+
+    __slots__ = ("depth", "in_str", "esc")
+
+    def __init__(self, depth: int = 1) -> None:
+        self.depth, self.in_str, self.esc = depth, False, False
+
+    def scan(self, text: str) -> int:
+        """Index just past the closing bracket in `text`, or -1 (not yet closed)."""
+        for i, ch in enumerate(text):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return -1
+
+
 class _Capture:
     """A value (or key) held until complete: kind k=key, s=string, c=container, p=scalar."""
 
-    __slots__ = ("kind", "schema", "parts", "esc", "depth", "in_str")
+    __slots__ = ("kind", "schema", "parts", "esc", "container")
 
     def __init__(self, kind: str, schema: Any, first: str) -> None:
         self.kind = kind
         self.schema = schema
         self.parts = [first]
-        self.esc = False
-        self.depth = 1
-        self.in_str = False
+        self.esc = False  # a string's last piece ended in a backslash
+        self.container = JsonDepth()
 
 
 class JsonStreamer:
@@ -274,28 +303,13 @@ class JsonStreamer:
             return k + 1
 
     def _container_more(self, cap: _Capture, text: str, i: int, out: list[str]) -> int:
-        n = len(text)
-        for j in range(i, n):
-            ch = text[j]
-            if cap.in_str:
-                if cap.esc:
-                    cap.esc = False
-                elif ch == "\\":
-                    cap.esc = True
-                elif ch == '"':
-                    cap.in_str = False
-            elif ch == '"':
-                cap.in_str = True
-            elif ch in "{[":
-                cap.depth += 1
-            elif ch in "}]":
-                cap.depth -= 1
-                if cap.depth == 0:
-                    cap.parts.append(text[i : j + 1])
-                    self._finish_capture(out)
-                    return j + 1
-        cap.parts.append(text[i:])
-        return n
+        end = cap.container.scan(text[i:])
+        if end < 0:
+            cap.parts.append(text[i:])
+            return len(text)
+        cap.parts.append(text[i : i + end])
+        self._finish_capture(out)
+        return i + end
 
     def _finish_capture(self, out: list[str]) -> None:
         cap = self._cap
