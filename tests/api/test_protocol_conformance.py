@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -52,6 +51,7 @@ from tests.families import (
     STOPS_ON,
     TEXT,
 )
+from tests.sdk_answers import Answer, chat_answer, messages_answer, responses_answer
 
 
 def test_every_registered_protocol_has_a_minimal_request_and_an_sdk_call_here() -> None:
@@ -160,16 +160,6 @@ def test_an_encoder_fault_ends_with_the_protocols_fault_frame(name: str) -> None
 # ---------------------------------------------------------------- every demo family
 
 
-@dataclass
-class Answer:
-    """What a client read: reasoning, text, tool calls (name, arguments) and how it ended."""
-
-    reasoning: str = ""
-    text: str = ""
-    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    finish: str = ""
-
-
 FN_TOOL = {
     "type": "function",
     "function": {
@@ -186,53 +176,17 @@ ASK_USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def ask_chat(handler: InProcess, stream: bool) -> Answer:
-    client = openai_client(handler)
     kw: dict[str, Any] = {"model": "demo", "messages": ASK_USER, "tools": [FN_TOOL]}
-    if stream:
-        with client.chat.completions.stream(**kw) as events:
-            reasoning = "".join(
-                getattr(e.chunk.choices[0].delta, "reasoning_content", None) or ""
-                for e in events
-                if e.type == "chunk" and e.chunk.choices
-            )
-            completion = events.get_final_completion()
-    else:
-        completion = client.chat.completions.create(**kw)
-        reasoning = getattr(completion.choices[0].message, "reasoning_content", None) or ""
-    choice = completion.choices[0]
-    calls = [
-        (c.function.name, json.loads(c.function.arguments))  # type: ignore[union-attr]
-        for c in choice.message.tool_calls or []
-    ]
-    assert all(c.id.startswith("call_") for c in choice.message.tool_calls or [])
-    return Answer(reasoning, choice.message.content or "", calls, choice.finish_reason)
+    return chat_answer(openai_client(handler), kw, stream)
 
 
 def ask_responses(handler: InProcess, stream: bool) -> Answer:
-    client = openai_client(handler)
     tool = {"type": "function", **FN_TOOL["function"]}
     kw: dict[str, Any] = {"model": "demo", "input": "Weather in Paris?", "tools": [tool]}
-    if stream:
-        with client.responses.stream(**kw) as events:
-            numbers = [event.sequence_number for event in events]
-            response = events.get_final_response()
-        assert numbers == list(range(len(numbers)))
-    else:
-        response = client.responses.create(**kw)
-    answer = Answer(finish=response.status or "")
-    for item in response.output:
-        if item.type == "reasoning":
-            answer.reasoning += "".join(part.text for part in item.content or [])
-        elif item.type == "message":
-            answer.text += "".join(getattr(part, "text", "") for part in item.content)
-        elif item.type == "function_call":
-            assert item.status == "completed" and item.call_id.startswith("call_")
-            answer.calls.append((item.name, json.loads(item.arguments)))
-    return answer
+    return responses_answer(openai_client(handler), kw, stream)
 
 
 def ask_anthropic(handler: InProcess, stream: bool) -> Answer:
-    client = anthropic_client(handler)
     tool = {"name": "get_weather", "input_schema": FN_TOOL["function"]["parameters"]}
     kw: dict[str, Any] = {
         "model": "demo",
@@ -241,22 +195,7 @@ def ask_anthropic(handler: InProcess, stream: bool) -> Answer:
         "tools": [tool],
         "thinking": {"type": "enabled", "budget_tokens": 1024},
     }
-    if stream:
-        with client.messages.stream(**kw) as events:
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(**kw)
-    answer = Answer(finish=message.stop_reason or "")
-    for block in message.content:
-        if block.type == "thinking":
-            assert block.signature
-            answer.reasoning += block.thinking
-        elif block.type == "text":
-            answer.text += block.text
-        elif block.type == "tool_use":
-            assert block.id.startswith("toolu_")
-            answer.calls.append((block.name, dict(block.input)))  # type: ignore[call-overload]
-    return answer
+    return messages_answer(anthropic_client(handler), kw, stream)
 
 
 def ask_completions(handler: InProcess, stream: bool) -> Answer:

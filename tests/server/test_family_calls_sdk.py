@@ -18,6 +18,8 @@ from anthropic import Anthropic
 from openai import OpenAI
 
 from tests.families import CALL, CALL_SCENARIOS, COMPLETIONS, HAS_REASONING, REASONING, TIME_CALL
+from tests.sdk_answers import Answer as SdkAnswer
+from tests.sdk_answers import chat_answer, messages_answer, responses_answer
 from tests.server.serverproc import REPO, running_server
 
 pytestmark = pytest.mark.server
@@ -41,6 +43,11 @@ class Answer:
     ended: str = ""  # "tools" or "stop"
 
 
+def ended(read: SdkAnswer, words: dict[str, str]) -> Answer:
+    """The SDK's answer with its protocol's finish word as "tools" or "stop"."""
+    return Answer(read.reasoning, read.text, read.calls, words.get(read.finish, read.finish))
+
+
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
     with running_server(REPO / "configs" / "replay-families.yaml") as url:
@@ -54,24 +61,7 @@ def chat(base: str, family: str, raw: str, stream: bool, stop: list[str] | None)
     kw["extra_body"] = {"mock_response": raw}
     if stop:
         kw["stop"] = stop
-    if stream:
-        with client.chat.completions.stream(**kw) as events:
-            reasoning = "".join(
-                getattr(e.chunk.choices[0].delta, "reasoning_content", None) or ""
-                for e in events
-                if e.type == "chunk" and e.chunk.choices
-            )
-            completion = events.get_final_completion()
-    else:
-        completion = client.chat.completions.create(**kw)
-        reasoning = getattr(completion.choices[0].message, "reasoning_content", None) or ""
-    choice = completion.choices[0]
-    calls = [
-        (c.function.name, json.loads(c.function.arguments))  # type: ignore[union-attr]
-        for c in choice.message.tool_calls or []
-    ]
-    ended = {"tool_calls": "tools", "stop": "stop"}.get(choice.finish_reason, choice.finish_reason)
-    return Answer(reasoning, choice.message.content or "", calls, ended)
+    return ended(chat_answer(client, kw, stream), {"tool_calls": "tools", "stop": "stop"})
 
 
 def messages(base: str, family: str, raw: str, stream: bool, stop: list[str] | None) -> Answer:
@@ -84,21 +74,8 @@ def messages(base: str, family: str, raw: str, stream: bool, stop: list[str] | N
     }  # fmt: skip
     if stop:
         kw["stop_sequences"] = stop
-    if stream:
-        with client.messages.stream(**kw) as events:
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(**kw)
-    answer = Answer(ended={"tool_use": "tools", "end_turn": "stop", "stop_sequence": "stop"}.get(
-        message.stop_reason or "", message.stop_reason or ""))  # fmt: skip
-    for block in message.content:
-        if block.type == "thinking":
-            answer.reasoning += block.thinking
-        elif block.type == "text":
-            answer.text += block.text
-        elif block.type == "tool_use":
-            answer.calls.append((block.name, dict(block.input)))  # type: ignore[call-overload]
-    return answer
+    words = {"tool_use": "tools", "end_turn": "stop", "stop_sequence": "stop"}
+    return ended(messages_answer(client, kw, stream), words)
 
 
 def responses(base: str, family: str, raw: str, stream: bool, stop: list[str] | None) -> Answer:
@@ -108,22 +85,9 @@ def responses(base: str, family: str, raw: str, stream: bool, stop: list[str] | 
     ]
     kw: dict[str, Any] = {"model": f"replay-{family}", "input": ASK[0]["content"], "tools": tools}
     kw["extra_body"] = {"mock_response": raw}
-    if stream:
-        with client.responses.stream(**kw) as events:
-            response = events.get_final_response()
-    else:
-        response = client.responses.create(**kw)
-    answer = Answer()
-    for item in response.output:
-        if item.type == "reasoning":
-            answer.reasoning += "".join(part.text for part in item.content or [])
-        elif item.type == "message":
-            answer.text += "".join(getattr(part, "text", "") for part in item.content)
-        elif item.type == "function_call":
-            answer.calls.append((item.name, json.loads(item.arguments)))
-    answer.ended = "tools" if answer.calls else "stop"
-    assert response.status == "completed"
-    return answer
+    read = responses_answer(client, kw, stream)
+    assert read.finish == "completed"
+    return ended(read, {"completed": "tools" if read.calls else "stop"})
 
 
 ASKERS = {"chat": chat, "messages": messages, "responses": responses}
