@@ -23,10 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeserve.config.models import EngineOptions, ShardingOptions
-from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.base import GenerationJob, ThinkingLimit
 from pipeserve.engine.sharding import peer
 from pipeserve.engine.sharding.control import ChannelClosed, Connection
 from pipeserve.engine.sharding.frames import (
+    VERSION,
     Handshake,
     ProtocolError,
     decode_message,
@@ -34,6 +35,7 @@ from pipeserve.engine.sharding.frames import (
 )
 from pipeserve.engine.sharding.group import GroupLost, Peer, RankGroup
 from pipeserve.request import SamplingParams
+from pipeserve.wire_schema import JOB_FIELDS
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 LENGTH = struct.Struct("!I")
@@ -53,8 +55,18 @@ def full_job() -> GenerationJob:
     """A job with every field set away from its default."""
     sampling = SamplingParams(0.7, 0.9, 40, 0.05, 1.1, 0.5, -0.5, {7: -100.0, 9: 2.5}, 1234,
                               frozenset({"top_p"}))  # fmt: skip
+    thinking = ThinkingLimit(64, (10,), (11,), (11, 12), opened=True)
     return GenerationJob("req-1", [1, 2, 3], sampling, 17, frozenset({2, 5}), True, 3, "mock",
-                         2.5, None, ("STOP", "\n\n"), [4, 5])  # fmt: skip
+                         2.5, None, ("STOP", "\n\n"), [4, 5], thinking, "group-1", 3)  # fmt: skip
+
+
+def test_the_full_job_sets_every_field_the_schema_carries() -> None:
+    """A field added to GenerationJob must be added to the schema (wire_schema.py): the
+    round trips below would otherwise pass without it (a rank or the engine host would
+    silently run the job with its default)."""
+    default = GenerationJob("r", [1], SamplingParams(), 1)
+    differs = {name for name in JOB_FIELDS if getattr(full_job(), name) != getattr(default, name)}
+    assert differs == JOB_FIELDS
 
 
 # ---------------------------------------------------------------- the schema
@@ -98,13 +110,18 @@ def test_a_pickle_payload_is_rejected_and_never_executed(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     "body",
     [
-        {"v": 1, "kind": "step", "step": "1", "changes": []},
-        {"v": 1, "kind": "step", "step": 1, "changes": [{"op": "submit", "key": 1, "job": []}]},
-        {"v": 1, "kind": "start", "seed": 1.5},
-        {"v": 1, "kind": "start", "seed": True},
-        {"v": 2, "kind": "ping"},
-        {"v": 1, "kind": "exec"},
-        {"v": 1, "kind": "step", "step": 1, "changes": [{"op": "prefix", "change": "drop"}]},
+        {"v": VERSION, "kind": "step", "step": "1", "changes": []},
+        {
+            "v": VERSION,
+            "kind": "step",
+            "step": 1,
+            "changes": [{"op": "submit", "key": 1, "job": []}],
+        },
+        {"v": VERSION, "kind": "start", "seed": 1.5},
+        {"v": VERSION, "kind": "start", "seed": True},
+        {"v": VERSION + 1, "kind": "ping"},
+        {"v": VERSION, "kind": "exec"},
+        {"v": VERSION, "kind": "step", "step": 1, "changes": [{"op": "prefix", "change": "drop"}]},
     ],
 )
 def test_wrong_types_are_protocol_errors(body: dict[str, Any]) -> None:
@@ -135,7 +152,7 @@ KEYS = st.sampled_from(["v", "kind", "step", "changes", "seed", "op", "key", "jo
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(KEYS, JSON, max_size=6), st.sampled_from(["step", "start", "ping", "x"]))
 def test_random_json_objects_decode_or_are_protocol_errors(body: dict[str, Any], kind: str) -> None:
-    body = {"v": 1, "kind": kind, **body}
+    body = {"v": VERSION, "kind": kind, **body}
     try:
         decode_message(json.dumps(body).encode())
     except ProtocolError:
@@ -267,7 +284,7 @@ def test_hostile_connections_do_not_stop_the_genuine_rank_from_joining(group: Ra
     into memory. Now each is refused on its own, and the rank with the token joins."""
     outcome = accept_in_background(group)
     hostile = []
-    for hello in ({"rank": "x"}, {"v": 1, "rank": [1], "pid": 1, "nonce": "zz"},
+    for hello in ({"rank": "x"}, {"v": VERSION, "rank": [1], "pid": 1, "nonce": "zz"},
                   {"rank": 1, "pid": 2, "token": "guess"}):  # fmt: skip
         s = socket.create_connection(address(group))
         data = json.dumps(hello).encode()

@@ -41,11 +41,19 @@ class Connection:
     """A framed, blocking connection: one reader; writers take turns (on rank 0 the
     engine thread's batch log and the watchdog's pings)."""
 
-    def __init__(self, sock: Any, max_frame: int = MAX_FRAME) -> None:
+    def __init__(
+        self,
+        sock: Any,
+        max_frame: int = MAX_FRAME,
+        name: str = "control channel",
+        send_lock: Any = None,
+    ) -> None:
         self.sock = sock
         self.max_frame = max_frame  # larger frames are refused before they are read
+        self.name = name  # in its errors (the engine host's wire reuses this class)
         self.session: Session | None = None  # set after the handshake: every frame MACed
-        self._send_lock = os_lock()
+        # Writers take turns: OS threads here; greenlets on the engine host's wire.
+        self._send_lock = os_lock() if send_lock is None else send_lock
 
     def send_bytes(self, payload: bytes) -> None:
         try:
@@ -54,7 +62,7 @@ class Connection:
                     payload = self.session.seal(payload)
                 self.sock.sendall(_LENGTH.pack(len(payload)) + payload)
         except OSError as exc:
-            raise ChannelClosed(f"control channel: {exc}") from exc
+            raise ChannelClosed(f"{self.name}: {exc}") from exc
 
     def recv_bytes(self, timeout: float | None = None, limit: int | None = None) -> bytes:
         """The next frame, its MAC checked; `timeout` bounds the whole frame (not each
@@ -63,14 +71,14 @@ class Connection:
         header = self._exactly(_LENGTH.size, deadline)
         (size,) = _LENGTH.unpack(header)
         if size > (self.max_frame if limit is None else limit):
-            raise ChannelClosed(f"control channel: a frame of {size} bytes (too large)")
+            raise ChannelClosed(f"{self.name}: a frame of {size} bytes (too large)")
         frame = self._exactly(size, deadline)
         if self.session is None:
             return frame
         try:
             return self.session.open(frame)
         except ProtocolError as exc:
-            raise ChannelClosed(f"control channel: {exc}") from None
+            raise ChannelClosed(f"{self.name}: {exc}") from None
 
     def _exactly(self, size: int, deadline: float | None) -> bytes:
         chunks, left = [], size
@@ -78,7 +86,7 @@ class Connection:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError("control channel: a frame was not sent in time")
+                    raise TimeoutError(f"{self.name}: a frame was not sent in time")
                 self.sock.settimeout(remaining)
             else:
                 self.sock.settimeout(None)
@@ -87,9 +95,9 @@ class Connection:
             except TimeoutError:
                 raise
             except OSError as exc:
-                raise ChannelClosed(f"control channel: {exc}") from exc
+                raise ChannelClosed(f"{self.name}: {exc}") from exc
             if not chunk:
-                raise ChannelClosed("control channel closed by the other rank")
+                raise ChannelClosed(f"{self.name} closed by the other end")
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
@@ -99,9 +107,9 @@ class Connection:
 
     def recv_json(self, timeout: float | None = None, limit: int | None = None) -> dict[str, Any]:
         try:
-            return decode_object(self.recv_bytes(timeout, limit))
+            return decode_object(self.recv_bytes(timeout, limit), f"{self.name} frame")
         except ProtocolError as exc:
-            raise ChannelClosed(f"control channel: {exc}") from None
+            raise ChannelClosed(f"{self.name}: {exc}") from None
 
     def send_obj(self, message: tuple[Any, ...]) -> None:
         """One of rank 0's messages, in the fixed schema (frames.encode_message)."""
@@ -111,7 +119,7 @@ class Connection:
         try:
             return decode_message(self.recv_bytes())
         except ProtocolError as exc:
-            raise ChannelClosed(f"control channel: {exc}") from None
+            raise ChannelClosed(f"{self.name}: {exc}") from None
 
     def close(self) -> None:
         try:

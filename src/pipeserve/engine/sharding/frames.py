@@ -21,27 +21,30 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any
 
-from pipeserve.engine.base import GenerationJob
-from pipeserve.request import SamplingParams
+from pipeserve.wire_schema import (
+    TEXT,
+    ProtocolError,
+    array,
+    boolean,
+    decode_job,
+    decode_object,
+    encode_job,
+    encode_object,
+    int_in,
+    obj,
+    text,
+)
 
-VERSION = 1
+VERSION = 2  # 2: a job carries its thinking budget and prompt group
 MAC_SIZE = 32
 NONCE_BYTES = 16
 HELLO_MAX = 1024  # bytes of a handshake frame: anything longer is refused unread
-# Strings (a grammar, stop strings, a mock completion) are bounded by the frame's size
-# only: whatever the HTTP API accepts must pass, or one request would break the group.
-TEXT = 1 << 30
 _SEQ = struct.Struct("!Q")
-
-
-class ProtocolError(ValueError):
-    """A frame that does not follow the schema (or a handshake that fails)."""
 
 
 # ---------------------------------------------------------------- the handshake
@@ -59,13 +62,16 @@ class Handshake:
     rank: int
     mine: str = ""  # this side's nonce (hex)
     theirs: str = ""
+    # What the proofs and the session key are for: another channel that reuses this
+    # handshake (the engine host's wire) names itself, so no proof crosses channels.
+    context: bytes = b"pipeserve-control"
 
     def __post_init__(self) -> None:
         self.mine = self.mine or secrets.token_hex(NONCE_BYTES)
 
     def _proof(self, role: bytes, rank_nonce: str, rank0_nonce: str) -> str:
         key = self.token.encode()
-        parts = (b"pipeserve-control", role, rank_nonce.encode(), rank0_nonce.encode())
+        parts = (self.context, role, rank_nonce.encode(), rank0_nonce.encode())
         return _mac(key, *parts, str(self.rank).encode()).hex()
 
     # The rank: hello(), then check rank 0's answer and send answer_rank0's proof.
@@ -76,7 +82,7 @@ class Handshake:
         """The rank checks rank 0's proof (ProtocolError if wrong) and proves itself."""
         self.theirs = _nonce(challenge.get("nonce"))
         expected = self._proof(b"rank0", self.mine, self.theirs)
-        if not hmac.compare_digest(expected, _text(challenge.get("proof"), 2 * MAC_SIZE)):
+        if not hmac.compare_digest(expected, text(challenge.get("proof"), 2 * MAC_SIZE)):
             raise ProtocolError("rank 0 did not prove it holds the group's token")
         return {"proof": self._proof(b"rank", self.mine, self.theirs)}
 
@@ -87,12 +93,12 @@ class Handshake:
 
     def check_rank(self, answer: dict[str, Any]) -> None:
         expected = self._proof(b"rank", self.theirs, self.mine)
-        if not hmac.compare_digest(expected, _text(answer.get("proof"), 2 * MAC_SIZE)):
+        if not hmac.compare_digest(expected, text(answer.get("proof"), 2 * MAC_SIZE)):
             raise ProtocolError("the rank did not prove it holds the group's token")
 
     def session(self, is_rank0: bool) -> Session:
         rank_nonce, rank0_nonce = (self.theirs, self.mine) if is_rank0 else (self.mine, self.theirs)
-        parts = (b"pipeserve-session", rank_nonce.encode(), rank0_nonce.encode())
+        parts = (b"pipeserve-session", self.context, rank_nonce.encode(), rank0_nonce.encode())
         key = _mac(self.token.encode(), *parts, str(self.rank).encode())
         return Session(key, b"0>r" if is_rank0 else b"r>0", b"r>0" if is_rank0 else b"0>r")
 
@@ -102,8 +108,8 @@ def parse_hello(data: dict[str, Any]) -> tuple[int, int, str]:
     if data.get("v") != VERSION:
         raise ProtocolError(f"control hello of version {data.get('v')!r}, expected {VERSION}")
     return (
-        _int(data.get("rank"), 1, 1 << 16),
-        _int(data.get("pid"), 0, 1 << 31),
+        int_in(data.get("rank"), 1, 1 << 16),
+        int_in(data.get("pid"), 0, 1 << 31),
         _nonce(data.get("nonce")),
     )
 
@@ -146,7 +152,7 @@ def encode_message(message: tuple[Any, ...]) -> bytes:
         body["changes"] = [_encode_change(change) for change in message[2]]
     elif kind not in ("ping", "close"):
         raise ProtocolError(f"no frame for control message {kind!r}")
-    return json.dumps(body, separators=(",", ":")).encode()
+    return encode_object(body)
 
 
 def decode_message(data: bytes) -> tuple[Any, ...]:
@@ -156,30 +162,20 @@ def decode_message(data: bytes) -> tuple[Any, ...]:
         raise ProtocolError(f"control frame of version {body.get('v')!r}, expected {VERSION}")
     kind = body.get("kind")
     if kind == "start":
-        return ("start", _int(body.get("seed"), 0, 1 << 64))
+        return ("start", int_in(body.get("seed"), 0, 1 << 64))
     if kind in ("ping", "close"):
         return (kind,)
     if kind == "step":
-        changes = _list(body.get("changes"), "changes")
-        return ("step", _int(body.get("step"), 1, 1 << 62), [_decode_change(c) for c in changes])
+        changes = array(body.get("changes"), "changes")
+        return ("step", int_in(body.get("step"), 1, 1 << 62), [_decode_change(c) for c in changes])
     raise ProtocolError(f"unknown control message {str(kind)[:40]!r}")
-
-
-def decode_object(data: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError(f"a control frame that is not JSON ({str(exc)[:80]})") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("a control frame that is not a JSON object")
-    return body
 
 
 def _encode_change(change: tuple[Any, ...]) -> dict[str, Any]:
     op = change[0]
     if op == "submit":
         _, key, job, spec, cached = change
-        return {"op": "submit", "key": key, "job": _encode_job(job),
+        return {"op": "submit", "key": key, "job": encode_job(job),
                 "spec": None if spec is None else list(spec), "cached": cached}  # fmt: skip
     if op == "cancel":
         return {"op": "cancel", "key": change[1]}
@@ -189,143 +185,38 @@ def _encode_change(change: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def _decode_change(raw: Any) -> tuple[Any, ...]:
-    change = _dict(raw, "change")
+    change = obj(raw, "change")
     op = change.get("op")
     if op == "submit":
         spec = change.get("spec")
         if spec is not None:
-            items = _list(spec, "spec")
+            items = array(spec, "spec")
             if len(items) != 3:
                 raise ProtocolError("spec: expected [grammar, forced, optional]")
-            spec = (_text(items[0], TEXT), _text(items[1], TEXT), _bool(items[2]))
+            spec = (text(items[0], TEXT), text(items[1], TEXT), boolean(items[2]))
         cached = change.get("cached")
-        return ("submit", _int(change.get("key"), 0, 1 << 62), _decode_job(change.get("job")),
-                spec, None if cached is None else _int(cached, 0, 1 << 40))  # fmt: skip
+        return ("submit", int_in(change.get("key"), 0, 1 << 62), decode_job(change.get("job")),
+                spec, None if cached is None else int_in(cached, 0, 1 << 40))  # fmt: skip
     if op == "cancel":
-        return ("cancel", _int(change.get("key"), 0, 1 << 62))
+        return ("cancel", int_in(change.get("key"), 0, 1 << 62))
     if op == "prefix":
         what = change.get("change")
         if what == "clear":
             return ("prefix", "clear")
         if what == "trim":
-            return ("prefix", "trim", _int(change.get("count"), 0, 1 << 40))
+            return ("prefix", "trim", int_in(change.get("count"), 0, 1 << 40))
         raise ProtocolError(f"unknown prefix cache change {str(what)[:40]!r}")
     raise ProtocolError(f"unknown batch change {str(op)[:40]!r}")
-
-
-# ---------------------------------------------------------------- a job, field by field
-
-_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty")  # fmt: skip
-
-
-def _encode_job(job: GenerationJob) -> dict[str, Any]:
-    if job.constraint is not None:
-        raise ProtocolError("a job's constraint travels as its spec (lockstep.outbound)")
-    s = job.sampling
-    return {
-        "request_id": job.request_id,
-        "prompt": list(job.prompt_token_ids),
-        "sampling": {
-            **{name: getattr(s, name) for name in _FLOATS},
-            "top_k": s.top_k,
-            "logit_bias": [[k, v] for k, v in s.logit_bias.items()],
-            "seed": s.seed,
-            "unset": sorted(s.unset),
-        },
-        "max_tokens": job.max_tokens,
-        "stop_token_ids": sorted(job.stop_token_ids),
-        "logprobs": job.logprobs,
-        "top_logprobs": job.top_logprobs,
-        "mock_completion": job.mock_completion,
-        "keepalive_interval": job.keepalive_interval,
-        "stop_strings": list(job.stop_strings),
-        "prediction": job.prediction_token_ids,
-    }
-
-
-def _decode_job(raw: Any) -> GenerationJob:
-    job = _dict(raw, "job")
-    s = _dict(job.get("sampling"), "sampling")
-    bias = {_int(_pair(p)[0], -(1 << 63), 1 << 63): _float(_pair(p)[1]) for p in _list(s.get("logit_bias"), "logit_bias")}  # fmt: skip
-    seed = s.get("seed")
-    sampling = SamplingParams(
-        **{name: _float(s.get(name)) for name in _FLOATS},
-        top_k=_int(s.get("top_k"), -(1 << 63), 1 << 63),
-        logit_bias=bias,
-        seed=None if seed is None else _int(seed, -(1 << 63), 1 << 64),
-        unset=frozenset(_text(n, 64) for n in _list(s.get("unset"), "unset")),
-    )
-    mock, keepalive, prediction = job.get("mock_completion"), job.get("keepalive_interval"), job.get("prediction")  # fmt: skip
-    return GenerationJob(
-        request_id=_text(job.get("request_id"), TEXT),
-        prompt_token_ids=_tokens(job.get("prompt")),
-        sampling=sampling,
-        max_tokens=_int(job.get("max_tokens"), 0, 1 << 62),
-        stop_token_ids=frozenset(_tokens(job.get("stop_token_ids"))),
-        logprobs=_bool(job.get("logprobs")),
-        top_logprobs=_int(job.get("top_logprobs"), 0, 1 << 31),
-        mock_completion=None if mock is None else _text(mock, TEXT),
-        keepalive_interval=None if keepalive is None else _float(keepalive),
-        stop_strings=tuple(_text(t, TEXT) for t in _list(job.get("stop_strings"), "stop_strings")),
-        prediction_token_ids=None if prediction is None else _tokens(prediction),
-    )
 
 
 # ---------------------------------------------------------------- typed fields
 
 
-def _int(value: Any, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value < high:
-        raise ProtocolError(f"expected an integer in [{low}, {high}), got {str(value)[:40]!r}")
-    return value
-
-
-def _float(value: Any) -> float:
-    if type(value) not in (int, float):  # (NaN and infinities pass, as Python wrote them)
-        raise ProtocolError(f"expected a number, got {str(value)[:40]!r}")
-    return float(value)
-
-
-def _bool(value: Any) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"expected true or false, got {str(value)[:40]!r}")
-    return value
-
-
-def _text(value: Any, limit: int) -> str:
-    if not isinstance(value, str) or len(value) > limit:
-        raise ProtocolError(f"expected a string of at most {limit} characters")
-    return value
-
-
 def _nonce(value: Any) -> str:
-    text = _text(value, 2 * NONCE_BYTES)
-    if len(text) != 2 * NONCE_BYTES or any(c not in "0123456789abcdef" for c in text):
+    nonce = text(value, 2 * NONCE_BYTES)
+    if len(nonce) != 2 * NONCE_BYTES or any(c not in "0123456789abcdef" for c in nonce):
         raise ProtocolError("expected a nonce of 32 hex digits")
-    return text
-
-
-def _list(value: Any, name: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ProtocolError(f"{name}: expected a list")
-    return value
-
-
-def _dict(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{name}: expected an object")
-    return value
-
-
-def _pair(value: Any) -> list[Any]:
-    if not isinstance(value, list) or len(value) != 2:
-        raise ProtocolError("logit_bias: expected [token id, bias] pairs")
-    return value
-
-
-def _tokens(value: Any) -> list[int]:
-    return [_int(t, -(1 << 63), 1 << 63) for t in _list(value, "token ids")]
+    return nonce
 
 
 __all__ = [
