@@ -77,6 +77,7 @@ class LiveApp:
         engine_host: Path | None = None,
         reload_status: Path | None = None,
         shard_hosts: dict[str, Path] | None = None,
+        host_secret: str = "",
     ) -> None:
         load_builtin_stages()
         self.reload_status = reload_status  # the master's last reload outcome, for the console
@@ -84,10 +85,10 @@ class LiveApp:
         self.workers = workers
         self.fleet = Fleet()
         # With an engine host, the models run there; this worker holds tokenizers and chains.
-        self.host = HostClient(engine_host) if engine_host is not None else None
+        self.host = HostClient(engine_host, host_secret) if engine_host is not None else None
         # Sharded models run in shard hosts of their own; /health must answer quickly.
         self.shard_clients = {
-            name: HostClient(path, status_wait=SHARD_STATUS_WAIT)
+            name: HostClient(path, host_secret, status_wait=SHARD_STATUS_WAIT)
             for name, path in (shard_hosts or {}).items()
         }
         self.slots: dict[str, Slot] = {}

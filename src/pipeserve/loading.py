@@ -28,12 +28,14 @@ def build_app_from_loaded(
     engine_host: Path | None = None,
     reload_status: Path | None = None,
     shard_hosts: dict[str, Path] | None = None,
+    host_secret: str = "",
 ) -> LiveApp:
     """The app of a validated config whose `pipeline: auto` entries are resolved: a WSGI
     callable whose models and routes a config reload replaces in place. With
     `engine_host` (a Unix socket), the models run there, once for all workers.
     `reload_status`: the file where the master records its last reload's outcome. A
-    model named in `shard_hosts` runs in its own shard host (a sharded model)."""
+    model named in `shard_hosts` runs in its own shard host (a sharded model).
+    `host_secret`: the server's secret that the engine and shard hosts check (wire.py)."""
     return LiveApp(
         loaded,
         api_keys=api_keys,
@@ -41,4 +43,5 @@ def build_app_from_loaded(
         engine_host=engine_host,
         reload_status=reload_status,
         shard_hosts=shard_hosts,
+        host_secret=host_secret,
     )

@@ -28,9 +28,14 @@ RESTART_ONLY = ("host", "port", "workers")
 
 
 class Snapshot:
-    """The last valid config, as a file only this user can read, for workers to load."""
+    """The last valid config, as a file only this user can read, for workers to load;
+    sealed with the server's secret (server/remote/wire.py), which the forked workers
+    inherit and the engine and shard hosts get on their stdin."""
 
     def __init__(self) -> None:
+        from pipeserve.server.remote.wire import new_secret
+
+        self.secret = new_secret()
         self.folder = Path(tempfile.mkdtemp(prefix="pipeserve-config-"))
         self.path = self.folder / "config.pickle"
         self.reload_status = self.folder / "reload-status.json"  # read by the console
@@ -43,12 +48,14 @@ class Snapshot:
         atexit.register(remove_in_owner)
 
     def write(self, loaded: Any) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(loaded))
-        os.replace(tmp, self.path)
+        from pipeserve.server.remote.wire import write_sealed
+
+        write_sealed(self.path, loaded, self.secret)
 
     def read(self) -> Any:
-        return pickle.loads(self.path.read_bytes())
+        from pipeserve.server.remote.wire import read_sealed
+
+        return read_sealed(self.path, self.secret)
 
 
 class ReloadingArbiter(Arbiter):  # type: ignore[misc]
@@ -139,7 +146,7 @@ def reload_worker(app: Any, wsgi: Any, log: Any) -> None:
     """In a worker, on SIGHUP from the master: apply the master's snapshot in place."""
     try:
         loaded = app.snapshot.read()
-    except (OSError, pickle.UnpicklingError, AttributeError) as exc:
+    except (OSError, ValueError, pickle.UnpicklingError, AttributeError) as exc:
         log.error("reload: cannot read the master's config snapshot: %s", exc)
         return
     if wsgi.reload(loaded):

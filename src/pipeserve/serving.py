@@ -65,7 +65,10 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
 
         self.snapshot.write(self.loaded)
         self.host = EngineHostProcess(
-            self.snapshot.path, self.snapshot.folder / "engines.sock", *self.host_logs
+            self.snapshot.path,
+            self.snapshot.folder / "engines.sock",
+            *self.host_logs,
+            secret=self.snapshot.secret,
         )
         self.host.start()
         if not self.host.wait_ready():
@@ -86,7 +89,13 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         self.snapshot.write(self.loaded)
         for number, name in enumerate(sharded):
             socket_path = self.snapshot.folder / f"shard-{number}.sock"
-            host = EngineHostProcess(self.snapshot.path, socket_path, *self.host_logs, only=name)
+            host = EngineHostProcess(
+                self.snapshot.path,
+                socket_path,
+                *self.host_logs,
+                only=name,
+                secret=self.snapshot.secret,
+            )
             host.start()
             self.shard_hosts[name] = host
         for host in self.shard_hosts.values():
@@ -125,6 +134,7 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
                 engine_host=host,
                 reload_status=self.snapshot.reload_status,
                 shard_hosts=shards,
+                host_secret=self.snapshot.secret,
             )
         return build_app_from_config(self.config_path, api_keys=self.api_keys)
 

@@ -12,9 +12,11 @@ from pipeserve.engine.base import GenerationJob
 from pipeserve.request import SamplingParams
 from pipeserve.server.remote.client import CONNECT_WAIT, HostClient
 
+SECRET = "ab" * 32
+
 
 def test_status_answers_while_a_request_waits_for_the_host(tmp_path: Path) -> None:
-    client = HostClient(tmp_path / "engine-host.sock")  # no host listens there (restarting)
+    client = HostClient(tmp_path / "engine-host.sock", SECRET)  # no host listens there (restarting)
     job = GenerationJob("r1", [1, 2, 3], SamplingParams(), max_tokens=4)
     waiting = gevent.spawn(client.submit, "demo", job)
     gevent.sleep(0.3)  # the request now holds the connect lock, retrying
@@ -28,7 +30,7 @@ def test_status_answers_while_a_request_waits_for_the_host(tmp_path: Path) -> No
 
 
 def test_status_connects_by_itself_when_no_request_is_connecting(tmp_path: Path) -> None:
-    client = HostClient(tmp_path / "engine-host.sock")
+    client = HostClient(tmp_path / "engine-host.sock", SECRET)
     assert client.status() is None
     assert "not running" in client.down_reason
 
@@ -41,9 +43,13 @@ import json, socket, sys, time
 
 import gevent
 
+from pipeserve.engine.sharding.control import Connection
+from pipeserve.server.fleet import FleetView
 from pipeserve.server.remote import client as client_module
 from pipeserve.server.remote.client import HostClient
-from pipeserve.server.remote.wire import frames, send_frame
+from pipeserve.server.remote.wire import decode_request, encode_batch, host_handshake
+
+SECRET = "ab" * 32
 
 client_module.STATUS_STALE = 1.2  # each poll also waits STATUS_FRESH_WAIT (0.2 s) for a fresh answer
 path = sys.argv[1]
@@ -54,16 +60,19 @@ answers = {"left": 1}
 
 
 def host() -> None:
-    conn, _ = server.accept()
-    for message in frames(conn.makefile("rb")):
+    sock, _ = server.accept()
+    conn = Connection(sock)
+    host_handshake(conn, SECRET)
+    while True:  # after its first answer, silent with the connection open: a host that hangs
+        message = decode_request(conn.recv_bytes())
         if message[0] == "status" and answers["left"]:
             answers["left"] -= 1
-            send_frame(conn, ("batch", [(message[1], {"models": {}, "fleet": None})], []))
-    gevent.sleep(60)  # then silent, the connection open: a host that hangs
+            status = {"models": {}, "fleet": FleetView()}
+            conn.send_bytes(encode_batch([(message[1], status)], []))
 
 
 gevent.spawn(host)
-client = HostClient(path, status_wait=2.0)
+client = HostClient(path, SECRET, status_wait=2.0)
 polls = []
 for _ in range(12):
     started = time.monotonic()

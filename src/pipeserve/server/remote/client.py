@@ -33,10 +33,20 @@ import gevent.lock
 from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.output.channel import Channel
 from pipeserve.engine.output.stream import EngineStream
+from pipeserve.engine.sharding.control import Connection
 from pipeserve.errors import ApiError
 from pipeserve.events import ErrorEvent, Event, Finish, PromptReady, TokenText, Usage
 from pipeserve.server.fleet import FleetView
-from pipeserve.server.remote.wire import api_error, frames, outbound_job, send_frame
+from pipeserve.server.remote.wire import (
+    HANDSHAKE_WAIT,
+    MAX_FRAME,
+    api_error,
+    decode_batch,
+    encode_request,
+    outbound_job,
+    worker_handshake,
+)
+from pipeserve.wire_schema import ProtocolError
 
 log = logging.getLogger("pipeserve.enginehost")
 CONNECT_WAIT = 10.0  # seconds a request waits for a (restarting) host to accept it
@@ -78,11 +88,12 @@ class RemoteJob:
 class HostClient:
     """This worker's connection to the engine host (made on first use, remade after a loss)."""
 
-    def __init__(self, socket_path: Path, status_wait: float = STATUS_WAIT) -> None:
+    def __init__(self, socket_path: Path, secret: str, status_wait: float = STATUS_WAIT) -> None:
         self.socket_path = socket_path
+        self.secret = secret  # the server's (wire.py): the host proves it holds it, and we
         self.status_wait = status_wait
         self.down_reason = "the engine host is starting"
-        self._sock: socket.socket | None = None
+        self._sock: Connection | None = None
         self._jobs: dict[int, RemoteJob] = {}
         self._replies: dict[int, gevent.event.AsyncResult] = {}
         self._keys = itertools.count(1)
@@ -181,7 +192,7 @@ class HostClient:
             self.down_reason = ""
             self._status = (time.monotonic(), done.value)
 
-    def _ask(self, sock: socket.socket, key: int, message: Any, timeout: float) -> Any:
+    def _ask(self, sock: Connection, key: int, message: Any, timeout: float) -> Any:
         result = gevent.event.AsyncResult()
         self._replies[key] = result
         try:
@@ -195,14 +206,14 @@ class HostClient:
 
     # -- the connection ---------------------------------------------------------------
 
-    def _connect(self, wait: float) -> socket.socket:
+    def _connect(self, wait: float) -> Connection:
         deadline = time.monotonic() + wait
         with self._connect_lock:
             while self._sock is None:
                 try:
-                    self._open()
+                    self._open(HANDSHAKE_WAIT)
                 except OSError as exc:
-                    self.down_reason = f"the engine host is not running ({exc.strerror})"
+                    self.down_reason = f"the engine host is not running ({exc.strerror or exc})"
                     if time.monotonic() >= deadline:
                         raise ApiError(
                             "unavailable",
@@ -212,9 +223,10 @@ class HostClient:
                     gevent.sleep(CONNECT_RETRY)
             return self._sock
 
-    def _connect_now(self) -> socket.socket:
+    def _connect_now(self) -> Connection:
         """The connection, or one attempt to open it; never waits for the connect lock
-        (a request may hold it for CONNECT_WAIT seconds while the host restarts)."""
+        (a request may hold it for CONNECT_WAIT seconds while the host restarts), nor
+        longer than status_wait for the host's handshake."""
         sock = self._sock
         if sock is not None:
             return sock
@@ -222,30 +234,37 @@ class HostClient:
             raise ApiError("unavailable", self.down_reason or "the engine host is restarting")
         try:
             if self._sock is None:
-                self._open()
+                self._open(self.status_wait)
             assert self._sock is not None
             return self._sock
         except OSError as exc:
-            self.down_reason = f"the engine host is not running ({exc.strerror})"
+            self.down_reason = f"the engine host is not running ({exc.strerror or exc})"
             raise ApiError("unavailable", self.down_reason) from None
         finally:
             self._connect_lock.release()
 
-    def _open(self) -> None:
+    def _open(self, wait: float) -> None:
+        """Connect and shake hands (wire.py): a host that cannot prove it holds the
+        server's secret is left at once (OSError: it is treated as not running)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = Connection(sock, MAX_FRAME, "engine host wire", self._send_lock)
         try:
             sock.connect(str(self.socket_path))
+            worker_handshake(conn, self.secret, wait)
+        except ProtocolError as exc:
+            conn.close()
+            log.error("engine host: %s", exc)
+            raise OSError(f"the engine host's handshake failed: {exc}") from None
         except OSError:
-            sock.close()
+            conn.close()
             raise
-        self._sock = sock
+        self._sock = conn
         self.down_reason = ""
-        gevent.spawn(self._read_loop, sock)
+        gevent.spawn(self._read_loop, conn)
 
-    def _send(self, sock: socket.socket, message: Any) -> None:
+    def _send(self, sock: Connection, message: Any) -> None:
         try:
-            with self._send_lock:
-                send_frame(sock, message)
+            sock.send_bytes(encode_request(message))
         except OSError:
             self._lost(sock, "the engine host connection broke")
             raise ApiError(
@@ -260,12 +279,14 @@ class HostClient:
             except ApiError:  # the host is gone: the job ended with it
                 pass
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, sock: Connection) -> None:
         try:
-            for message in frames(sock.makefile("rb")):
-                self._dispatch(message)
-        except OSError:
+            while True:
+                self._dispatch(decode_batch(sock.recv_bytes()))
+        except OSError:  # the host is gone (or a frame's MAC was wrong)
             pass
+        except ProtocolError as exc:
+            log.error("engine host connection: a malformed frame (%s)", exc)
         except Exception:  # a bug here must not leave requests hanging
             log.exception("engine host connection: unreadable message")
         self._lost(sock, "the model engine process stopped; it is being restarted")
@@ -284,17 +305,14 @@ class HostClient:
             if isinstance(batch[-1], Usage):
                 del self._jobs[key]
 
-    def _lost(self, sock: socket.socket, reason: str) -> None:
+    def _lost(self, sock: Connection, reason: str) -> None:
         if self._sock is not sock:
             return  # already handled
         self._sock = None
         self._status = None  # no stale answer stands in for a host that is gone
         self.down_reason = reason
         log.error("engine host: %s; failing %d requests in flight", reason, len(self._jobs))
-        try:
-            sock.close()
-        except OSError:
-            pass
+        sock.close()
         jobs, self._jobs = self._jobs, {}
         for job in jobs.values():
             job.fail(reason)

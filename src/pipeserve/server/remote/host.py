@@ -33,7 +33,6 @@ import argparse
 import logging
 import logging.config
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -44,23 +43,31 @@ from typing import Any
 
 import gevent
 import gevent.event
+import gevent.lock
 from gevent.server import StreamServer
 
 from pipeserve.config.config_checks import LoadedConfig
 from pipeserve.config.memory import budget_bytes
 from pipeserve.engine.base import ModelRuntime, TokenStream
 from pipeserve.engine.sampling.grammar import GrammarError
+from pipeserve.engine.sharding.control import Connection
 from pipeserve.errors import ApiError
 from pipeserve.events import Event, KeepAlive
 from pipeserve.gevent_support import run_off_hub
 from pipeserve.server.fleet import Fleet
 from pipeserve.server.remote.wire import (
+    MAX_FRAME,
+    MAX_HANDSHAKES,
+    SECRET_BYTES,
     ConstraintSpec,
-    frames,
+    decode_request,
+    encode_batch,
+    host_handshake,
     model_key,
+    read_sealed,
     rejection,
-    send_frame,
 )
+from pipeserve.wire_schema import ProtocolError
 
 log = logging.getLogger("pipeserve.enginehost")
 PARENT_POLL = 1.0
@@ -177,8 +184,8 @@ def constraint(runtime: ModelRuntime, spec: ConstraintSpec) -> Any:
 class WorkerConnection:
     """One gunicorn worker's connection: its jobs, and one frame per flush back to it."""
 
-    def __init__(self, sock: socket.socket, models: HostedModels) -> None:
-        self.sock = sock
+    def __init__(self, conn: Connection, models: HostedModels) -> None:
+        self.conn = conn
         self.models = models
         self.streams: dict[int, TokenStream] = {}
         self.cancelled: set[int] = set()
@@ -190,11 +197,14 @@ class WorkerConnection:
     def serve(self) -> None:
         writer = gevent.spawn(self._write_loop)
         try:
-            for message in frames(self.sock.makefile("rb")):
-                self._handle(message)
-        except OSError:
+            while True:
+                self._handle(decode_request(self.conn.recv_bytes()))
+        except OSError:  # the worker went away (or sent a frame without a valid MAC)
             pass
+        except ProtocolError as exc:  # a bug on the worker's side: it reconnects
+            log.error("engine host: a worker sent a malformed frame (%s); closing", exc)
         finally:
+            self.conn.close()
             self._open = False
             for stream in list(self.streams.values()):  # the worker is gone: free the slots
                 stream.cancel()
@@ -253,24 +263,34 @@ class WorkerConnection:
             if not (replies or events):
                 continue
             try:
-                send_frame(self.sock, ("batch", replies, list(events.items())))
+                self.conn.send_bytes(encode_batch(replies, list(events.items())))
             except OSError:  # the worker went away; serve() cancels its jobs
                 return
 
 
-def serve(socket_path: Path, models: HostedModels, stop: gevent.event.Event) -> None:
+def serve(socket_path: Path, models: HostedModels, stop: gevent.event.Event, secret: str) -> None:
     if socket_path.exists():
         socket_path.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(socket_path))
     os.chmod(socket_path, 0o600)
     listener.listen(64)
+    handshakes = gevent.lock.BoundedSemaphore(MAX_HANDSHAKES)
 
     def handle(sock: socket.socket, address: Any) -> None:
-        if not same_user(sock):
+        if not same_user(sock) or not handshakes.acquire(blocking=False):
             sock.close()
             return
-        WorkerConnection(sock, models).serve()
+        conn = Connection(sock, MAX_FRAME, "engine host wire", gevent.lock.Semaphore())
+        try:
+            host_handshake(conn, secret)
+        except (OSError, ProtocolError) as exc:  # not a worker of this server
+            log.warning("engine host: refused a connection without the server's secret (%s)", exc)
+            conn.close()
+            return
+        finally:
+            handshakes.release()
+        WorkerConnection(conn, models).serve()
 
     server = StreamServer(listener, handle)
     server.start()
@@ -312,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     from pipeserve.logs import logging_config
 
     logging.config.dictConfig(logging_config(args.log_format, args.log_level))
+    args.secret = read_secret()
+    if args.secret is None:
+        log.error("engine host: no secret on stdin (the master hands it over); stopping")
+        return 1
     stop = gevent.event.Event()
     models = HostedModels()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -319,16 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     gevent.signal_handler(signal.SIGUSR1, stop.set)
     if args.only:
         return serve_sharded(args, models, stop)
-    gevent.signal_handler(signal.SIGHUP, lambda: gevent.spawn(reload, models, args.snapshot))
+    gevent.signal_handler(
+        signal.SIGHUP, lambda: gevent.spawn(reload, models, args.snapshot, args.secret)
+    )
     log.info("engine host %d: loading models", os.getpid())
     try:
-        models.apply(read_snapshot(args.snapshot))
+        models.apply(read_snapshot(args.snapshot, args.secret))
     except Exception:
         log.exception("engine host: loading the models failed")
         return 1
     models.fleet.start_reaper()  # keep_alive of the models loaded on demand
     gevent.spawn(watch, args.parent, stop, models)
-    serve(args.socket, models, stop)
+    serve(args.socket, models, stop, args.secret)
     log.info("engine host %d: stopping", os.getpid())
     models.fleet.close()
     return 0
@@ -342,7 +368,7 @@ def serve_sharded(args: argparse.Namespace, models: HostedModels, stop: gevent.e
     gevent.signal_handler(signal.SIGHUP, lambda: log.info(
         "shard host: a sharded model's config changes apply when pipeserve restarts"))  # fmt: skip
     try:
-        loaded = read_snapshot(args.snapshot, only=args.only)
+        loaded = read_snapshot(args.snapshot, args.secret, only=args.only)
     except Exception:
         log.exception("shard host: reading the config failed")
         return 1
@@ -352,7 +378,7 @@ def serve_sharded(args: argparse.Namespace, models: HostedModels, stop: gevent.e
     models.fleet.start_reaper()  # keep_alive of a model loaded on demand
     gevent.spawn(leave_when_spent, models, key, stop)
     gevent.spawn(watch, args.parent, stop, models)
-    serve(args.socket, models, stop)
+    serve(args.socket, models, stop, args.secret)
     log.info("shard host %d: stopping", os.getpid())
     models.fleet.close()
     from pipeserve.engine.sharding.group import abandon_starting_groups
@@ -436,10 +462,18 @@ def exit_now() -> None:
     os._exit(3)
 
 
-def read_snapshot(path: Path, only: str | None = None) -> LoadedConfig:
-    """The master's config; `only`: that model alone, else every model but the sharded
-    ones (each runs in a shard host of its own)."""
-    loaded: LoadedConfig = pickle.loads(path.read_bytes())
+def read_secret() -> str | None:
+    """The server's secret, the one line the master writes to our stdin."""
+    line = sys.stdin.readline(256).strip()
+    if len(line) != 2 * SECRET_BYTES or any(c not in "0123456789abcdef" for c in line):
+        return None
+    return line
+
+
+def read_snapshot(path: Path, secret: str, only: str | None = None) -> LoadedConfig:
+    """The master's config (its MAC checked before it is unpickled); `only`: that model
+    alone, else every model but the sharded ones (each runs in a shard host of its own)."""
+    loaded: LoadedConfig = read_sealed(path, secret)
     models = [
         e for e in loaded.config.models if (e.name == only if only else e.options.sharding is None)
     ]
@@ -448,9 +482,9 @@ def read_snapshot(path: Path, only: str | None = None) -> LoadedConfig:
     return replace(loaded, config=loaded.config.model_copy(update={"models": models}))
 
 
-def reload(models: HostedModels, snapshot: Path) -> None:
+def reload(models: HostedModels, snapshot: Path, secret: str) -> None:
     try:
-        models.apply(read_snapshot(snapshot))
+        models.apply(read_snapshot(snapshot, secret))
         log.info("engine host: reloaded the config")
     except Exception:
         log.exception("engine host: reload failed; the previous models keep serving")

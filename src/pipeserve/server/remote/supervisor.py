@@ -33,8 +33,11 @@ class EngineHostProcess:
         log_format: str,
         log_level: str,
         only: str | None = None,
+        *,
+        secret: str,
     ) -> None:
         self.only = only
+        self.secret = secret  # the server's secret (wire.py), handed over on stdin
         self.what = f"shard host of model {only}" if only else "engine host"
         self.snapshot = snapshot
         self.socket_path = socket_path
@@ -55,7 +58,13 @@ class EngineHostProcess:
                    "--log-level", self.log_level]  # fmt: skip
         if self.only:
             command += ["--only", self.only]
-        self.proc = subprocess.Popen(command)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
+        assert self.proc.stdin is not None
+        try:  # never in argv or the environment: another user's ps shows those
+            self.proc.stdin.write(f"{self.secret}\n".encode())
+            self.proc.stdin.close()
+        except OSError:  # it died at once: check() restarts it
+            pass
         self._started_at = time.monotonic()
         log.info("%s started (pid %d)%s", self.what, self.proc.pid,
                  "" if self.only else ": one copy of each model for all workers")  # fmt: skip
