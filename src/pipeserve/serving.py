@@ -116,6 +116,14 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
             self.cfg.set(key, value)
 
     def load(self) -> Any:
+        """The worker's app: at once one that answers /health and /v1/models "starting"
+        (server/booting.py); the worker builds the real one in the background (build)."""
+        from pipeserve.server.booting import BootingApp
+
+        models = self.loaded.config.models if self.loaded is not None else []
+        return BootingApp([e.name for e in models], self.build)
+
+    def build(self) -> Any:
         from pipeserve.loading import build_app_from_config, build_app_from_loaded
 
         if backend.cpu_backend():

@@ -10,11 +10,14 @@ handler ends as if the client had left), while requests in progress finish norma
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import socket
 from typing import Any
 
 import gevent
+from gunicorn.arbiter import Arbiter
 from gunicorn.workers.ggevent import GeventWorker
 
 SHUTDOWN_POLL_SECONDS = 0.2
@@ -42,9 +45,21 @@ class PipeserveWorker(GeventWorker):  # type: ignore[misc]
 
     def run(self) -> None:
         gevent.spawn(self._release_idle_at_shutdown)
+        if getattr(self.wsgi, "boot", None) is not None:  # server/booting.py
+            gevent.spawn(self._boot)
         if getattr(self, "_reload_pending", False):  # a SIGHUP came while models loaded
             self.handle_hup(signal.SIGHUP, None)
         super().run()
+
+    def _boot(self) -> None:
+        """Build the real app while this worker already answers /health "starting"; a
+        failure ends the worker as a failed boot did (the master then stops)."""
+        try:
+            self.wsgi.boot()
+        except BaseException:
+            self.log.exception("Exception in worker process while loading the app")
+            logging.shutdown()
+            os._exit(Arbiter.WORKER_BOOT_ERROR)
 
     def handle(self, listener: Any, client: socket.socket, addr: Any) -> None:
         self._connections[id(client)] = client
