@@ -99,3 +99,65 @@ def test_a_host_that_stops_answering_is_waited_for_once_not_at_every_poll(
     assert answered[:3] == [True, True, True] and answered[-3:] == [False, False, False]
     waits = [took for took, _ in polls if took > 1.0]
     assert len(waits) <= 1, polls  # the silent host's status_wait, spent once
+
+
+SLOW_HANDSHAKE_HOST = r"""
+from gevent import monkey
+
+monkey.patch_all()
+import json, socket, sys
+
+import gevent
+
+from pipeserve.engine.sharding.control import Connection
+from pipeserve.server.fleet import FleetView
+from pipeserve.server.remote.client import HostClient
+from pipeserve.server.remote.wire import decode_request, encode_batch, host_handshake
+
+SECRET = "ab" * 32
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(8)
+
+
+def serve(sock) -> None:
+    gevent.sleep(0.5)  # every handshake: far longer than a poll's wait
+    conn = Connection(sock)
+    try:
+        host_handshake(conn, SECRET)
+        while True:
+            message = decode_request(conn.recv_bytes())
+            status = {"models": {}, "fleet": FleetView()}
+            conn.send_bytes(encode_batch([(message[1], status)], []))
+    except OSError:
+        pass
+
+
+def host() -> None:
+    while True:
+        sock, _ = server.accept()
+        gevent.spawn(serve, sock)
+
+
+gevent.spawn(host)
+client = HostClient(sys.argv[1], SECRET, status_wait=0.1)  # a shard host's wait
+answered = []
+for _ in range(40):
+    answered.append(client.status() is not None)
+    gevent.sleep(0.15)
+print(json.dumps(answered))
+"""
+
+
+def test_a_handshake_slower_than_a_polls_wait_still_connects(tmp_path: Path) -> None:
+    """A poll waits status_wait (0.1 s for a shard host) for the connection's handshake,
+    which goes on in the background: a host whose every handshake takes longer (a loaded
+    machine) is still reached, where abandoning each handshake would never connect."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SLOW_HANDSHAKE_HOST, str(tmp_path / "h.sock")],
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    answered = json.loads(out.stdout.strip().splitlines()[-1])
+    assert answered[-10:] == [True] * 10, answered

@@ -99,6 +99,7 @@ class HostClient:
         self._keys = itertools.count(1)
         self._send_lock = gevent.lock.Semaphore()
         self._connect_lock = gevent.lock.Semaphore()
+        self._opening: gevent.Greenlet | None = None  # a status poll's connect, in flight
         self._status: tuple[float, dict[str, Any] | None] | None = None
         self._status_question: gevent.event.AsyncResult | None = None  # in flight
         self._status_asked_at = 0.0
@@ -226,20 +227,29 @@ class HostClient:
     def _connect_now(self) -> Connection:
         """The connection, or one attempt to open it; never waits for the connect lock
         (a request may hold it for CONNECT_WAIT seconds while the host restarts), nor
-        longer than status_wait for the host's handshake."""
+        longer than status_wait for the host's handshake, which goes on in the
+        background (a later poll finds the connection made, even where a handshake
+        takes longer than one poll's wait)."""
         sock = self._sock
         if sock is not None:
             return sock
-        if not self._connect_lock.acquire(blocking=False):
-            raise ApiError("unavailable", self.down_reason or "the engine host is restarting")
+        opening = self._opening
+        if opening is None or opening.ready():
+            if not self._connect_lock.acquire(blocking=False):
+                raise ApiError("unavailable", self.down_reason or "the engine host is restarting")
+            opening = self._opening = gevent.spawn(self._open_in_background)
+        opening.join(timeout=self.status_wait)
+        if self._sock is None:
+            raise ApiError("unavailable", self.down_reason or "connecting to the engine host")
+        return self._sock
+
+    def _open_in_background(self) -> None:
+        """One attempt to open the connection, holding the connect lock (taken for it)."""
         try:
             if self._sock is None:
-                self._open(self.status_wait)
-            assert self._sock is not None
-            return self._sock
+                self._open(HANDSHAKE_WAIT)
         except OSError as exc:
             self.down_reason = f"the engine host is not running ({exc.strerror or exc})"
-            raise ApiError("unavailable", self.down_reason) from None
         finally:
             self._connect_lock.release()
 
