@@ -39,6 +39,7 @@ import hmac
 import json
 import os
 import pickle
+import time
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, get_args
@@ -129,13 +130,10 @@ def host_handshake(conn: Connection, secret: str) -> None:
 
 class _Deadline:
     def __init__(self, seconds: float) -> None:
-        import time
-
-        self._clock = time.monotonic
         self._end = time.monotonic() + seconds
 
     def left(self) -> float:
-        return max(0.001, self._end - self._clock())
+        return max(0.001, self._end - time.monotonic())
 
 
 # ---------------------------------------------------------------- worker -> host
