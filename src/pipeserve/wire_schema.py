@@ -105,7 +105,13 @@ def obj(value: Any, name: str) -> dict[str, Any]:
 
 
 def tokens(value: Any) -> list[int]:
-    return [int64(t) for t in array(value, "token ids")]
+    """A list of int64 token ids, checked in C (a prompt may hold 100k of them)."""
+    items = array(value, "token ids")
+    if items and not (
+        set(map(type, items)) == {int} and INT64[0] <= min(items) and max(items) < INT64[1]
+    ):
+        raise ProtocolError("token ids: expected a list of 64-bit integers")
+    return items
 
 
 # ---------------------------------------------------------------- a job, field by field
@@ -202,6 +208,7 @@ def _decode_thinking(raw: Any) -> ThinkingLimit | None:
 
 
 __all__ = [
+    "INT64",
     "JOB_FIELDS",
     "TEXT",
     "ProtocolError",

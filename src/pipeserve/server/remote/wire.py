@@ -67,6 +67,7 @@ from pipeserve.events import (
 )
 from pipeserve.server.fleet import FleetView
 from pipeserve.wire_schema import (
+    INT64,
     ProtocolError,
     array,
     boolean,
@@ -297,6 +298,10 @@ def _encode_event(event: Event) -> list[Any]:
 
 def _decode_event(raw: Any) -> Event:
     items = array(raw, "event")
+    if len(items) == 5 and items[0] == "t" and not items[4]:  # the common case, checked inline
+        _, text_, token_id, logprob, _ = items
+        if type(text_) is str and type(token_id) is int and INT64[0] <= token_id < INT64[1]:
+            return TokenText(text_, token_id, optional_number(logprob))
     if not items or not isinstance(items[0], str) or items[0] not in _CHECKS:
         raise ProtocolError(f"event: unknown kind {str(items[:1])[:40]}")
     cls, checks = _CHECKS[items[0]]
