@@ -33,6 +33,9 @@ LAYERS: dict[str, int] = {
     "pipeserve.config.detect_rules": CORE,
     "pipeserve.config.memory": CORE,  # parses server.memory_budget (schema-level)
     "pipeserve.engine": ENGINE,
+    # the typed fields of the JSON frames between processes and a job's codec (the
+    # control channel in engine/sharding, the engine host's wire in server/remote)
+    "pipeserve.wire_schema": ENGINE,
     # discovery, node agent, placement, model files: beside the engine, which places its
     # node-sharded groups through it
     "pipeserve.cluster": ENGINE,

@@ -121,7 +121,7 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         from pipeserve.server.booting import BootingApp
 
         models = self.loaded.config.models if self.loaded is not None else []
-        return BootingApp([e.name for e in models], self.build)
+        return BootingApp([e.name for e in models], self.build, import_the_server)
 
     def build(self) -> Any:
         from pipeserve.loading import build_app_from_config, build_app_from_loaded
@@ -145,6 +145,12 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
                 host_secret=self.snapshot.secret,
             )
         return build_app_from_config(self.config_path, api_keys=self.api_keys)
+
+
+def import_the_server() -> None:
+    """What a worker imports before it builds its app (MLX, the tokenizer libraries,
+    Falcon, the stages): seconds, done on an OS thread while it answers "starting"."""
+    import pipeserve.loading  # noqa: F401
 
 
 def gunicorn_options(

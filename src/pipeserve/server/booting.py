@@ -34,11 +34,16 @@ STARTING = "the server is starting: its models are loading"
 
 
 class BootingApp:
-    def __init__(self, models: list[str], build: Callable[[], Any]) -> None:
+    def __init__(
+        self, models: list[str], build: Callable[[], Any], prepare: Callable[[], None]
+    ) -> None:
+        """`prepare` (the server's imports: seconds) runs on an OS thread, then `build`
+        (the real app: its loads go off the hub themselves) in the booting greenlet."""
         import gevent.event
 
         self.models = models
         self._build = build
+        self._prepare = prepare
         self.live: Any = None  # the real app (LiveApp) once built
         self._built = gevent.event.Event()
         self._pending_reload: Any = None
@@ -52,7 +57,7 @@ class BootingApp:
         interval = sys.getswitchinterval()
         sys.setswitchinterval(BOOT_SWITCH_INTERVAL)
         try:
-            run_off_hub(_import_the_server)  # seconds of imports, off the hub
+            run_off_hub(self._prepare)  # seconds of imports, off the hub
             self.live = self._build()
         finally:
             sys.setswitchinterval(interval)
@@ -99,7 +104,3 @@ class BootingApp:
                    ("Retry-After", RETRY_AFTER), ("Cache-Control", "no-store")]  # fmt: skip
         start_response("503 Service Unavailable", headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [data]
-
-
-def _import_the_server() -> None:
-    import pipeserve.loading  # noqa: F401  (MLX, the tokenizer libraries, Falcon, the stages)
