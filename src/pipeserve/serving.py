@@ -149,7 +149,7 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
 
 def import_the_server() -> None:
     """What a worker imports before it builds its app (MLX, the tokenizer libraries,
-    Falcon, the stages): seconds, done on an OS thread while it answers "starting"."""
+    Falcon, the stages): seconds (server/booting.py)."""
     import pipeserve.loading  # noqa: F401
 
 

@@ -5,8 +5,9 @@ the whole server (MLX, the tokenizer libraries, Falcon: seconds), built every mo
 tokenizer and stage chain and, with one worker, loaded the weights, all before its first
 `accept`. Every request sent meanwhile, a readiness probe's included, queued unanswered
 (a fresh start: tens of seconds). Now the worker's app is this one from the first
-moment: it accepts at once and builds the real app (`boot`) in the background, its
-imports and every load on OS threads (run_off_hub), so that the hub keeps answering:
+moment: it accepts at once and builds the real app (`boot`) in the background, every
+load on OS threads (run_off_hub), so that the hub keeps answering (all but while the
+worker imports the server, see `boot`):
 
 - `/health`: 503 {"status": "starting", ...} with Retry-After until the real app is
   built, then the real app answers (200 once the models are ready, 503 naming any that
@@ -37,8 +38,8 @@ class BootingApp:
     def __init__(
         self, models: list[str], build: Callable[[], Any], prepare: Callable[[], None]
     ) -> None:
-        """`prepare` (the server's imports: seconds) runs on an OS thread, then `build`
-        (the real app: its loads go off the hub themselves) in the booting greenlet."""
+        """`prepare` (the server's imports: seconds), then `build` (the real app: its
+        loads go off the hub themselves), both in the booting greenlet."""
         import gevent.event
 
         self.models = models
@@ -50,14 +51,18 @@ class BootingApp:
 
     def boot(self) -> None:
         """Build the real app (from a greenlet of the running worker); raises its error.
-        Meanwhile the OS threads that import and load hand the GIL back to the hub every
-        millisecond (not 5): each answer waits for the GIL at each of its socket calls."""
-        from pipeserve.gevent_support import run_off_hub
 
+        The imports (`prepare`) run here, on the hub. With them on an OS thread a
+        request stalled its worker for minutes twice in about a dozen starts (cause not
+        proven; likely that under gevent's monkey patching the interpreter's module
+        locks are gevent locks, held across threads). So requests wait through the
+        imports; the build's loads (tokenizers, weights, warm-up) run off the hub and
+        are answered "starting". The OS threads that load hand the GIL back every
+        millisecond (not 5): each answer waits for the GIL at each of its socket calls."""
         interval = sys.getswitchinterval()
         sys.setswitchinterval(BOOT_SWITCH_INTERVAL)
         try:
-            run_off_hub(self._prepare)  # seconds of imports, off the hub
+            self._prepare()
             self.live = self._build()
         finally:
             sys.setswitchinterval(interval)
