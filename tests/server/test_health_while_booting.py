@@ -1,9 +1,9 @@
-"""/health and /v1/models answer from the moment the port accepts connections (issue 34).
+"""/health and /v1/models answer "starting" while the model loads (issue 34).
 
 gunicorn binds the port before its worker has imported the server and loaded the model;
-every request sent meanwhile used to wait unanswered in the listen queue (a readiness
-probe saw a hang, not a 503). A real server is polled from its first accepted
-connection: the first answers are 503 "starting" (in /v1/models' protocol shape, as
+every request sent meanwhile used to wait unanswered in the listen queue until the model
+was loaded (a readiness probe saw a hang, not a 503). A real server is polled from its
+first accepted connection: the first answers are 503 "starting" (in /v1/models' protocol shape, as
 the openai SDK reads it), given while the model was still loading (its "loaded" log
 line not yet written), then 200, and nothing else in between; a chat request sent
 while it boots waits and is answered, as before.
