@@ -65,6 +65,19 @@ def demo_model(demo_model_dir: Callable[[str], Path]) -> Callable[[str], tuple[A
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(
+    demo_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """name -> folder of each adapter of tests/lora.py, trained once per session with
+    mlx_lm.lora on the qwen3 demo model."""
+    from tests.lora import ADAPTERS, train_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = demo_model_dir("qwen3")
+    return {name: train_adapter(model_dir, root / name, name) for name in ADAPTERS}
+
+
+@pytest.fixture(scope="session")
 def harmony_encoding(pipeserve_home: Path) -> Any:
     """openai-harmony's GPT-OSS encoding, loaded offline from our o200k_base.tiktoken."""
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding

@@ -1,0 +1,55 @@
+"""LoRA adapters trained with mlx-lm's own `mlx_lm.lora` (its `run`, as `mlx_lm.lora
+--train` runs it) for a few steps on the qwen3 demo model: the adapters the adapter tests
+serve. Two of them, with different ranks, scales and target modules; a high learning
+rate so that each changes the demo model's greedy answers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# name -> (training text, lora_parameters, num_layers)
+ADAPTERS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "pirate": ("Arr matey, the treasure be buried on the island {i}.", {"rank": 8, "scale": 20.0, "dropout": 0.0}, 2),
+    "chef": (
+        "Whisk the eggs, fold in flour number {i}, bake until golden.",
+        {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]},
+        1,
+    ),
+}  # fmt: skip
+
+
+def train_adapter(model_dir: Path, out: Path, name: str) -> Path:
+    """Train adapter `name` of ADAPTERS into `out` (mlx-lm's adapter folder)."""
+    from mlx_lm import lora
+
+    text, params, layers = ADAPTERS[name]
+    data = out.parent / f"{name}-data"
+    data.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", 8), ("valid", 2)):
+        rows = [json.dumps({"text": text.format(i=i)}) for i in range(count)]
+        (data / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    config = out.parent / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({"lora_parameters": params}))
+    argv = [
+        "--model", str(model_dir), "--train", "--data", str(data), "--adapter-path", str(out),
+        "--iters", "4", "--batch-size", "1", "--num-layers", str(layers),
+        "--learning-rate", "0.05", "--steps-per-eval", "1000", "--steps-per-report", "1000",
+        "--val-batches", "1", "--seed", "1", "--config", str(config),
+    ]  # fmt: skip
+    args = vars(lora.build_parser().parse_args(argv))
+    for key, value in yaml.safe_load(config.read_text()).items():  # as lora.main() merges
+        if args.get(key) is None:
+            args[key] = value
+    for key, value in lora.CONFIG_DEFAULTS.items():
+        if args.get(key) is None:
+            args[key] = value
+    with contextlib.redirect_stdout(io.StringIO()):
+        lora.run(types.SimpleNamespace(**args))
+    return out
