@@ -9,18 +9,20 @@ import contextlib
 import io
 import json
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-# name -> (training text, lora_parameters, num_layers)
-ADAPTERS: dict[str, tuple[str, dict[str, Any], int]] = {
-    "pirate": ("Arr matey, the treasure be buried on the island {i}.", {"rank": 8, "scale": 20.0, "dropout": 0.0}, 2),
+# name -> (training text, lora_parameters, num_layers, learning rate)
+ADAPTERS: dict[str, tuple[str, dict[str, Any], int, float]] = {
+    "pirate": ("Arr matey, the treasure be buried on the island {i}.", {"rank": 8, "scale": 20.0, "dropout": 0.0}, 2, 0.02),
     "chef": (
         "Whisk the eggs, fold in flour number {i}, bake until golden.",
         {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]},
         1,
+        0.05,
     ),
 }  # fmt: skip
 
@@ -29,7 +31,7 @@ def train_adapter(model_dir: Path, out: Path, name: str) -> Path:
     """Train adapter `name` of ADAPTERS into `out` (mlx-lm's adapter folder)."""
     from mlx_lm import lora
 
-    text, params, layers = ADAPTERS[name]
+    text, params, layers, rate = ADAPTERS[name]
     data = out.parent / f"{name}-data"
     data.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", 8), ("valid", 2)):
@@ -40,7 +42,7 @@ def train_adapter(model_dir: Path, out: Path, name: str) -> Path:
     argv = [
         "--model", str(model_dir), "--train", "--data", str(data), "--adapter-path", str(out),
         "--iters", "4", "--batch-size", "1", "--num-layers", str(layers),
-        "--learning-rate", "0.05", "--steps-per-eval", "1000", "--steps-per-report", "1000",
+        "--learning-rate", str(rate), "--steps-per-eval", "1000", "--steps-per-report", "1000",
         "--val-batches", "1", "--seed", "1", "--config", str(config),
     ]  # fmt: skip
     args = vars(lora.build_parser().parse_args(argv))
@@ -53,3 +55,18 @@ def train_adapter(model_dir: Path, out: Path, name: str) -> Path:
     with contextlib.redirect_stdout(io.StringIO()):
         lora.run(types.SimpleNamespace(**args))
     return out
+
+
+def broken_copy(
+    source: Path, dest: Path, edit: Callable[[dict[str, Any], dict[str, Any]], None]
+) -> Path:
+    """A copy of adapter folder `source` at `dest`, its config and tensors changed by `edit`."""
+    import mlx.core as mx
+
+    dest.mkdir(parents=True)
+    config = json.loads((source / "adapter_config.json").read_text())
+    weights = dict(mx.load(str(source / "adapters.safetensors")))
+    edit(config, weights)
+    (dest / "adapter_config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(dest / "adapters.safetensors"), weights)
+    return dest

@@ -7,8 +7,6 @@ while the base and the other adapters serve."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from pipeserve.engine.base import ModelRuntime
 from pipeserve.engine.runtime import build_runtime
 from pipeserve.errors import ApiError
 from tests.engine.helpers import collect, job, reference_ids
+from tests.lora import broken_copy
 
 pytestmark = pytest.mark.mlx
 
@@ -44,7 +43,9 @@ def lora_entry(adapters: dict[str, Path], **options: Any) -> ModelEntry:
 
 
 @pytest.fixture(scope="module")
-def runtime(lora_adapters: dict[str, Path], demo_model_dir: Callable[[str], Path]) -> Iterator[ModelRuntime]:
+def runtime(
+    lora_adapters: dict[str, Path], demo_model_dir: Callable[[str], Path]
+) -> Iterator[ModelRuntime]:
     demo_model_dir("qwen3")
     built = build_runtime(lora_entry(lora_adapters))
     yield built
@@ -52,7 +53,9 @@ def runtime(lora_adapters: dict[str, Path], demo_model_dir: Callable[[str], Path
 
 
 @pytest.fixture(scope="module")
-def expected(lora_adapters: dict[str, Path], demo_model_dir: Callable[[str], Path]) -> dict[str | None, list[int]]:
+def expected(
+    lora_adapters: dict[str, Path], demo_model_dir: Callable[[str], Path]
+) -> dict[str | None, list[int]]:
     """mlx-lm's own greedy ids per adapter (None: the base), on each one's prompt."""
     import mlx_lm
 
@@ -119,7 +122,11 @@ def test_prompt_group_and_speculation_carry_the_adapter(
             streams = []
             for _ in range(3):
                 request = job(PROMPTS[adapter], MAX_TOKENS, built.eos_token_ids)
-                request.adapter, request.prompt_group, request.group_size = adapter, "g" + str(adapter), 3
+                request.adapter, request.prompt_group, request.group_size = (
+                    adapter,
+                    "g" + str(adapter),
+                    3,
+                )
                 streams.append(built.engine.submit(request))
             for stream in streams:
                 assert collect(stream).ids == expected[adapter], adapter
@@ -128,7 +135,9 @@ def test_prompt_group_and_speculation_carry_the_adapter(
         built.engine.close()
 
 
-def test_memory_added_is_the_adapters_matrices(lora_adapters: dict[str, Path], demo_model_dir) -> None:
+def test_memory_added_is_the_adapters_matrices(
+    lora_adapters: dict[str, Path], demo_model_dir
+) -> None:
     from pipeserve.engine.mlx.lora import AdapterSource, MultiLoRALinear, rows_of
     from pipeserve.engine.weights.loader import load_model
 
@@ -158,16 +167,6 @@ def test_memory_added_is_the_adapters_matrices(lora_adapters: dict[str, Path], d
     assert abs(adapted_bytes - plain_bytes - stacked) < 0.1 * plain_bytes
     print(f"model {plain_bytes} B; adapters add {adapted_bytes - plain_bytes} B"
           f" (stacked {stacked} B, files {rows.nbytes} B)")  # fmt: skip
-
-
-def broken_copy(source: Path, dest: Path, edit: Callable[[dict[str, Any], dict[str, mx.array]], None]) -> Path:
-    dest.mkdir(parents=True)
-    config = json.loads((source / "adapter_config.json").read_text())
-    weights = dict(mx.load(str(source / "adapters.safetensors")))
-    edit(config, weights)
-    (dest / "adapter_config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(dest / "adapters.safetensors"), weights)
-    return dest
 
 
 def test_bad_adapter_is_refused_at_load_and_the_rest_serve(
