@@ -65,15 +65,19 @@ def demo_model(demo_model_dir: Callable[[str], Path]) -> Callable[[str], tuple[A
 
 
 @pytest.fixture(scope="session")
-def lora_adapters(
-    demo_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
-    """name -> folder of each adapter of tests/lora.py, trained once per session with
-    mlx_lm.lora on the qwen3 demo model."""
+def lora_adapters(demo_model_dir: Callable[[str], Path], pipeserve_home: Path) -> dict[str, Path]:
+    """name -> folder of each adapter of tests/lora.py, trained with mlx_lm.lora on the
+    qwen3 demo model (once: kept in PIPESERVE_HOME by the mlx-lm version and the recipe)."""
+    import hashlib
+
+    import mlx_lm
+
     from tests.lora import ADAPTERS, train_adapter
 
-    root = tmp_path_factory.mktemp("lora")
     model_dir = demo_model_dir("qwen3")
+    recipe = hashlib.sha256(repr((ADAPTERS, model_dir.name)).encode()).hexdigest()[:12]
+    root = pipeserve_home / "test-lora" / f"mlx-lm{mlx_lm.__version__}-{recipe}"
+    root.mkdir(parents=True, exist_ok=True)
     return {name: train_adapter(model_dir, root / name, name) for name in ADAPTERS}
 
 
