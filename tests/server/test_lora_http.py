@@ -144,3 +144,11 @@ def test_bad_adapter_is_refused_and_the_base_serves(server: str) -> None:
     assert "adapter 'bad' is not loaded: adapter 'bad': missing key" in raised.value.message
     assert complete(server, "m")
     assert complete(server, "pirate")
+    cards = {m.id: m for m in client(server).models.list()}
+    assert "missing key" in str(getattr(cards["m:bad"], "load_error", ""))
+    assert not hasattr(cards["m:chef"], "load_error")
+    console = httpx.get(f"{server}/console/api/models", headers={"Authorization": "Bearer all"})
+    (model,) = console.json()["models"]
+    shown = {a["name"]: a for a in model["adapters"]}
+    assert shown["chef"]["request_name"] == "m:chef" and shown["chef"]["error"] is None
+    assert "missing key" in shown["bad"]["error"]

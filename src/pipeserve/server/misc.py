@@ -92,8 +92,11 @@ class ModelsResource:
         """A model's card, or an adapter's (`<model>:<adapter>`, its parent model named)."""
         if adapter is None:
             return self._card(model.name) | residency(model)
-        card = self._card(f"{model.name}:{adapter}") | residency(model)
-        return card | {"parent": model.name, "root": model.name, "adapter": adapter}
+        facts = residency(model)
+        refused = (facts.pop("adapter_errors", None) or {}).get(adapter)
+        card = self._card(f"{model.name}:{adapter}") | facts
+        card |= {"parent": model.name, "root": model.name, "adapter": adapter}
+        return card | ({"load_error": refused} if refused else {})
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         shown = self.visible(req, resp)

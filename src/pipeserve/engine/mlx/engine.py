@@ -116,6 +116,10 @@ class MlxEngine(AlwaysHealthy):
                 param="model",
             )
 
+    def describe(self) -> dict[str, Any]:
+        """The LoRA adapters this model refused at load, with their reasons (if any)."""
+        return {"adapter_errors": dict(self._adapter_failures)} if self._adapter_failures else {}
+
     def _admit(self) -> None:
         with self._lock:
             if self._closed:
