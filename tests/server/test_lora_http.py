@@ -131,6 +131,8 @@ def test_models_list_adapters_and_scopes_apply(server: str) -> None:
     card = httpx.get(f"{server}/v1/models/m:chef", headers={"Authorization": "Bearer all"}).json()
     assert card["parent"] == "m" and card["adapter"] == "chef"
     assert [m.id for m in client(server, "chef-only").models.list()] == ["m:chef"]
+    tags = httpx.get(f"{server}/api/tags", headers={"Authorization": "Bearer chef-only"}).json()
+    assert [t["name"] for t in tags["models"]] == ["m:chef"]  # Ollama's list too
     assert complete(server, "m:chef", "chef-only")
     for other in ("m", "m:pirate"):
         with pytest.raises(NotFoundError):

@@ -77,16 +77,7 @@ class ModelsResource:
         grant = openai_auth(req, resp, self.keys)
         if grant is None:
             return None
-        scope = grant.scope(None)
-        shown: list[tuple[ServedModel, str | None]] = []
-        for model in self.models.models:
-            if scope is None or model.name in scope:
-                shown.append((model, None))
-            for adapter in model.entry.adapters:
-                names = {model.name, adapter.name, f"{model.name}:{adapter.name}"}
-                if scope is None or names & scope:
-                    shown.append((model, adapter.name))
-        return shown
+        return self.models.visible(grant.scope(None))
 
     def _entry(self, model: ServedModel, adapter: str | None) -> dict[str, Any]:
         """A model's card, or an adapter's (`<model>:<adapter>`, its parent model named)."""

@@ -136,5 +136,18 @@ class ModelTable:
             )
         return model
 
+    def visible(self, scope: set[str] | None) -> list[tuple[ServedModel, str | None]]:
+        """The models and LoRA adapters (model, adapter name; None: the model itself) a
+        scope may use, in config order: each model, then its adapters."""
+        shown: list[tuple[ServedModel, str | None]] = []
+        for model in self.models:
+            if scope is None or model.name in scope:
+                shown.append((model, None))
+            for adapter in model.entry.adapters:
+                names = {model.name, adapter.name, f"{model.name}:{adapter.name}"}
+                if scope is None or names & scope:
+                    shown.append((model, adapter.name))
+        return shown
+
     def stats(self) -> dict[str, dict[str, object]]:
         return {model.name: dict(model.runtime.engine.stats()) for model in self.models}
