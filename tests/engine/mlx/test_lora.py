@@ -7,6 +7,7 @@ while the base and the other adapters serve."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,13 @@ def test_memory_added_is_the_adapters_matrices(
     assert params(adapted) - params(plain) == stacked
     assert rows.nbytes <= stacked <= 2 * rows.nbytes
     assert abs(adapted_bytes - plain_bytes - stacked) < 0.1 * plain_bytes
+    # The CPU kernels' fused blocks cannot add the products: none in a model with adapters.
+    from pipeserve.engine.cpu_kernels import kernels
+    from pipeserve.engine.cpu_kernels.fused_layers import FusedBlock
+
+    fused = lambda model: sum(isinstance(m, FusedBlock) for _, m in model.named_modules())  # noqa: E731
+    assert fused(adapted) == 0
+    assert fused(plain) == (len(plain.layers) if kernels() is not None else 0)
     print(f"model {plain_bytes} B; adapters add {adapted_bytes - plain_bytes} B"
           f" (stacked {stacked} B, files {rows.nbytes} B)")  # fmt: skip
 
@@ -187,5 +195,62 @@ def test_bad_adapter_is_refused_at_load_and_the_rest_serve(
         assert "wrong shapes" in raised.value.message and "q_proj" in raised.value.message
         assert run(built, None) == expected[None]
         assert run(built, "pirate") == expected["pirate"]
+    finally:
+        built.engine.close()
+
+
+def synthetic_adapter(model_dir: Path, out: Path) -> Path:
+    """An adapter folder as mlx_lm.lora writes it (its own linear_to_lora_layers on the
+    loaded model, every trainable matrix saved), with random lora_b instead of training."""
+    import mlx_lm
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = mlx_lm.load(str(model_dir))
+    model.freeze()
+    params = {
+        "rank": 4,
+        "scale": 4.0,
+        "dropout": 0.0,
+        "keys": ["self_attn.q_proj", "mlp.down_proj"],
+    }
+    linear_to_lora_layers(model, 4, params)
+    adapters = dict(tree_flatten(model.trainable_parameters()))
+    key = mx.random.key(7)
+    for name in list(adapters):
+        if name.endswith("lora_b"):
+            key, sub = mx.random.split(key)
+            adapters[name] = 0.3 * mx.random.normal(adapters[name].shape, key=sub)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), adapters)
+    config = {"fine_tune_type": "lora", "num_layers": 4, "lora_parameters": params}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["quantized", "auto"])
+def test_quantized_base_smollm2_equals_mlx_lm(
+    smollm2: tuple[Path, Path], tmp_path: Path, dtype: str
+) -> None:
+    """SmolLM2-135M Q4_1 kept quantized (mlx's QuantizedLinear, or with dtype auto on the
+    CPU the kernels' layers, inside the wrappers): an adapter's greedy tokens equal
+    mlx-lm's with the same adapter."""
+    import mlx_lm
+
+    folder = smollm2[1]
+    adapter = synthetic_adapter(folder, tmp_path / "syn")
+    model, tokenizer = mlx_lm.load(str(folder), adapter_path=str(adapter))
+    base_model, _ = mlx_lm.load(str(folder))
+    prompt = tokenizer.encode("The capital of France is")
+    want = reference_ids(model, tokenizer, prompt, MAX_TOKENS)
+    assert want != reference_ids(base_model, tokenizer, prompt, MAX_TOKENS)
+    entry = ModelEntry(
+        name="s", source=str(folder), pipeline="chatml",
+        options=EngineOptions(dtype=dtype), adapters=[AdapterEntry(name="syn", path=str(adapter))],
+    )  # fmt: skip
+    built = build_runtime(entry)
+    try:
+        request = job(prompt, MAX_TOKENS, built.eos_token_ids)
+        request.adapter = "syn"
+        assert collect(built.engine.submit(request)).ids == want
     finally:
         built.engine.close()
