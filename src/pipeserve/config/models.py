@@ -595,6 +595,11 @@ class AdapterEntry(Strict):
         description="mlx-lm's adapter folder (adapter_config.json + adapters.safetensors, as"
         " `mlx_lm.lora --train` writes it), relative to the working directory as source.",
     )
+    load: Literal["startup", "on_demand"] = Field(
+        "startup",
+        description="startup: its matrices are added when the model loads; on_demand: its"
+        " files are checked then and its matrices added at its first request.",
+    )
 
 
 class ModelEntry(Strict):

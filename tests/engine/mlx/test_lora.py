@@ -254,3 +254,43 @@ def test_quantized_base_smollm2_equals_mlx_lm(
         assert collect(built.engine.submit(request)).ids == want
     finally:
         built.engine.close()
+
+
+def test_on_demand_adapter_is_added_at_its_first_request(
+    lora_adapters: dict[str, Path], expected: dict[str | None, list[int]]
+) -> None:
+    entry = lora_entry(lora_adapters)
+    entry.adapters[1].load = "on_demand"  # chef
+    built = build_runtime(entry)
+    try:
+        assert run(built, "pirate") == expected["pirate"]
+        assert run(built, None) == expected[None]
+        jobs = []
+        for adapter in ["chef", "pirate", None, "chef"]:  # chef's first request in a batch
+            request = job(PROMPTS[adapter], MAX_TOKENS, built.eos_token_ids)
+            request.adapter = adapter
+            jobs.append((adapter, built.engine.submit(request)))
+        for adapter, stream in jobs:
+            assert collect(stream).ids == expected[adapter], adapter
+    finally:
+        built.engine.close()
+
+
+def test_on_demand_adapter_holds_no_matrices_until_asked(
+    lora_adapters: dict[str, Path], demo_model_dir: Callable[[str], Path]
+) -> None:
+    from pipeserve.engine.mlx.lora import AdapterSource, rows_of
+    from pipeserve.engine.weights.loader import load_model
+
+    sources = [
+        AdapterSource("pirate", lora_adapters["pirate"]),
+        AdapterSource("chef", lora_adapters["chef"], on_demand=True),
+    ]
+    model = load_model(demo_model_dir("qwen3"), "auto", True, sources)
+    rows = rows_of(model)
+    assert rows is not None and set(rows.slots) == {"pirate"} and rows.names == {"pirate", "chef"}
+    before = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    rows.ensure("chef")
+    assert set(rows.slots) == {"pirate", "chef"} and not rows.pending
+    after = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert after - before == 65536  # the stack's second slot: rank 8 over pirate's modules

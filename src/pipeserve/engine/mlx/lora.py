@@ -6,6 +6,8 @@ every adapter against the base (engine/weights/adapters.py), leaves a bad one ou
 its reason, and wraps each linear that some adapter adapts in a `MultiLoRALinear`: the
 base layer plus every adapter's low-rank matrices stacked (slot k: adapter k; zeros
 where adapter k does not adapt that linear). Nothing of the base weights is copied.
+An adapter with `load: on_demand` is checked at load and added (`add_adapter`: every
+stack one slot deeper) at its first request, between two steps (`LoRARows.ensure`).
 
 Which adapter each row of a forward pass uses is the `LoRARows` of the model, one
 object shared by its wrappers: the scheduler assigns a row's adapter by its generator
@@ -51,25 +53,46 @@ _NOT_LINEAR = (nn.Embedding, nn.QuantizedEmbedding, SwitchLinear, QuantizedSwitc
 class AdapterSource:
     name: str
     path: Path
+    on_demand: bool = False  # checked at load, its matrices added at its first request
 
 
 class LoRARows:
     """The adapters of a model (name -> slot, scale, rank), the failed ones with their
     reasons, each generator row's adapter, and the current forward pass's rows."""
 
-    def __init__(self, adapters: Sequence[AdapterFiles], failed: dict[str, str]) -> None:
-        self.slots = {files.name: k for k, files in enumerate(adapters)}
-        self.scales = [files.scale for files in adapters]
-        self.ranks = [files.rank for files in adapters]
-        self.nbytes = sum(files.nbytes for files in adapters)
-        self.failed = dict(failed)
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.linears = linears_of(model)  # the base's linears, as loaded (before any swap)
+        self.prefix, self.layers = layers_prefix(model)
+        self.slots: dict[str, int] = {}
+        self.scales: list[float] = []
+        self.ranks: list[int] = []
+        self.nbytes = 0
+        self.failed: dict[str, str] = {}
+        self.pending: dict[str, AdapterFiles] = {}  # on_demand adapters not added yet
         self.slot_of: dict[int, int] = {}  # generator uid -> slot
         self.one: int | None = None  # this pass: every row uses this slot
         self.index: mx.array | None = None  # this pass: each row's slot (mixed rows)
         self.row_scale: mx.array | None = None  # this pass: each row's scale (0: no adapter)
 
+    @property
+    def names(self) -> set[str]:
+        """The adapters requests may use: added, or on_demand and checked."""
+        return {*self.slots, *self.pending}
+
+    def ensure(self, adapter: str) -> None:
+        """An on_demand adapter's matrices added now (between steps) if they are not
+        yet. KeyError: not an adapter of the model (or refused at load)."""
+        files = self.pending.get(adapter)
+        if files is not None:
+            add_adapter(self, files)
+            del self.pending[adapter]
+            log.info("adapter %s added on demand (%.1f KiB)", adapter, files.nbytes / 1024)
+        if adapter not in self.slots:
+            raise KeyError(adapter)
+
     def assign(self, uid: int, adapter: str | None) -> None:
-        """Row `uid` decodes with `adapter` (None: the base). KeyError: not loaded."""
+        """Row `uid` decodes with `adapter` (None: the base), which `ensure` added."""
         if adapter is not None:
             self.slot_of[uid] = self.slots[adapter]
 
@@ -146,62 +169,72 @@ def layers_prefix(model: nn.Module) -> tuple[str, int]:
     raise AdapterError("the base model's layers are not among its modules")
 
 
-def check_adapter(model: nn.Module, source: AdapterSource) -> AdapterFiles:
-    """The adapter's files, checked by themselves and against `model` (AdapterError)."""
-    files = read_adapter(source.name, source.path)
-    prefix, count = layers_prefix(model)
-    check_against(files, linears_of(model), count, prefix)
-    return files
-
-
 def attach_adapters(model: nn.Module, sources: Sequence[AdapterSource]) -> LoRARows | None:
-    """Wrap the adapted linears of `model` (see the module docstring); None without
-    adapters. An adapter that does not fit is left out, logged with its reason and
-    listed in `LoRARows.failed`; the others and the base serve."""
+    """Check every adapter against `model` and add the matrices of those loaded at
+    startup (see the module docstring); None without adapters. An adapter that does
+    not fit is left out, logged with its reason and listed in `LoRARows.failed`; the
+    others and the base serve."""
     if not sources:
         return None
-    good: list[AdapterFiles] = []
-    failed: dict[str, str] = {}
+    rows = LoRARows(model)
+    setattr(model, _ROWS_ATTRIBUTE, rows)  # the loaded model carries its adapters
     for source in sources:
         try:
-            good.append(check_adapter(model, source))
+            files = read_adapter(source.name, source.path)
+            check_against(files, rows.linears, rows.layers, rows.prefix)
         except AdapterError as error:
             log.error("%s; the base model serves without it", error)
-            failed[source.name] = str(error)
-    rows = LoRARows(good, failed)
-    setattr(model, _ROWS_ATTRIBUTE, rows)  # the loaded model carries its adapters
-    if good:
-        _wrap(model, rows, good)
+            rows.failed[source.name] = str(error)
+            continue
+        if source.on_demand:
+            rows.pending[files.name] = files
+        else:
+            add_adapter(rows, files)
+    if rows.slots:
         log.info("adapters %s: %.1f MiB of low-rank matrices", ", ".join(rows.slots),
                  rows.nbytes / (1 << 20))  # fmt: skip
     return rows
 
 
-def _wrap(model: nn.Module, rows: LoRARows, adapters: list[AdapterFiles]) -> None:
-    weights = [mx.load(str(files.path / WEIGHTS_FILE)) for files in adapters]
-    linears = linears_of(model)
+def add_adapter(rows: LoRARows, files: AdapterFiles) -> None:
+    """Give `files` the next slot: every linear it adapts, and every one already wrapped,
+    gets a stack one slot deeper (earlier slots kept, padded to the largest rank)."""
+    model, slot = rows.model, len(rows.scales)
+    tensors = mx.load(str(files.path / WEIGHTS_FILE))
     modules = dict(model.named_modules())
-    rank = max(files.rank for files in adapters)
-    targets = sorted({m for files in adapters for m in files.shapes})
-    for path in targets:
-        dims = linears[path]
+    wrapped = {p for p, m in modules.items() if isinstance(m, MultiLoRALinear)}
+    rank = max([*rows.ranks, files.rank])
+    for path in sorted(wrapped | set(files.shapes)):
+        dims = rows.linears[path]
         assert dims is not None  # check_against refused anything else
-        a_parts, b_parts, targeted = [], [], set()
-        for slot, (files, tensors) in enumerate(zip(adapters, weights)):
-            if path in files.shapes:
-                targeted.add(slot)
-                a = tensors[f"{path}.lora_a"].astype(mx.float32)
-                b = tensors[f"{path}.lora_b"].astype(mx.float32)
-                a_parts.append(mx.pad(a, [(0, 0), (0, rank - files.rank)]))
-                b_parts.append(mx.pad(b, [(0, rank - files.rank), (0, 0)]))
-            else:
-                a_parts.append(mx.zeros((dims[0], rank)))
-                b_parts.append(mx.zeros((rank, dims[1])))
-        wrapper = MultiLoRALinear(
-            modules[path], rows, mx.stack(a_parts), mx.stack(b_parts), targeted
-        )
+        old = modules[path]
+        if isinstance(old, MultiLoRALinear):
+            base, a, b, targeted = old.base, old.lora_a, old.lora_b, set(old._targeted)
+        else:
+            base, targeted = old, set()
+            a, b = mx.zeros((slot, dims[0], rank)), mx.zeros((slot, rank, dims[1]))
+        a = mx.pad(a, [(0, 0), (0, 0), (0, rank - a.shape[2])])
+        b = mx.pad(b, [(0, 0), (0, rank - b.shape[1]), (0, 0)])
+        if path in files.shapes:
+            targeted.add(slot)
+            new_a = tensors[f"{path}.lora_a"].astype(a.dtype)
+            new_b = tensors[f"{path}.lora_b"].astype(b.dtype)
+        else:
+            new_a, new_b = (
+                mx.zeros((dims[0], files.rank), a.dtype),
+                mx.zeros((files.rank, dims[1]), b.dtype),
+            )
+        new_a = mx.pad(new_a, [(0, 0), (0, rank - files.rank)])
+        new_b = mx.pad(new_b, [(0, rank - files.rank), (0, 0)])
+        a = mx.concatenate([a, new_a[None]])
+        b = mx.concatenate([b, new_b[None]])
+        wrapper = MultiLoRALinear(base, rows, a, b, targeted)
         mx.eval(wrapper.lora_a, wrapper.lora_b)
         model.update_modules(tree_unflatten([(path, wrapper)]))
+    rows.slots[files.name] = slot
+    rows.scales.append(files.scale)
+    rows.ranks.append(files.rank)
+    rows.nbytes += files.nbytes
 
 
 def rows_of(model: nn.Module) -> LoRARows | None:

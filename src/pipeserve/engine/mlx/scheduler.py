@@ -189,9 +189,10 @@ class Scheduler:
         """A job's adapter is one this model loaded (the server checks names first)."""
         if adapter is None:
             return
-        if self.lora is None or adapter not in self.lora.slots:
+        if self.lora is None or adapter not in self.lora.names:
             failed = self.lora.failed.get(adapter) if self.lora is not None else None
             raise ValueError(failed or f"adapter {adapter!r} is not loaded")
+        self.lora.ensure(adapter)  # an on_demand adapter's matrices, at its first request
 
     def _speculate(self, uid: int, seq: RequestState) -> None:
         """Give the sequence a proposer when the model speculates or it has a prediction."""
