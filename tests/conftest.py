@@ -65,6 +65,23 @@ def demo_model(demo_model_dir: Callable[[str], Path]) -> Callable[[str], tuple[A
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(demo_model_dir: Callable[[str], Path], pipeserve_home: Path) -> dict[str, Path]:
+    """name -> folder of each adapter of tests/lora.py, trained with mlx_lm.lora on the
+    qwen3 demo model (once: kept in PIPESERVE_HOME by the mlx-lm version and the recipe)."""
+    import hashlib
+
+    import mlx_lm
+
+    from tests.lora import ADAPTERS, train_adapter
+
+    model_dir = demo_model_dir("qwen3")
+    recipe = hashlib.sha256(repr((ADAPTERS, model_dir.name)).encode()).hexdigest()[:12]
+    root = pipeserve_home / "test-lora" / f"mlx-lm{mlx_lm.__version__}-{recipe}"
+    root.mkdir(parents=True, exist_ok=True)
+    return {name: train_adapter(model_dir, root / name, name) for name in ADAPTERS}
+
+
+@pytest.fixture(scope="session")
 def harmony_encoding(pipeserve_home: Path) -> Any:
     """openai-harmony's GPT-OSS encoding, loaded offline from our o200k_base.tiktoken."""
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding

@@ -35,6 +35,7 @@ class RequestContext:
     request_id: str
     model_name: str
     served_model: str = ""  # the served model's own name (model_name may be an alias)
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
     dry_run: bool = False  # prepare only (count_tokens): never submit to the engine
     keepalive_interval: float | None = None  # server default for the KeepAlive interval
     choices: int = 1  # the request's n: its n contexts' jobs share one prefill (by request_id)

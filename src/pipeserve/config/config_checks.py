@@ -14,6 +14,11 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from pipeserve.config.adapter_checks import (
+    adapter_names,
+    check_adapter_files,
+    check_adapter_names,
+)
 from pipeserve.config.detect import AUTO
 from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import EMBEDDING_APIS, ModelEntry, ServerConfig
@@ -62,6 +67,9 @@ class LoadedConfig:
 class PipelineSource(Protocol):
     """Where check_config gets the checked pipelines from (a Validator)."""
 
+    # Check the adapters' files too (`pipeserve validate`); the server's load does not.
+    adapter_files: bool
+
     def pipeline(self, path: Path) -> tuple[LoadedPipeline | None, list[Problem]]: ...
 
 
@@ -80,9 +88,13 @@ def check_config(
     endpoints = _entries(doc.data.get("endpoints"))
     problems += _unique(doc, "models", models, "name", "model name")
     problems += _unique(doc, "endpoints", endpoints, "route", "route", normalize=_route_key)
-    problems += _check_endpoints(doc, endpoints, {m.get("name") for _, m in models})
-    problems += _check_key_scopes(doc, {m.get("name") for _, m in models})
+    names = {m.get("name") for _, m in models} | adapter_names(models)
+    problems += _check_endpoints(doc, endpoints, names)
+    problems += _check_key_scopes(doc, names)
     problems += check_sources(doc, models)
+    problems += check_adapter_names(doc, models)
+    if validator.adapter_files:
+        problems += check_adapter_files(doc, models)
     pipelines, pipeline_problems = _check_model_pipelines(doc, models, validator)
     problems += pipeline_problems
     if parsed is not None:

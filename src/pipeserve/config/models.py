@@ -578,6 +578,30 @@ class EmbeddingOptions(Strict):
         return value
 
 
+class AdapterEntry(Strict):
+    """A LoRA adapter served beside its base model (docs/adapters.md)."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\s:]+$",
+        description="The adapter's name: requests name `<model>:<name>` or `<name>` alone"
+        " (unique among the config's models and adapters; no spaces or colons).",
+    )
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="mlx-lm's adapter folder (adapter_config.json + adapters.safetensors, as"
+        " `mlx_lm.lora --train` writes it), relative to the working directory as source.",
+    )
+    load: Literal["startup", "on_demand"] = Field(
+        "startup",
+        description="startup: its matrices are added when the model loads; on_demand: its"
+        " files are checked then and its matrices added at its first request.",
+    )
+
+
 class ModelEntry(Strict):
     name: str = Field(..., min_length=1, description="Client-facing model name.")
     source: str = Field(
@@ -640,11 +664,20 @@ class ModelEntry(Strict):
         default_factory=EmbeddingOptions,
         description="Pooling, normalisation and limits of an embedding or rerank model.",
     )
+    adapters: list[AdapterEntry] = Field(
+        default_factory=list,
+        description="LoRA adapters (mlx-lm's adapter folders) served with this model, each"
+        " request's rows with its own adapter or none in one batch (engine mlx).",
+    )
 
     @model_validator(mode="after")
     def _pipeline_for_generation(self) -> ModelEntry:
         if self.kind == "generation" and not self.pipeline:
             raise ValueError("pipeline: field required (a generation model needs a pipeline)")
+        if self.adapters and self.kind != "generation":
+            raise ValueError("adapters: only generation models take LoRA adapters")
+        if self.adapters and self.options.sharding is not None:
+            raise ValueError("adapters: a sharded model cannot serve LoRA adapters (yet)")
         return self
 
 

@@ -43,8 +43,13 @@ Checked = tuple[Any, list[Problem]]  # (LoadedPipeline | LoadedConfig | None, pr
 class Validator:
     """Validates files once each per run (a pipeline used by several configs is checked once)."""
 
-    def __init__(self, registry: Mapping[str, StageSpec] | None = None) -> None:
+    def __init__(
+        self, registry: Mapping[str, StageSpec] | None = None, adapter_files: bool = True
+    ) -> None:
         self.registry = registry if registry is not None else stage_registry()
+        # The adapters' folders are checked by validate; a server's load leaves a bad
+        # adapter to its model's load (the base serves without it).
+        self.adapter_files = adapter_files
         self._pipelines: dict[Path, Checked] = {}
         self._configs: dict[Path, Checked] = {}
 
@@ -94,8 +99,9 @@ class Validator:
 def load_server_config(
     path: Path | str, registry: Mapping[str, StageSpec] | None = None
 ) -> LoadedConfig:
-    """Validate a server config and the pipelines it uses; raise ConfigError with every problem."""
-    loaded, problems = Validator(registry).config(Path(path))
+    """Validate a server config and the pipelines it uses; raise ConfigError with every problem.
+    The adapters' files are not checked here (see Validator)."""
+    loaded, problems = Validator(registry, adapter_files=False).config(Path(path))
     if problems or loaded is None:
         raise ConfigError(problems)
     return loaded

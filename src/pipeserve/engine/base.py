@@ -55,6 +55,7 @@ class GenerationJob:
     # (engine/mlx/prompt_groups.py); engines without that prefill each job alone.
     prompt_group: str | None = None
     group_size: int = 1
+    adapter: str | None = None  # the model's LoRA adapter for this job (None: the base)
 
 
 class TokenStream(Protocol):

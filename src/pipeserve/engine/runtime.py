@@ -10,7 +10,7 @@ runtime.engine.close()              # at worker shutdown
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,15 @@ def start_engine(
     else:
         load_draft = draft_loader(entry, tokenizer, draft)
         engine = build_mlx_engine(
-            entry.name, model_dir, tokenizer, options, host=host, load_draft=load_draft
+            entry.name,
+            model_dir,
+            tokenizer,
+            options,
+            host=host,
+            load_draft=load_draft,
+            adapters=[
+                (a.name, Path(a.path).expanduser(), a.load == "on_demand") for a in entry.adapters
+            ],
         )
     log.info(
         "model %s: %s engine on %s (%d EOS ids)", entry.name, entry.engine, model_dir, len(eos)
@@ -153,12 +161,15 @@ def build_mlx_engine(
     options: EngineOptions,
     host: OsThreadHost | None = None,
     load_draft: Callable[[], Any] | None = None,
+    adapters: Sequence[tuple[str, Path, bool]] = (),
     **kwargs: Any,
 ) -> Engine:
     """An engine over the MLX model in `model_dir`: sharded over `pipeserve node`
     machines (sharding.nodes), over processes (sharding), or one engine thread.
     host: the thread to run on (a model loaded on demand reuses one across loads);
-    load_draft: method draft's loader of the draft model (run on the engine thread).
+    load_draft: method draft's loader of the draft model (run on the engine thread);
+    adapters: the LoRA adapters (name, folder, on demand) served with the model
+    (engine/mlx/lora.py).
     The engines are imported here only: each brings MLX, which a process that only
     validates or replays never loads."""
     if options.sharding is not None and options.sharding.nodes is not None:
@@ -170,11 +181,13 @@ def build_mlx_engine(
 
         return ShardedEngine(name, model_dir, tokenizer, options, **kwargs)
     from pipeserve.engine.mlx.engine import MlxEngine
+    from pipeserve.engine.mlx.lora import AdapterSource
     from pipeserve.engine.weights.loader import load_model
 
+    sources = [AdapterSource(name, path, lazy) for name, path, lazy in adapters]
     return MlxEngine(
         name,
-        lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose),
+        lambda: load_model(model_dir, options.dtype, options.cpu_pretranspose, sources),
         tokenizer,
         options,
         host=host,

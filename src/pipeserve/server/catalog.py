@@ -5,6 +5,7 @@ the endpoint, and the request's API key, may use."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import falcon
@@ -53,7 +54,10 @@ class CatalogResource(ProtocolRoute):
                 body = read_json_body(
                     req, self.options.max_body_bytes, self.options.body_read_timeout
                 )
-            facts = [model_facts(m) for m in self.models.models if scope is None or m.name in scope]
+            facts = [
+                model_facts(m) if a is None else replace(model_facts(m), name=f"{m.name}:{a}")
+                for m, a in self.models.visible(scope)
+            ]
             resp.media = self.protocol.catalog(self.route, body, facts)
         except ApiError as error:
             annotate(req, error=error.kind)

@@ -114,11 +114,13 @@ class GenerationResource(ProtocolRoute):
             record.key = grant.key_name
             request = self.decode(req, store_owner(grant, self.allowed))
             record.stream = request.stream
-            served = self.resolve(request.model, grant.scope(self.allowed))
+            served, adapter = self.models.lookup(
+                request.model, grant.scope(self.allowed), sole=self.protocol.model_optional
+            )
             label = record.model = served.name
             request.model = request.model or served.name
             self.apply_default_format(request, served)
-            ctxs = self.prepare(req, request, served)
+            ctxs = self.prepare(req, request, served, adapter)
         except ApiError as error:
             record.error = error.kind
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))
@@ -134,7 +136,11 @@ class GenerationResource(ProtocolRoute):
         self.respond(req, resp, served, ctxs, started, record)
 
     def prepare(
-        self, req: falcon.Request, request: GenerationRequest, served: ServedModel
+        self,
+        req: falcon.Request,
+        request: GenerationRequest,
+        served: ServedModel,
+        adapter: str | None = None,
     ) -> list[RequestContext]:
         """One prepared context per choice (`n`; one choice: the request itself); the
         choices' jobs share a prefill (by the request id). A choice that cannot be
@@ -155,6 +161,7 @@ class GenerationResource(ProtocolRoute):
                 request_id=request_id(req),
                 model_name=request.model,
                 served_model=served.name,
+                adapter=adapter,
                 keepalive_interval=self.options.keepalive_interval,
                 choices=request.n,
             )

@@ -198,6 +198,9 @@ class ManagedEngine:
             facts["load_error"] = self.load_error.message
         if self.state == "loading":  # no load reports its progress; its time so far
             facts["loading_seconds"] = round(time.monotonic() - self.load_started, 1)
+        engine = self.engine
+        if engine is not None:  # the loaded engine's own facts (adapters it refused)
+            facts.update(engine.describe())
         return facts
 
     # -- fleet side ---------------------------------------------------------------------

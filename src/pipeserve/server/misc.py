@@ -70,35 +70,54 @@ class ModelsResource:
         self.models = models
         self.keys = keys or KeyRing()
 
-    def visible(self, req: falcon.Request, resp: falcon.Response) -> list[str] | None:
+    def visible(
+        self, req: falcon.Request, resp: falcon.Response
+    ) -> list[tuple[ServedModel, str | None]] | None:
+        """The models and LoRA adapters the request's key may use (None: refused)."""
         grant = openai_auth(req, resp, self.keys)
         if grant is None:
             return None
-        scope = grant.scope(None)
-        return [m.name for m in self.models.models if scope is None or m.name in scope]
+        return self.models.visible(grant.scope(None))
+
+    def _entry(self, model: ServedModel, adapter: str | None) -> dict[str, Any]:
+        """A model's card, or an adapter's (`<model>:<adapter>`, its parent model named)."""
+        if adapter is None:
+            return self._card(model.name) | residency(model)
+        facts = residency(model)
+        refused = (facts.pop("adapter_errors", None) or {}).get(adapter)
+        card = self._card(f"{model.name}:{adapter}") | facts
+        card |= {"parent": model.name, "root": model.name, "adapter": adapter}
+        return card | ({"load_error": refused} if refused else {})
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        names = self.visible(req, resp)
-        if names is None:
+        shown = self.visible(req, resp)
+        if shown is None:
             return
+        data = [self._entry(model, adapter) for model, adapter in shown]
         resp.media = {
             "object": "list",
-            "data": [
-                self._card(m.name) | residency(m) for m in self.models.models if m.name in names
-            ],
+            "data": data,
             "has_more": False,
-            "first_id": names[0] if names else None,
-            "last_id": names[-1] if names else None,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
         }
 
     on_head = on_get
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        names = self.visible(req, resp)
-        if names is None:
+        shown = self.visible(req, resp)
+        if shown is None:
             return
-        model = next((m for m in self.models.models if m.name == model_id), None)
-        if model is None or model_id not in names:
+        found = next(
+            (
+                (model, adapter)
+                for model, adapter in shown
+                if model_id
+                in ((model.name,) if adapter is None else (f"{model.name}:{adapter}", adapter))
+            ),
+            None,
+        )
+        if found is None:
             resp.status = falcon.HTTP_404
             resp.media = {
                 "error": {
@@ -109,7 +128,7 @@ class ModelsResource:
                 }
             }
             return
-        resp.media = self._card(model_id) | residency(model)
+        resp.media = self._entry(*found)
 
     @staticmethod
     def _card(name: str) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class GenerateStage:
             thinking=thinking,
             prompt_group=ctx.request_id if ctx.choices > 1 else None,
             group_size=ctx.choices,
+            adapter=ctx.adapter,
         )
         if ctx.dry_run:
             return

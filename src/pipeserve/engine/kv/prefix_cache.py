@@ -21,6 +21,11 @@ _MODEL_KEY = "model"  # one cache per engine, so one key
 UNBOUNDED = 1 << 62
 
 
+def _key(adapter: str | None) -> str:
+    """Entries of a LoRA adapter's rows apart from the base's (and each other's)."""
+    return _MODEL_KEY if adapter is None else f"{_MODEL_KEY}:{adapter}"
+
+
 @dataclass(slots=True)
 class CacheLookup:
     cache: list[Any] | None  # KV cache to start from (a private copy), or None
@@ -48,10 +53,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def fetch(self, prompt: list[int]) -> CacheLookup:
+    def fetch(self, prompt: list[int], adapter: str | None = None) -> CacheLookup:
+        """`adapter`: the row's LoRA adapter (its KV differs from the base's)."""
         if not self.enabled or len(prompt) < self.options.min_tokens:
             return CacheLookup(None, 0, prompt)
-        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, prompt)
+        cache, rest = self._lru.fetch_nearest_cache(_key(adapter), prompt)
         if cache is not None and not rest:
             # Exact hit: re-process the last token so there are logits to sample from.
             trimmed: Any = can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1)
@@ -65,7 +71,13 @@ class PrefixCache:
         self.hits += 1
         return CacheLookup(cache, len(prompt) - len(rest), list(rest))
 
-    def store(self, tokens: list[int], cache: list[Any], kind: str = "assistant") -> None:
+    def store(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        kind: str = "assistant",
+        adapter: str | None = None,
+    ) -> None:
         """Remember the KV state of `tokens`: a prompt ("user") or prompt plus answer."""
         if not self.enabled or len(tokens) < self.options.min_tokens or not cache:
             return
@@ -75,7 +87,7 @@ class PrefixCache:
         # A batch's extract is a lazy slice: unevaluated, it pins the whole batch's KV
         # buffers (all rows, the full allocation) for as long as the entry lives.
         mx.async_eval([c.state for c in cache])  # no sync: the copy runs in stream order
-        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
+        self._lru.insert_cache(_key(adapter), list(tokens), cache, cache_type=kind)
 
     def trim_to_bytes(self, budget: float, scale: float = 1.0) -> int | None:
         """Evict in LRU order until nbytes * scale fits `budget`; the entry count left,

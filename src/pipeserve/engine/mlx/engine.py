@@ -73,6 +73,7 @@ class MlxEngine(AlwaysHealthy):
         self._keys = itertools.count(1)
         self._stats: dict[str, float] = {"requests_total": 0, "overloaded_total": 0}
         self._load_error: BaseException | None = None
+        self._adapter_failures: dict[str, str] = {}  # set at load (engine/mlx/lora.py)
         self._step_started: float | None = None  # monotonic start of the running step
         self._loaded = OsFlag()
         self._stopped = OsFlag()
@@ -93,6 +94,7 @@ class MlxEngine(AlwaysHealthy):
     # -- request side (any thread / greenlet) ------------------------------------
 
     def submit(self, job: GenerationJob) -> EngineStream:
+        self._check_adapter(job.adapter)
         self._admit()
         key = next(self._keys)
         channel = Channel()
@@ -102,6 +104,21 @@ class MlxEngine(AlwaysHealthy):
         )
         self._inbox.put(("submit", key, sequence))
         return stream
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        """A job for an adapter that failed to load: 503 with its reason (the base and
+        the other adapters serve)."""
+        reason = self._adapter_failures.get(adapter) if adapter is not None else None
+        if reason is not None:
+            raise ApiError(
+                "unavailable",
+                f"model {self.name}: adapter {adapter!r} is not loaded: {reason}",
+                param="model",
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """The LoRA adapters this model refused at load, with their reasons (if any)."""
+        return {"adapter_errors": dict(self._adapter_failures)} if self._adapter_failures else {}
 
     def _admit(self) -> None:
         with self._lock:
@@ -187,6 +204,8 @@ class MlxEngine(AlwaysHealthy):
             self._stopped.set()
             return
         self._load_model = self._load_draft = lambda: None  # drop the loader closures
+        if batch.lora is not None:
+            self._adapter_failures = dict(batch.lora.failed)
         log.info("model %s: runs on %s", self.name, describe_device())
         if self.options.warmup:
             batch.warm_up()

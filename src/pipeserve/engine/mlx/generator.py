@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 from pipeserve.engine.kv.rows import keep_rows, row_cache
+from pipeserve.engine.mlx.lora import LoRARows
 from pipeserve.engine.mlx.step_plan import DEFAULT_PLAN, StepPlan
 from pipeserve.engine.speculative.state import Speculation
 from pipeserve.engine.speculative.verify import speculative_next
@@ -46,6 +47,7 @@ class DecodeBatch(MlxGenerationBatch):
     logprobs_wanted = True
     speculation: Speculation | None = None
     cache_ops: Any = None  # the CPU kernels' extension (ext.cache_rows), or None
+    lora: LoRARows | None = None  # the model's adapters: each forward pass's rows (lora.py)
     _closing = False  # this step's tokens end every row: no next forward pass
     # engine/kv/rows.py: the kept rows' KV buffers a filter left to compact (its op not
     # queued yet), and what must end first (the kept rows' next tokens: the step in
@@ -59,6 +61,7 @@ class DecodeBatch(MlxGenerationBatch):
             return self._ordinary_next(self._ends_every_row())
         started = spec.step_begins()
         if spec.proposers:
+            self._rows()
             self._compact()  # a verification is queued as it is built
             responses = speculative_next(self, spec)
             if responses is not None:
@@ -127,9 +130,15 @@ class DecodeBatch(MlxGenerationBatch):
         samplers = self.samplers or [None]
         return all((fallback if s is None else s) is greedy_sampler for s in samplers)
 
+    def _rows(self) -> None:
+        """The next forward pass's rows, for the adapters' wrappers (lora.py)."""
+        if self.lora is not None:
+            self.lora.use(self.uids)
+
     def _step(self) -> Any:
         if self._closing:
             return self._last_tokens()
+        self._rows()
         if not self._lean():
             self._compact()  # mlx-lm's step queues its forward pass as it builds it
             return super()._step()
@@ -163,6 +172,12 @@ class DecodeBatch(MlxGenerationBatch):
 
 class PrefillBatch(MlxPromptBatch):
     logprobs_wanted = True  # set by the generator before each step, from its plan
+    lora: LoRARows | None = None  # as DecodeBatch's
+
+    def prompt(self, tokens: list[list[int]]) -> Any:
+        if self.lora is not None:
+            self.lora.use(self.uids)
+        return super().prompt(tokens)
 
     def generate(self, tokens: list[list[int]]) -> Any:
         """mlx-lm's `generate` (0.32), building a DecodeBatch instead of a
@@ -174,6 +189,7 @@ class PrefillBatch(MlxPromptBatch):
             prompt.prompt([t[:-1] for t in tokens])
         batch: Any = DecodeBatch.__new__(DecodeBatch)
         batch.logprobs_wanted = self.logprobs_wanted
+        batch.lora = self.lora  # its __init__ takes the first step
         batch.__init__(
             prompt.model,
             prompt.uids,
@@ -193,6 +209,7 @@ class PrefillBatch(MlxPromptBatch):
     def _copy(self) -> Any:
         batch = super()._copy()
         batch.logprobs_wanted = self.logprobs_wanted  # split() hands out copies
+        batch.lora = self.lora
         return batch
 
 
@@ -200,14 +217,17 @@ class BatchGenerator(MlxBatchGenerator):
     """mlx-lm's BatchGenerator whose decode step is DecodeBatch's, run by `step(plan)`.
     With a `speculation`, rows with proposers verify proposals in the decode step
     (engine/speculative/verify.py). `cache_ops`: the CPU kernels' extension, which moves
-    the rows of a batch's KV caches when rows finish (engine/kv/rows.py), or None."""
+    the rows of a batch's KV caches when rows finish (engine/kv/rows.py), or None.
+    `lora`: the model's adapters (lora.py), told each forward pass's rows; None without."""
 
     def __init__(self, *args: Any, speculation: Speculation | None = None,
-                 cache_ops: Any = None, **kwargs: Any) -> None:  # fmt: skip
+                 cache_ops: Any = None, lora: LoRARows | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.plan = DEFAULT_PLAN
         self.speculation = speculation
         self.cache_ops = cache_ops
+        self.lora = lora
         self._generation_batch.__class__ = DecodeBatch
         self._prompt_batch.__class__ = PrefillBatch
 
@@ -240,6 +260,7 @@ class BatchGenerator(MlxBatchGenerator):
         self._generation_batch.logprobs_wanted = self.plan.logprobs
         self._generation_batch.speculation = self.speculation
         self._generation_batch.cache_ops = self.cache_ops
+        self._generation_batch.lora = self._prompt_batch.lora = self.lora
         self._prompt_batch.logprobs_wanted = self.plan.logprobs
         result = super()._next()
         spec = self.speculation

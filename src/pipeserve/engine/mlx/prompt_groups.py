@@ -22,7 +22,7 @@ from pipeserve.engine.output.request_state import RequestState
 
 # insert(key, state, lookup, shared): the scheduler adds a job to the generator
 Insert = Callable[[int, RequestState, CacheLookup, bool], None]
-Fetch = Callable[[list[int]], CacheLookup]  # the prefix cache's lookup
+Fetch = Callable[[list[int], str | None], CacheLookup]  # the prefix cache's lookup (adapter)
 
 
 @dataclass
@@ -31,6 +31,7 @@ class PromptGroup:
     leader: int  # the leader's request key
     prompt: list[int]
     open: bool  # the leader is prefilling: the others wait for its KV cache
+    adapter: str | None = None  # the group's LoRA adapter (its KV is that adapter's)
     arrived: int = 1
     cache: list[Any] | None = None  # the leader's KV of prompt[:-1], once prefilled
     waiting: list[tuple[int, RequestState]] = field(default_factory=list)
@@ -60,14 +61,16 @@ class PromptGroups:
         job = seq.job
         group_id = job.prompt_group if job.group_size > 1 else None
         if group_id is None:
-            insert(key, seq, self.fetch(job.prompt_token_ids), False)
+            insert(key, seq, self.fetch(job.prompt_token_ids, job.adapter), False)
             return
         group = self.groups.get(group_id)
         if group is None:  # the leader: prefilled as usual, its KV shared
-            lookup = self.fetch(job.prompt_token_ids)
+            lookup = self.fetch(job.prompt_token_ids, job.adapter)
             shareable = self.shareable and len(lookup.rest) > 1
             prompt = list(job.prompt_token_ids)
-            group = self.groups[group_id] = PromptGroup(job.group_size, key, prompt, shareable)
+            group = self.groups[group_id] = PromptGroup(
+                job.group_size, key, prompt, shareable, job.adapter
+            )
             insert(key, seq, lookup, False)
         else:
             group.arrived += 1
@@ -78,15 +81,16 @@ class PromptGroups:
     def _join(self, insert: Insert, key: int, seq: RequestState, group: PromptGroup) -> None:
         """A job of a group that has a leader: its prompt KV copied, waiting for it, or
         (nothing to share) added as usual."""
-        if seq.job.prompt_token_ids != group.prompt:
-            insert(key, seq, self.fetch(seq.job.prompt_token_ids), False)
+        adapter = seq.job.adapter
+        if seq.job.prompt_token_ids != group.prompt or adapter != group.adapter:
+            insert(key, seq, self.fetch(seq.job.prompt_token_ids, adapter), False)
         elif group.cache is not None:
             insert(key, seq, group.lookup(), True)
         elif group.open:
             group.waiting.append((key, seq))
             self.held[key] = str(seq.job.prompt_group)
         else:
-            insert(key, seq, self.fetch(group.prompt), False)
+            insert(key, seq, self.fetch(group.prompt, adapter), False)
 
     def prompt_prefilled(
         self, insert: Insert, key: int, group_id: str | None, extract: Callable[[], Any]
@@ -104,7 +108,8 @@ class PromptGroups:
         for key, seq in waiting:
             self.held.pop(key, None)
             shared = group.cache is not None
-            insert(key, seq, group.lookup() if shared else self.fetch(group.prompt), shared)
+            lookup = group.lookup() if shared else self.fetch(group.prompt, group.adapter)
+            insert(key, seq, lookup, shared)
         if group.complete:
             self.groups.pop(group_id, None)
 

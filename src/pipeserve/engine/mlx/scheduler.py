@@ -26,6 +26,7 @@ from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.cpu_kernels import kernels
 from pipeserve.engine.kv.prefix_cache import CacheLookup, PrefixCache
 from pipeserve.engine.mlx.generator import BatchGenerator
+from pipeserve.engine.mlx.lora import rows_of
 from pipeserve.engine.mlx.prompt_groups import Insert, PromptGroups
 from pipeserve.engine.mlx.step_plan import StepPlan
 from pipeserve.engine.output.channel import Courier
@@ -55,6 +56,7 @@ class Scheduler:
         # Copies a batch's KV cache rows when rows finish (engine/kv/rows.py).
         self.cache_ops = kernels() if self.stream.device == mx.cpu else None
         self.prefix = PrefixCache(options.prefix_cache)
+        self.lora = rows_of(model)  # the model's LoRA adapters (engine/mlx/lora.py), or None
         self.speculative = options.speculative or SpeculativeOptions(method="prompt_lookup")
         # A sharded model's ranks replay rank 0's steps: no speculation there (yet).
         self.speculation = (
@@ -97,6 +99,7 @@ class Scheduler:
             stream=self.stream,
             speculation=self.speculation,
             cache_ops=self.cache_ops,
+            lora=self.lora,
         )
 
     def warm_up(self) -> None:
@@ -137,8 +140,8 @@ class Scheduler:
     def add(self, key: int, seq: RequestState, courier: Courier) -> None:
         self.groups.add(self._inserter(courier), key, seq)
 
-    def _fetch(self, tokens: list[int]) -> CacheLookup:
-        return self.prefix.fetch(tokens)
+    def _fetch(self, tokens: list[int], adapter: str | None) -> CacheLookup:
+        return self.prefix.fetch(tokens, adapter=adapter)
 
     def _inserter(self, courier: Courier) -> Insert:
         """_insert with this step's courier (for the prompt groups)."""
@@ -151,6 +154,7 @@ class Scheduler:
         job = seq.job
         prompt = job.prompt_token_ids
         try:
+            self._check_adapter(job.adapter)
             (uid,) = self.gen.insert(
                 [list(lookup.rest)],
                 max_tokens=[job.max_tokens],
@@ -169,6 +173,8 @@ class Scheduler:
             self.groups.leader_gone(self._inserter(courier), key)
             return
         self.seqs[key], self.uid_of[key], self.key_of[uid] = seq, uid, key
+        if self.lora is not None:
+            self.lora.assign(uid, job.adapter)
         if job.thinking is not None and self.options.sharding is None:
             self.budgets[key] = BudgetTracker(job.thinking)
         self._speculate(uid, seq)
@@ -178,6 +184,15 @@ class Scheduler:
         self.stats["prefill_tokens_total"] += len(lookup.rest)
         self.stats["shared_prompt_rows_total"] += shared
         self._update_stats()
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        """A job's adapter is one this model loaded (the server checks names first)."""
+        if adapter is None:
+            return
+        if self.lora is None or adapter not in self.lora.names:
+            failed = self.lora.failed.get(adapter) if self.lora is not None else None
+            raise ValueError(failed or f"adapter {adapter!r} is not loaded")
+        self.lora.ensure(adapter)  # an on_demand adapter's matrices, at its first request
 
     def _speculate(self, uid: int, seq: RequestState) -> None:
         """Give the sequence a proposer when the model speculates or it has a prediction."""
@@ -303,8 +318,9 @@ class Scheduler:
             if r.end_of_segment and not r.end_of_prompt and r.uid in self.key_of
         ]
         if uids:
-            for cache, tokens in self.gen.extract_cache(uids).values():
-                self.prefix.store(list(tokens), cache, kind="user")
+            for uid, (cache, tokens) in self.gen.extract_cache(uids).items():
+                adapter = self.seqs[self.key_of[uid]].job.adapter
+                self.prefix.store(list(tokens), cache, kind="user", adapter=adapter)
 
     def _deliver(self, key: int, response: Any, courier: Courier) -> None:
         seq = self.seqs[key]
@@ -328,7 +344,9 @@ class Scheduler:
         if reason is not None:
             self._forget(key)
             if response.all_tokens is not None and response.prompt_cache is not None:
-                self.prefix.store(response.all_tokens[:], response.prompt_cache)
+                self.prefix.store(
+                    response.all_tokens[:], response.prompt_cache, adapter=seq.job.adapter
+                )
             seq.finish(courier, reason)
             self._count_finished()
             self._observe_duration(time.monotonic() - seq.submitted_at)
@@ -359,7 +377,7 @@ class Scheduler:
         caches = self.gen.remove([uid], return_prompt_caches=keep)
         if uid in caches:
             cache, tokens = caches[uid]
-            self.prefix.store(list(tokens), cache)
+            self.prefix.store(list(tokens), cache, adapter=seq.job.adapter)
         self._forget(key)
         seq.finish(courier, "cancelled")
         self._count_finished("requests_cancelled")
@@ -374,6 +392,8 @@ class Scheduler:
         uid = self.uid_of.pop(key, None)
         if uid is not None:
             self.key_of.pop(uid, None)
+            if self.lora is not None:
+                self.lora.forget(uid)
             if self.speculation is not None:
                 self.speculation.proposers.pop(uid, None)
                 if not self.seqs:  # idle: nothing keeps the draft's cache alive
@@ -407,6 +427,8 @@ class Scheduler:
         self.uid_of.clear()
         self.key_of.clear()
         self.budgets.clear()
+        if self.lora is not None:
+            self.lora.slot_of.clear()
         if self.speculation is not None:
             self.speculation.clear()
         if self._constraints is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,20 @@ def load_tokenizer(model_dir: Path) -> Any:
     return mlx_load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
 
 
-def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = False) -> Any:
+def load_model(
+    model_dir: Path,
+    dtype: str = "auto",
+    cpu_pretranspose: bool = False,
+    adapters: Sequence[Any] = (),
+) -> Any:
     """The mlx-lm model with its weights evaluated, in the layout `dtype` asks for
     (engine/weights/dtype.py) and, on the CPU, with float32 dense weights stored
     transposed (engine/cpu_kernels/transposed.py).
+
+    `adapters` (engine/mlx/lora.py AdapterSource): LoRA adapters served per row, attached
+    before the layout (the kernels' swaps then reach the base linears inside them); a
+    model with adapters keeps mlx-lm's decoder blocks (no fused blocks: they cannot add
+    the low-rank products).
 
     Call it on the thread that will run the model (MLX arrays belong to their thread).
     """
@@ -81,8 +92,12 @@ def load_model(model_dir: Path, dtype: str = "auto", cpu_pretranspose: bool = Fa
     from pipeserve.engine.cpu_kernels import transposed
 
     model, _ = mlx_load_model(model_dir)
+    if adapters:
+        from pipeserve.engine.mlx.lora import attach_adapters
+
+        attach_adapters(model, adapters)
     _apply_layout(model, model_dir.name, dtype)
-    _fuse_cpu_ops(model, model_dir.name)
+    _fuse_cpu_ops(model, model_dir.name, blocks=not adapters)
     if cpu_pretranspose and transposed.applies_here():
         started = time.monotonic()
         count = transposed.pretranspose_dense_weights(model)
@@ -139,7 +154,7 @@ def _kernel_layout(model: Any, name: str) -> bool:
     return True
 
 
-def _fuse_cpu_ops(model: Any, name: str) -> None:
+def _fuse_cpu_ops(model: Any, name: str, blocks: bool = True) -> None:
     """On the CPU with the native kernels: RMSNorm, RoPE and decode attention as one op
     each, and llama-style layers with fused projections (cpu_kernels/fused_layers.py);
     float32 models too (they build the kernels as a quantized model does)."""
@@ -153,9 +168,10 @@ def _fuse_cpu_ops(model: Any, name: str) -> None:
         return
     ext = kernels()
     if ext is not None:
-        ops, blocks = use_fused_ops(model, ext), use_fused_layers(model, ext)
+        ops = use_fused_ops(model, ext)
+        fused = use_fused_layers(model, ext) if blocks else 0
         log.info("%s: %d norm / RoPE layers run as one CPU op each, %d blocks with fused "
-                 "projections", name, ops, blocks)  # fmt: skip
+                 "projections", name, ops, fused)  # fmt: skip
 
 
 def _dense_cpu_kernel(model: Any, name: str) -> None:

@@ -58,7 +58,23 @@ def describe_model(
         "healthy": engine.healthy,
         "health_reason": engine.health_reason,
         "sharding": sharding_of(served, config_dir),
+        "adapters": adapters_of(served, residency),
     }
+
+
+def adapters_of(served: ServedModel, residency: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The model's LoRA adapters: the names requests use, the folder, and why the load
+    refused one (docs/adapters.md)."""
+    errors = residency.get("adapter_errors") or {}
+    return [
+        {
+            "name": a.name,
+            "request_name": f"{served.name}:{a.name}",
+            "path": a.path,
+            "error": errors.get(a.name),
+        }
+        for a in served.entry.adapters
+    ]
 
 
 def state_of(residency: Mapping[str, Any]) -> str:

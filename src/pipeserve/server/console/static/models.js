@@ -59,6 +59,7 @@ function modelCard(model, placed) {
       fact("source", model.source)),
     el("h3", {}, model.embedding ? `Pipeline: ${model.kind}` : `Pipeline: ${model.pipeline}`),
     model.embedding ? embeddingChain(model) : chain(model.stages),
+    model.adapters?.length ? adapters(model.adapters) : null,
     el("h3", {}, "Routes"),
     routes(model.routes),
     model.sharding ? sharding(model.sharding) : null,
@@ -113,6 +114,17 @@ function chain(stages) {
       })) : null));
   });
   return node;
+}
+
+// LoRA adapters served with the model (each request names `model:adapter` or the adapter).
+function adapters(list) {
+  return el("div", {},
+    el("h3", {}, "LoRA adapters"),
+    el("table", { class: "adapters" },
+      el("tr", {}, el("th", {}, "adapter"), el("th", {}, "request as"), el("th", {}, "folder"), el("th", {}, "state")),
+      list.map((a) => el("tr", {}, el("td", {}, a.name), el("td", {}, `${a.request_name} or ${a.name}`),
+        el("td", {}, a.path),
+        el("td", { class: a.error ? "error" : "" }, a.error ? `refused: ${a.error}` : "served")))));
 }
 
 function routes(list) {
