@@ -147,6 +147,7 @@ def encode_job(job: GenerationJob) -> dict[str, Any]:
         "thinking": _encode_thinking(job.thinking),
         "prompt_group": job.prompt_group,
         "group_size": job.group_size,
+        "adapter": job.adapter,
     }
 
 
@@ -168,6 +169,7 @@ def decode_job(raw: Any) -> GenerationJob:
         thinking=_decode_thinking(job.get("thinking")),
         prompt_group=optional_text(job.get("prompt_group"), 256),
         group_size=int_in(job.get("group_size"), 1, 1 << 16),
+        adapter=optional_text(job.get("adapter"), 256),
     )
 
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeserve.engine.base import GenerationJob, ThinkingLimit
+from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.sharding.control import ChannelClosed, Connection
 from pipeserve.events import (
     ContentDelta,
@@ -50,19 +50,11 @@ from pipeserve.server.remote.wire import (
     worker_handshake,
     write_sealed,
 )
-from pipeserve.wire_schema import JOB_FIELDS, ProtocolError
+from pipeserve.wire_schema import ProtocolError
+from tests.jobs import full_job
 
 SECRET = "ab" * 32
 LENGTH = struct.Struct("!I")
-
-
-def full_job() -> GenerationJob:
-    """A job with every field (but the constraint, which travels as its spec) set."""
-    sampling = SamplingParams(0.7, 0.9, 40, 0.05, 1.1, 0.5, -0.5, {7: -100.0, 9: 2.5}, 1234,
-                              frozenset({"top_p"}))  # fmt: skip
-    thinking = ThinkingLimit(64, (10,), (11,), (11, 12), opened=True)
-    return GenerationJob("req-1", [1, 2, 3], sampling, 17, frozenset({2, 5}), True, 3, "mock",
-                         2.5, None, ("STOP", "\n\n"), [4, 5], thinking, "group-1", 3)  # fmt: skip
 
 
 EVENTS = [
@@ -98,12 +90,6 @@ STATUS = {
     ),  # fmt: skip
     "cluster": {"nodes": [{"address": "10.0.0.2:8471"}], "models": {}, "token_set": True},
 }
-
-
-def test_the_full_job_sets_every_field_the_schema_carries() -> None:
-    default = GenerationJob("r", [1], SamplingParams(), 1)
-    differs = {name for name in JOB_FIELDS if getattr(full_job(), name) != getattr(default, name)}
-    assert differs == JOB_FIELDS
 
 
 def test_every_request_round_trips_field_for_field() -> None:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeserve.config.models import EngineOptions, ShardingOptions
-from pipeserve.engine.base import GenerationJob, ThinkingLimit
+from pipeserve.engine.base import GenerationJob
 from pipeserve.engine.sharding import peer
 from pipeserve.engine.sharding.control import ChannelClosed, Connection
 from pipeserve.engine.sharding.frames import (
@@ -36,6 +36,7 @@ from pipeserve.engine.sharding.frames import (
 from pipeserve.engine.sharding.group import GroupLost, Peer, RankGroup
 from pipeserve.request import SamplingParams
 from pipeserve.wire_schema import JOB_FIELDS
+from tests.jobs import full_job
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 LENGTH = struct.Struct("!I")
@@ -49,15 +50,6 @@ def rss_mib() -> float:
 def pair() -> tuple[Connection, socket.socket]:
     ours, theirs = socket.socketpair()
     return Connection(ours), theirs
-
-
-def full_job() -> GenerationJob:
-    """A job with every field set away from its default."""
-    sampling = SamplingParams(0.7, 0.9, 40, 0.05, 1.1, 0.5, -0.5, {7: -100.0, 9: 2.5}, 1234,
-                              frozenset({"top_p"}))  # fmt: skip
-    thinking = ThinkingLimit(64, (10,), (11,), (11, 12), opened=True)
-    return GenerationJob("req-1", [1, 2, 3], sampling, 17, frozenset({2, 5}), True, 3, "mock",
-                         2.5, None, ("STOP", "\n\n"), [4, 5], thinking, "group-1", 3)  # fmt: skip
 
 
 def test_the_full_job_sets_every_field_the_schema_carries() -> None:
