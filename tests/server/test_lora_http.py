@@ -154,3 +154,31 @@ def test_bad_adapter_is_refused_and_the_base_serves(server: str) -> None:
     shown = {a["name"]: a for a in model["adapters"]}
     assert shown["chef"]["request_name"] == "m:chef" and shown["chef"]["error"] is None
     assert "missing key" in shown["bad"]["error"]
+
+
+def test_two_workers_carry_the_adapter_to_the_engine_host(
+    lora_adapters: dict[str, Path],
+    demo_model_dir: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    """With `server.workers: 2` the engine runs in the host process: the job crosses the
+    engine host's wire, adapter and all (a dropped field would answer with the base)."""
+    folder = demo_model_dir("qwen3")
+    config = {
+        "pipelines_dir": str(REPO / "pipelines"),
+        "server": {"workers": 2},
+        "models": [
+            {
+                "name": "m",
+                "source": str(folder),
+                "pipeline": "qwen3",
+                "adapters": [{"name": "pirate", "path": str(lora_adapters["pirate"])}],
+            }
+        ],
+        "endpoints": [{"route": "/v1/completions", "api": "openai-completions"}],
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with running_server(path) as base:
+        assert complete(base, "m:pirate") == expected_text(folder, lora_adapters["pirate"])
+        assert complete(base, "m") == expected_text(folder, None)
