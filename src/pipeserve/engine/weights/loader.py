@@ -147,6 +147,7 @@ def _fuse_cpu_ops(model: Any, name: str) -> None:
 
     from pipeserve.engine.cpu_kernels import kernels
     from pipeserve.engine.cpu_kernels.fused_layers import use_fused_layers
+    from pipeserve.engine.cpu_kernels.gemma_layers import use_gemma_layers
     from pipeserve.engine.cpu_kernels.layers import use_fused_ops
 
     if mx.default_device() != mx.cpu:
@@ -154,6 +155,7 @@ def _fuse_cpu_ops(model: Any, name: str) -> None:
     ext = kernels()
     if ext is not None:
         ops, blocks = use_fused_ops(model, ext), use_fused_layers(model, ext)
+        blocks += use_gemma_layers(model, ext)
         log.info("%s: %d norm / RoPE layers run as one CPU op each, %d blocks with fused "
                  "projections", name, ops, blocks)  # fmt: skip
 
