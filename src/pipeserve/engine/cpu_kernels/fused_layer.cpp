@@ -387,7 +387,9 @@ class DecodeLayer : public mx::Primitive {
       for (const Kind& kind : kinds_[p]) {
         const auto& w = inputs[at];
         const auto& scales = inputs[at + 1];
-        ProjectionView v{w.data<void>(), scales.data<void>(), inputs[at + 2].data<void>(),
+        const auto& biases = inputs[at + 2];
+        ProjectionView v{w.data<void>(), scales.data<void>(),
+                         biases.size() > 0 ? biases.data<void>() : nullptr,
                          nullptr, w.shape(0), w.shape(1) * 32 / kind.bits, kind.group_size,
                          kind.bits, scales.dtype() == mx::float16};
         at += 3;
@@ -436,7 +438,8 @@ void check_projection(const Projection& p, int n, int k, const char* what) {
       p.w.dtype() == mx::uint32 && p.w.ndim() == 2 && p.w.shape(0) == n &&
       static_cast<int64_t>(p.w.shape(1)) * 32 == static_cast<int64_t>(k) * p.bits &&
       k % p.group_size == 0 && p.scales.shape() == mx::Shape({n, k / p.group_size}) &&
-      p.biases.shape() == p.scales.shape() && p.scales.dtype() == p.biases.dtype() &&
+      (p.biases.size() == 0 ||  // symmetric
+       (p.biases.shape() == p.scales.shape() && p.scales.dtype() == p.biases.dtype())) &&
       (p.scales.dtype() == mx::float16 || p.scales.dtype() == mx::float32);
   if (!ok) fail(std::string(what) + ": not an affine quantized (" + std::to_string(n) + ", " +
                 std::to_string(k) + ") projection");

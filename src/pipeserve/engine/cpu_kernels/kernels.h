@@ -16,6 +16,8 @@ namespace mx = mlx::core;
 namespace pipeserve {
 
 // x @ dequantize(w, scales, biases).T for MLX's affine layout, float32 out (affine_qmm.cpp).
+// An empty `biases`: a symmetric format (Q8_0, Q4_0, Q5_0), each bias -2^(bits - 1) x its
+// scale, computed from the scales instead of read.
 mx::array affine_qmm(
     const mx::array& x,
     const mx::array& w,
@@ -32,7 +34,7 @@ struct QmmRows {
   const float* x;
   const void* w;  // uint32 words (N, K * bits / 32)
   const void* scales;  // (N, K / group_size), float16 (half_scales) or float32
-  const void* biases;
+  const void* biases;  // as scales, or null: symmetric, bias = -2^(bits - 1) x scale
   float* out;
   int M, K, N, group_size, bits;
   bool half_scales;
