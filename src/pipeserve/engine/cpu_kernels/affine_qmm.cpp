@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <atomic>
 #include <condition_variable>
@@ -707,6 +708,17 @@ inline __mmask64 byte_mask(int bytes) {
   return bytes >= 64 ? ~0ULL : (1ULL << bytes) - 1;
 }
 
+#if defined(__AVX512VBMI__)
+// Byte 8i + j: byte 5i + min(j, 4) of 40 (run i's five bytes in qword lane i).
+constexpr auto five_bit_runs() {
+  std::array<uint8_t, 64> runs{};
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) runs[8 * i + j] = static_cast<uint8_t>(5 * i + std::min(j, 4));
+  return runs;
+}
+alignas(64) constexpr std::array<uint8_t, 64> FIVE_BIT_RUNS = five_bit_runs();
+#endif
+
 // A superblock's quantized values (its first `chunks` chunks exist) as word vectors.
 template <int BITS>
 inline void unpack_super(const uint8_t* p, int chunks, __m512i (&w)[4]) {
@@ -723,11 +735,33 @@ inline void unpack_super(const uint8_t* p, int chunks, __m512i (&w)[4]) {
     w[2] = _mm512_and_si512(last, nibble);
     w[3] = _mm512_srli_epi16(last, 4);
   } else if constexpr (BITS == 8) {
+    // Whole superblocks with plain loads (masked byte loads only for a row's last one).
+    if (chunks == 4) {
+      byte_words(_mm512_loadu_si512(p), _mm512_loadu_si512(p + 64), w);
+      return;
+    }
     const __m512i z0 = _mm512_maskz_loadu_epi8(byte_mask(32 * chunks), p);
     const __m512i z1 = chunks > 2 ? _mm512_maskz_loadu_epi8(byte_mask(32 * chunks - 64), p + 64)
                                   : _mm512_setzero_si512();
     byte_words(z0, z1, w);
   } else {
+#if defined(__AVX512VBMI__)
+    if (chunks == 4) {
+      // 80 bytes, 16 runs of 5 bytes = 8 values each: each run spread into a qword lane
+      // (vpermb), its eight 5-bit fields picked into bytes (vpmultishiftqb), masked. No
+      // round trip through memory (the word-by-word form below stalls on store forwarding).
+      const __m512i runs = _mm512_load_si512(FIVE_BIT_RUNS.data());
+      const __m512i fields = _mm512_set1_epi64(0x231e19140f0a0500LL);  // bit offsets 0, 5, .., 35
+      const __m512i five = _mm512_set1_epi8(0x1f);
+      // the second half's 40 bytes (40..79) are bytes 24..63 of the load at p + 16
+      const __m512i second = _mm512_add_epi8(runs, _mm512_set1_epi8(24));
+      const __m512i a = _mm512_permutexvar_epi8(runs, _mm512_loadu_si512(p));
+      const __m512i b = _mm512_permutexvar_epi8(second, _mm512_loadu_si512(p + 16));
+      byte_words(_mm512_and_si512(_mm512_multishift_epi64_epi8(fields, a), five),
+                 _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, b), five), w);
+      return;
+    }
+#endif
     // 5 bytes hold 8 values; pdep spreads them into bytes (the last word of the
     // superblock loaded 3 bytes early and shifted, so no load reads past it)
     alignas(64) uint64_t u[16] = {};
