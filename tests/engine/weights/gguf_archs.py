@@ -45,6 +45,9 @@ CASES = [
     # Gemma 3: most positions agree to 0.6-0.9% of the largest logit, a few (2 of 53
     # measured) by 3-6%, where pipeserve's float32 and MLX-quantized paths agree to 0.1%.
     ArchCase("gemma3", vocab="spm", top5=0.07),
+    # Gemma 3 with an 8-token window: prompts and answers run past it, the local layers'
+    # ring buffers wrap (llama.cpp: its sliding-window cache)
+    ArchCase("gemma3", vocab="spm", name="gemma3-window", top5=0.07),
     ArchCase("gemma2", vocab="spm"),
     ArchCase("phi3", vocab="spm"),
     # The top-5 logits within 0.15%: measured 0.02-0.04%; with the short factors in place
@@ -169,7 +172,7 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
         ints["attention.value_length"] = HEAD_DIM
     ints["rope.dimension_count"] = HEAD_DIM // 2 if arch == "glm4" else HEAD_DIM
     if arch in ("gemma3", "gemma2") or case.name == "mistral":
-        ints["attention.sliding_window"] = 1024
+        ints["attention.sliding_window"] = 8 if case.name == "gemma3-window" else 1024
     if arch == "gpt-oss":
         ints["attention.sliding_window"] = 8  # shorter than the prompts: the window matters
     if arch.endswith("moe") or arch == "gpt-oss":
