@@ -92,6 +92,24 @@ def test_a_rows_result_is_the_same_to_the_bit_at_every_batch_size(ext, bits):
     assert not np.array_equal(alone[0], alone[1])
 
 
+@pytest.mark.parametrize("bits", cpu_kernels.BITS)
+def test_symmetric_blocks_without_biases_give_the_same_bits(ext, bits):
+    """Empty biases: each bias -2^(bits - 1) x its scale (GGUF's Q8_0 / Q4_0 / Q5_0 blocks),
+    computed instead of read: the very numbers of the stored biases on every path (the
+    integer path of few rows, the float paths of more)."""
+    n, k = 37, 352
+    key = mx.random.key(bits)
+    w = mx.random.randint(0, 2**32 - 1, (n, k * bits // 32), dtype=mx.uint32, key=key)
+    scales = (mx.random.uniform(shape=(n, k // 32), key=key) * 0.02).astype(mx.float16)
+    biases = scales * -(2 ** (bits - 1))
+    empty = mx.zeros((0,), dtype=mx.float16)
+    for batch in (1, 3, 9, 70):
+        x = mx.random.normal((batch, k), key=mx.random.key(batch))
+        stored = np.array(ext.affine_qmm(x, w, scales, biases, 32, bits))
+        computed = np.array(ext.affine_qmm(x, w, scales, empty, 32, bits))
+        assert np.array_equal(stored, computed), batch
+
+
 def test_non_finite_activations_stay_non_finite(ext):
     """An infinity or NaN is never quantized into finite integers (the integer path of
     few rows): its row's outputs are non-finite, the other rows right."""
@@ -132,6 +150,21 @@ def test_kernel_layers_match_mlx_quantized_layers(ext):
     got = (kernel_linear(x), kernel_embedding(ids), kernel_embedding.as_linear(x))
     for ours, theirs in zip(got, expected, strict=True):
         assert ours.dtype == mx.float32
+        assert mx.allclose(ours, theirs.astype(mx.float32), rtol=1e-3, atol=1e-3).item()
+
+
+def test_a_symmetric_embedding_keeps_no_biases(ext):
+    """A Q8_0 embedding (biases -128 x scale): the kernel twin drops the biases and
+    computes the same lookups and output projection as MLX's layer with them."""
+    embedding = nn.QuantizedEmbedding(50, 96, group_size=32, bits=8)
+    embedding.biases = embedding.scales * -128
+    model = nn.Sequential(embedding)
+    x, ids = mx.random.normal((3, 96)), mx.array([[1, 7, 49]])
+    expected = (embedding(ids), embedding.as_linear(x))
+    use_kernels(model, ext)
+    twin = model.layers[0]
+    assert twin.biases.size == 0
+    for ours, theirs in zip((twin(ids), twin.as_linear(x)), expected, strict=True):
         assert mx.allclose(ours, theirs.astype(mx.float32), rtol=1e-3, atol=1e-3).item()
 
 

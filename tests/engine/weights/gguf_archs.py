@@ -45,8 +45,14 @@ CASES = [
     # Gemma 3: most positions agree to 0.6-0.9% of the largest logit, a few (2 of 53
     # measured) by 3-6%, where pipeserve's float32 and MLX-quantized paths agree to 0.1%.
     ArchCase("gemma3", vocab="spm", top5=0.07),
+    # Gemma 3 with an 8-token window: prompts and answers run past it, the local layers'
+    # ring buffers wrap (llama.cpp: its sliding-window cache)
+    ArchCase("gemma3", vocab="spm", name="gemma3-window", top5=0.07),
     ArchCase("gemma2", vocab="spm"),
     ArchCase("phi3", vocab="spm"),
+    # The top-5 logits within 0.15%: measured 0.02-0.04%; with the short factors in place
+    # of the long ones 0.02-0.42% (greedy tokens alike: random weights attend flatly).
+    ArchCase("phi3", vocab="spm", name="phi3-longrope", top5=0.0015),
     ArchCase("granite"),
     ArchCase("olmo2"),
     ArchCase("smollm3"),
@@ -144,6 +150,11 @@ def write_arch_gguf(
     if case.name == "llama3-rope":
         divisors = llama3_divisors(HEAD_DIM, 500000.0, {"factor": 8.0, **LLAMA3_ROPE})
         writer.add_tensor("rope_freqs.weight", divisors)
+    if case.name == "phi3-longrope":  # long factors 2 .. 40 (Phi-3-mini-128k's: ~1 .. 64;
+        # larger at the high frequencies here, so that the short ones would change tokens)
+        ramp = np.linspace(0.0, 1.0, HEAD_DIM // 2)
+        writer.add_tensor("rope_factors_long.weight", (2.0 + 38.0 * ramp).astype(np.float32))
+        writer.add_tensor("rope_factors_short.weight", (1.0 + 0.1 * ramp).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -161,7 +172,7 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
         ints["attention.value_length"] = HEAD_DIM
     ints["rope.dimension_count"] = HEAD_DIM // 2 if arch == "glm4" else HEAD_DIM
     if arch in ("gemma3", "gemma2") or case.name == "mistral":
-        ints["attention.sliding_window"] = 1024
+        ints["attention.sliding_window"] = 8 if case.name == "gemma3-window" else 1024
     if arch == "gpt-oss":
         ints["attention.sliding_window"] = 8  # shorter than the prompts: the window matters
     if arch.endswith("moe") or arch == "gpt-oss":
@@ -178,6 +189,9 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
                    "logit_scale": 2.0}  # fmt: skip
     if arch == "gemma2":
         floats |= {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    if case.name == "phi3-longrope":  # 4096 over 64 (llama.cpp's context, 1024, is longer)
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", 64)
+        floats["rope.scaling.attn_factor"] = float(np.sqrt(1 + np.log(4096 / 64) / np.log(64)))
     if arch == "gpt-oss":  # YaRN, as gpt-oss's files have it (there: factor 32 over 4096)
         writer.add_string(f"{arch}.rope.scaling.type", "yarn")
         floats["rope.scaling.factor"] = 4.0

@@ -194,3 +194,21 @@ def test_truncated_file_is_refused_at_load_naming_the_tensor(tmp_path: Path) -> 
     message = _error(gguf, tmp_path / "home")
     assert message.startswith(f"{gguf}: tensor output_norm.weight (F32, 64) needs 256 bytes ")
     assert message.endswith("(its size does not match its shape: a truncated or corrupt file)")
+
+
+def test_longrope_with_another_attention_factor_is_refused() -> None:
+    """mlx-lm's SuScaledRoPE derives Phi-3's attention factor from the two context
+    lengths: a file whose own factor is another is refused, naming both."""
+    from pipeserve.engine.weights.gguf.architectures import ARCHITECTURES
+    from pipeserve.engine.weights.gguf.model_config import _longrope
+
+    factors = {"rope_factors_long": np.full(4, 2.0), "rope_factors_short": np.ones(4)}
+    meta = {"phi3.rope.scaling.original_context_length": 64}
+    config = {"max_position_embeddings": 4096}
+    good = _longrope({**meta, "phi3.rope.scaling.attn_factor": 2**0.5}, "phi3",
+                     ARCHITECTURES["phi3"], factors, config)  # fmt: skip
+    assert good["rope_scaling"]["long_factor"] == [2.0] * 4
+    assert good["original_max_position_embeddings"] == 64
+    with pytest.raises(GgufError, match="attention factor 1.2"):
+        _longrope({**meta, "phi3.rope.scaling.attn_factor": 1.2}, "phi3", ARCHITECTURES["phi3"],
+                  factors, config)  # fmt: skip

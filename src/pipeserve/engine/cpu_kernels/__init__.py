@@ -172,7 +172,7 @@ def _decoder_layer_checks(ext: Any, tokens: int) -> list[tuple[Any, Any]]:
     qkv_p, o_p = projection((heads + 2 * kv_heads) * d, hidden), projection(hidden, heads * d)
     gate_up_p, down_p = projection(2 * inter, hidden), projection(hidden, inter)
     norm1, norm2, q_norm, k_norm = normal(hidden), normal(hidden), normal(d), normal(d)
-    layer = ext.DecoderLayer([qkv_p, o_p, gate_up_p, down_p], norm1, norm2, q_norm, k_norm,
+    layer = ext.DecoderLayer([[qkv_p], [o_p], [gate_up_p], [down_p]], norm1, norm2, q_norm, k_norm,
                              heads, kv_heads, d, d, False, 1e4, 1.0, d**-0.5, 1e-5, 1e-6)  # fmt: skip
     x, cache_k, cache_v = normal(rows, tokens, hidden), normal(rows, 2, 8, d), normal(rows, 2, 8, d)
     positions = mx.array([3, index], mx.int32)  # row 0: two positions of left padding

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <atomic>
 #include <condition_variable>
@@ -428,17 +429,25 @@ struct Problem {
   const float* xsum;  // (M, G): sums of x over each group
   const uint8_t* w;  // (N, K * bits / 8)
   const void* scales;  // (N, G)
-  const void* biases;  // (N, G)
+  const void* biases;  // (N, G), or null: symmetric, each bias `zero` x its scale
   float* out;  // (M, N)
   int M, N, K, G, group_size;
   const IntX* qx;  // x quantized for the integer path, or null
+  float zero;  // -2^(bits - 1): a symmetric format's (Q8_0's, Q4_0's) bias per unit of scale
 };
+
+// Group g's bias of weight row n.
+template <typename S>
+inline float bias_at(const Problem& p, size_t n, int g) {
+  const size_t at = n * p.G + g;
+  return p.biases ? to_float(static_cast<const S*>(p.biases)[at])
+                  : p.zero * to_float(static_cast<const S*>(p.scales)[at]);
+}
 
 template <int BITS, typename S, int MT, int NT>
 void tile(const Problem& p, int m0, int n0) {
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const S* scales = static_cast<const S*>(p.scales);
-  const S* biases = static_cast<const S*>(p.biases);
   Vec acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = vzero();
@@ -484,9 +493,8 @@ void tile(const Problem& p, int m0, int n0) {
   for (int i = 0; i < MT; ++i) {
     const float* xs = p.xsum + static_cast<size_t>(m0 + i) * p.G;
     for (int j = 0; j < NT; ++j) {
-      const S* b = biases + static_cast<size_t>(n0 + j) * p.G;
       float bias_term = 0.0f;
-      for (int g = 0; g < p.G; ++g) bias_term += to_float(b[g]) * xs[g];
+      for (int g = 0; g < p.G; ++g) bias_term += bias_at<S>(p, n0 + j, g) * xs[g];
       p.out[static_cast<size_t>(m0 + i) * p.N + n0 + j] = vsum(acc[i][j]) + bias_term;
     }
   }
@@ -523,10 +531,9 @@ template <int BITS, typename S>
 void dequantize_row(const Problem& p, int n, float* out) {
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const S* scales = static_cast<const S*>(p.scales) + static_cast<size_t>(n) * p.G;
-  const S* biases = static_cast<const S*>(p.biases) + static_cast<size_t>(n) * p.G;
   for (int g = 0; g < p.G; ++g) {
     const Vec scale = vset1(to_float(scales[g]));
-    const Vec bias = vset1(to_float(biases[g]));
+    const Vec bias = vset1(bias_at<S>(p, n, g));
     for (int c = 0; c < p.group_size / 32; ++c) {
       const int k0 = g * p.group_size + c * 32;
       Vec q[VPC];
@@ -701,6 +708,17 @@ inline __mmask64 byte_mask(int bytes) {
   return bytes >= 64 ? ~0ULL : (1ULL << bytes) - 1;
 }
 
+#if defined(__AVX512VBMI__)
+// Byte 8i + j: byte 5i + min(j, 4) of 40 (run i's five bytes in qword lane i).
+constexpr auto five_bit_runs() {
+  std::array<uint8_t, 64> runs{};
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) runs[8 * i + j] = static_cast<uint8_t>(5 * i + std::min(j, 4));
+  return runs;
+}
+alignas(64) constexpr std::array<uint8_t, 64> FIVE_BIT_RUNS = five_bit_runs();
+#endif
+
 // A superblock's quantized values (its first `chunks` chunks exist) as word vectors.
 template <int BITS>
 inline void unpack_super(const uint8_t* p, int chunks, __m512i (&w)[4]) {
@@ -717,11 +735,33 @@ inline void unpack_super(const uint8_t* p, int chunks, __m512i (&w)[4]) {
     w[2] = _mm512_and_si512(last, nibble);
     w[3] = _mm512_srli_epi16(last, 4);
   } else if constexpr (BITS == 8) {
+    // Whole superblocks with plain loads (masked byte loads only for a row's last one).
+    if (chunks == 4) {
+      byte_words(_mm512_loadu_si512(p), _mm512_loadu_si512(p + 64), w);
+      return;
+    }
     const __m512i z0 = _mm512_maskz_loadu_epi8(byte_mask(32 * chunks), p);
     const __m512i z1 = chunks > 2 ? _mm512_maskz_loadu_epi8(byte_mask(32 * chunks - 64), p + 64)
                                   : _mm512_setzero_si512();
     byte_words(z0, z1, w);
   } else {
+#if defined(__AVX512VBMI__)
+    if (chunks == 4) {
+      // 80 bytes, 16 runs of 5 bytes = 8 values each: each run spread into a qword lane
+      // (vpermb), its eight 5-bit fields picked into bytes (vpmultishiftqb), masked. No
+      // round trip through memory (the word-by-word form below stalls on store forwarding).
+      const __m512i runs = _mm512_load_si512(FIVE_BIT_RUNS.data());
+      const __m512i fields = _mm512_set1_epi64(0x231e19140f0a0500LL);  // bit offsets 0, 5, .., 35
+      const __m512i five = _mm512_set1_epi8(0x1f);
+      // the second half's 40 bytes (40..79) are bytes 24..63 of the load at p + 16
+      const __m512i second = _mm512_add_epi8(runs, _mm512_set1_epi8(24));
+      const __m512i a = _mm512_permutexvar_epi8(runs, _mm512_loadu_si512(p));
+      const __m512i b = _mm512_permutexvar_epi8(second, _mm512_loadu_si512(p + 16));
+      byte_words(_mm512_and_si512(_mm512_multishift_epi64_epi8(fields, a), five),
+                 _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, b), five), w);
+      return;
+    }
+#endif
     // 5 bytes hold 8 values; pdep spreads them into bytes (the last word of the
     // superblock loaded 3 bytes early and shifted, so no load reads past it)
     alignas(64) uint64_t u[16] = {};
@@ -811,10 +851,13 @@ __attribute__((always_inline)) inline void mac_super(const IntX& qx, int m0, int
 template <typename S, int MT, int NT>
 void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][NT]) {
   const S* biases = static_cast<const S*>(p.biases);
+  const S* scales = static_cast<const S*>(p.scales);
   for (int g = 0; g < p.G; g += 16) {
     const __mmask16 mask = p.G - g >= 16 ? 0xffff : static_cast<__mmask16>((1u << (p.G - g)) - 1);
     for (int j = 0; j < NT; ++j) {
-      const __m512 bias = load16(biases + static_cast<size_t>(n0 + j) * p.G + g, mask);
+      const size_t at = static_cast<size_t>(n0 + j) * p.G + g;
+      const __m512 bias = biases ? load16(biases + at, mask)
+                                 : _mm512_mul_ps(load16(scales + at, mask), _mm512_set1_ps(p.zero));
       for (int i = 0; i < MT; ++i) {
         const float* xs = qx.xsum + static_cast<size_t>(m0 + i) * qx.padded_groups + g;
         acc[i][j] = _mm512_fmadd_ps(bias, _mm512_loadu_ps(xs), acc[i][j]);
@@ -850,7 +893,7 @@ void prefetch_scales(const Problem& p, int n0) {
     const size_t ahead = (static_cast<size_t>(n0) + j + PREFETCH_ROWS) * scale_bytes;
     for (size_t at = 0; at < scale_bytes; at += 64) {
       _mm_prefetch(static_cast<const char*>(p.scales) + ahead + at, _MM_HINT_T0);
-      _mm_prefetch(static_cast<const char*>(p.biases) + ahead + at, _MM_HINT_T0);
+      if (p.biases) _mm_prefetch(static_cast<const char*>(p.biases) + ahead + at, _MM_HINT_T0);
     }
   }
 }
@@ -1045,6 +1088,7 @@ void affine_qmm_rows(const QmmRows& a) {
   p.w = static_cast<const uint8_t*>(a.w);
   p.scales = a.scales;
   p.biases = a.biases;
+  p.zero = -static_cast<float>(1 << (a.bits - 1));
   p.out = a.out;
   p.M = a.M;
   p.K = a.K;
@@ -1086,7 +1130,8 @@ class AffineQmm : public mx::Primitive {
     p.x = x.data<float>();
     p.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
     p.scales = scales.data<void>();
-    p.biases = biases.data<void>();
+    p.biases = biases.size() > 0 ? biases.data<void>() : nullptr;  // empty: symmetric
+    p.zero = -static_cast<float>(1 << (bits_ - 1));
     p.out = out.data<float>();
     p.M = x.shape(0);
     p.K = x.shape(1);
@@ -1143,8 +1188,9 @@ mx::array affine_qmm(
         "w's packed width does not match x's last dimension");
   check(K % group_size == 0, "x's last dimension must be a multiple of group_size");
   check(scales.shape() == mx::Shape({N, K / group_size}), "scales must be (N, K / group_size)");
-  check(biases.shape() == scales.shape(), "biases must have the scales' shape");
-  check(scales.dtype() == biases.dtype() &&
+  const bool symmetric = biases.size() == 0;  // bias = -2^(bits - 1) x scale (Q8_0, Q4_0, Q5_0)
+  check(symmetric || biases.shape() == scales.shape(), "biases must have the scales' shape");
+  check((symmetric || scales.dtype() == biases.dtype()) &&
             (scales.dtype() == mx::float16 || scales.dtype() == mx::float32),
         "scales and biases must both be float16 or both float32");
   auto flat = mx::reshape(mx::astype(x, mx::float32, stream), {-1, K}, stream);

@@ -37,33 +37,41 @@ NB_MODULE(_pipeserve_cpu, m) {
         "k_norm"_a = nb::none(), "eps"_a = 1e-6f, nb::kw_only(), "stream"_a = nb::none(),
         "A fused q/k/v projection split into rotated (B, H, L, D) heads.");
   nb::class_<pipeserve::DecoderLayer>(m, "DecoderLayer",
-      "A llama-style decoder layer whose decode step (1..16 tokens per row) is one op.")
+      "A llama- or Gemma-style decoder layer whose decode step (1..16 tokens per row) is one op.")
       .def("__init__",
-           [](pipeserve::DecoderLayer* self, const std::vector<ProjectionArgs>& projections,
+           [](pipeserve::DecoderLayer* self,
+              const std::vector<std::vector<ProjectionArgs>>& stages,
               const mx::array& input_norm, const mx::array& post_norm,
               const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm,
               int q_heads, int kv_heads, int head_dim, int rope_dims, bool traditional,
               float rope_base, float rope_scale, float attn_scale, float norm_eps,
-              float qk_norm_eps) {
-             std::vector<pipeserve::Projection> ps;
-             for (const auto& [w, scales, biases, bias, group_size, bits] : projections) {
-               ps.push_back({w, scales, biases, bias, group_size, bits});
+              float qk_norm_eps, const std::optional<mx::array>& attn_out_norm,
+              const std::optional<mx::array>& mlp_out_norm, bool gelu) {
+             std::vector<std::vector<pipeserve::Projection>> ps;
+             for (const auto& stage : stages) {
+               ps.emplace_back();
+               for (const auto& [w, scales, biases, bias, group_size, bits] : stage) {
+                 ps.back().push_back({w, scales, biases, bias, group_size, bits});
+               }
              }
              new (self) pipeserve::DecoderLayer(
-                 std::move(ps), input_norm, post_norm, q_norm, k_norm,
+                 std::move(ps), input_norm, post_norm, q_norm, k_norm, attn_out_norm,
+                 mlp_out_norm,
                  {q_heads, kv_heads, head_dim, rope_dims, traditional, rope_base, rope_scale,
-                  attn_scale, norm_eps, qk_norm_eps});
+                  attn_scale, norm_eps, qk_norm_eps, gelu});
            },
-           "projections"_a, "input_norm"_a, "post_norm"_a, "q_norm"_a.none(), "k_norm"_a.none(),
+           "stages"_a, "input_norm"_a, "post_norm"_a, "q_norm"_a.none(), "k_norm"_a.none(),
            "q_heads"_a, "kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a,
            "rope_base"_a, "rope_scale"_a, "attn_scale"_a, "norm_eps"_a, "qk_norm_eps"_a,
-           "projections: (w, scales, biases, bias or None, group_size, bits) of qkv, o, "
-           "gate_up, down.")
+           "attn_out_norm"_a.none() = nb::none(), "mlp_out_norm"_a.none() = nb::none(),
+           "gelu"_a = false,
+           "stages: qkv, o, gate_up, down, each a list of (w, scales, biases, bias or None, "
+           "group_size, bits) whose outputs lie side by side (o and down: one).")
       .def("__call__", &pipeserve::DecoderLayer::operator(), "x"_a, "keys"_a, "values"_a,
-           "index"_a, "positions"_a = nb::none(), "mask"_a = nb::none(), nb::kw_only(),
-           "stream"_a = nb::none(),
+           "index"_a, "positions"_a = nb::none(), "mask"_a = nb::none(), "seen"_a = -1,
+           nb::kw_only(), "stream"_a = nb::none(),
            "(out, keys, values): the step's output and the cache buffers with index..index + L - 1"
-           " written.");
+           " written (seen >= 1: one token at index, attending to positions 0..seen - 1).");
   m.attr("DECODER_LAYER_MAX_TOKENS") = pipeserve::DECODER_LAYER_MAX_TOKENS;
   m.def("f32_matmul", &pipeserve::f32_matmul, "x"_a, "w"_a, "transposed"_a,
         "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),

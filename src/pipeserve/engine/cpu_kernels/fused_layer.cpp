@@ -1,5 +1,5 @@
-// A llama-style decoder layer's decode step (1..16 new tokens per row: a decode step or a
-// speculative verification) as ONE MLX op.
+// A llama- or Gemma-style decoder layer's decode step (1..16 new tokens per row: a decode
+// step or a speculative verification) as ONE MLX op.
 //
 // Even with the layer's glue fused (fused_step.cpp), a decode step of a small model runs
 // ~12 ops per layer, and on the CPU every op costs a dispatch on the stream's thread, a
@@ -14,6 +14,7 @@
 // buffer, as MLX's own slice update does; otherwise the buffer is copied first.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -52,6 +53,12 @@ struct ProjectionView {
   bool half;
 };
 
+// A stage: one projection, or several whose outputs lie side by side (N: their sum).
+struct StageView {
+  std::vector<ProjectionView> parts;
+  int N = 0;
+};
+
 // Everything the dispatched job reads and writes, as raw pointers.
 struct Job {
   LayerShape s;
@@ -64,8 +71,10 @@ struct Job {
   const void* mask;  // null: none
   bool bool_mask;
   int64_t mask_b, mask_h, mask_l, mask_s;  // broadcast strides (0 on size-1 axes)
+  int seen;  // > 0: positions every token attends to (a ring buffer); else index + l + 1
   const float *input_norm, *post_norm, *q_norm, *k_norm;
-  ProjectionView proj[4];
+  const float *attn_out_norm, *mlp_out_norm;  // null: none (Gemma's norms after o / down)
+  StageView proj[4];
   float *keys, *values, *out;  // keys / values: (B, Hk, capacity, D), contiguous
 };
 
@@ -75,6 +84,26 @@ void project(const ProjectionView& p, const float* x, int M, float* out) {
   for (int m = 0; m < M; ++m) {
     float* row = out + static_cast<size_t>(m) * p.N;
     for (int n = 0; n < p.N; ++n) row[n] += p.bias[n];
+  }
+}
+
+// out (M, stage.N): each part's outputs at its columns.
+void project(const StageView& stage, const float* x, int M, float* out) {
+  if (stage.parts.size() == 1) return project(stage.parts[0], x, M, out);
+  thread_local std::vector<float> part_out;
+  int at = 0;
+  for (const auto& p : stage.parts) {
+    if (M == 1) {
+      project(p, x, 1, out + at);
+    } else {
+      part_out.resize(static_cast<size_t>(M) * p.N);
+      project(p, x, M, part_out.data());
+      for (int m = 0; m < M; ++m) {
+        std::memcpy(out + static_cast<size_t>(m) * stage.N + at,
+                    part_out.data() + static_cast<size_t>(m) * p.N, p.N * sizeof(float));
+      }
+    }
+    at += p.N;
   }
 }
 
@@ -179,14 +208,15 @@ void attend(const Job& j, const float* q, int b, int l, int h, float* out) {
     mask.step = j.mask_s;
   }
   const HeadKeysValues head{j.keys + base, j.values + base, D, D, D};
-  attend_query(head, q, j.index + l + 1, s.attn_scale, mask, out);
+  attend_query(head, q, j.seen > 0 ? j.seen : j.index + l + 1, s.attn_scale, mask, out);
 }
 
 // Over the kernels' pool by for_each_query_run (attention.cpp); the queries of a pair
 // are its new tokens x the query heads of the kv head's group.
 void attention(const Job& j, const float* q, float* out) {
   const int Hq = j.s.q_heads, Hk = j.s.kv_heads, group = Hq / Hk, D = j.s.head_dim;
-  const int64_t work = static_cast<int64_t>(j.B) * j.L * Hq * (j.index + j.L) * D;
+  const int64_t work =
+      static_cast<int64_t>(j.B) * j.L * Hq * (j.seen > 0 ? j.seen : j.index + j.L) * D;
   for_each_query_run(j.B, Hk, j.L * group, work, [&](int b, int kh, int first, int last) {
     for (int i = first; i < last; ++i) {
       const int l = i / group, h = kh * group + i % group;
@@ -200,7 +230,7 @@ void run(const Job& j) {
   const auto& s = j.s;
   const int B = j.B * j.L, H = j.hidden, D = s.head_dim;  // B: rows of every matmul
   const int qkv_width = j.proj[QKV].N, heads_width = s.q_heads * D;
-  const int inter = j.proj[DOWN].K;
+  const int inter = j.proj[DOWN].parts[0].K;
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(B) * (5 * H + qkv_width + 2 * heads_width + 3 * inter));
   float* x = scratch.data();
@@ -221,14 +251,16 @@ void run(const Job& j) {
   heads(j, qkv, q);
   attention(j, q, attended);
   project(j.proj[O], attended, B, delta);
+  if (j.attn_out_norm) rms_norm_rows(delta, j.attn_out_norm, s.norm_eps, B, H, delta);
   for (int i = 0; i < B * H; ++i) h[i] = x[i] + delta[i];
   rms_norm_rows(h, j.post_norm, s.norm_eps, B, H, normed);
   project(j.proj[GATE_UP], normed, B, gate_up);
   thread_local std::vector<int64_t> gate_rows;
   gate_rows.resize(B);
   for (int b = 0; b < B; ++b) gate_rows[b] = static_cast<int64_t>(b) * 2 * inter;
-  swiglu_rows(gate_up, gate_rows, 1, inter, act);
+  swiglu_rows(gate_up, gate_rows, 1, inter, act, s.gelu);
   project(j.proj[DOWN], act, B, delta);
+  if (j.mlp_out_norm) rms_norm_rows(delta, j.mlp_out_norm, s.norm_eps, B, H, delta);
   for (int i = 0; i < B * H; ++i) j.out[i] = h[i] + delta[i];
 }
 
@@ -262,11 +294,12 @@ CacheCopy take_cache(const mx::array& in, mx::array& out) {
 
 class DecodeLayer : public mx::Primitive {
  public:
-  DecodeLayer(mx::Stream stream, const std::vector<Projection>& projections, bool q_norm,
-              bool k_norm, LayerShape shape, int index)
-      : mx::Primitive(stream), q_norm_(q_norm), k_norm_(k_norm), shape_(shape), index_(index) {
-    for (const auto& p : projections) {
-      kinds_.push_back({p.group_size, p.bits, p.bias.has_value()});
+  DecodeLayer(mx::Stream stream, const std::vector<std::vector<Projection>>& stages,
+              std::array<bool, 4> norms, LayerShape shape, int index, int seen)
+      : mx::Primitive(stream), norms_(norms), shape_(shape), index_(index), seen_(seen) {
+    for (const auto& stage : stages) {
+      kinds_.emplace_back();
+      for (const auto& p : stage) kinds_.back().push_back({p.group_size, p.bits, p.bias.has_value()});
     }
   }
 
@@ -328,6 +361,7 @@ class DecodeLayer : public mx::Primitive {
     j.L = x.shape(1);
     j.hidden = x.shape(-1);
     j.index = index_;
+    j.seen = seen_;
     j.capacity = inputs[KEYS].shape(2);
     j.x = x.data<float>();
     j.x_rows = row_offsets(x);
@@ -345,17 +379,24 @@ class DecodeLayer : public mx::Primitive {
     int at = WEIGHTS;
     j.input_norm = inputs[at++].data<float>();
     j.post_norm = inputs[at++].data<float>();
-    j.q_norm = q_norm_ ? inputs[at++].data<float>() : nullptr;
-    j.k_norm = k_norm_ ? inputs[at++].data<float>() : nullptr;
+    const float* optional[4];
+    for (int n = 0; n < 4; ++n) optional[n] = norms_[n] ? inputs[at++].data<float>() : nullptr;
+    j.q_norm = optional[0], j.k_norm = optional[1];
+    j.attn_out_norm = optional[2], j.mlp_out_norm = optional[3];
     for (int p = 0; p < 4; ++p) {
-      const auto& w = inputs[at];
-      const auto& scales = inputs[at + 1];
-      ProjectionView& v = j.proj[p];
-      v = {w.data<void>(), scales.data<void>(), inputs[at + 2].data<void>(), nullptr,
-           w.shape(0), w.shape(1) * 32 / kinds_[p].bits, kinds_[p].group_size, kinds_[p].bits,
-           scales.dtype() == mx::float16};
-      at += 3;
-      if (kinds_[p].bias) v.bias = inputs[at++].data<float>();
+      for (const Kind& kind : kinds_[p]) {
+        const auto& w = inputs[at];
+        const auto& scales = inputs[at + 1];
+        const auto& biases = inputs[at + 2];
+        ProjectionView v{w.data<void>(), scales.data<void>(),
+                         biases.size() > 0 ? biases.data<void>() : nullptr,
+                         nullptr, w.shape(0), w.shape(1) * 32 / kind.bits, kind.group_size,
+                         kind.bits, scales.dtype() == mx::float16};
+        at += 3;
+        if (kind.bias) v.bias = inputs[at++].data<float>();
+        j.proj[p].parts.push_back(v);
+        j.proj[p].N += v.N;
+      }
     }
     j.keys = outputs[1].data<float>();
     j.values = outputs[2].data<float>();
@@ -363,10 +404,10 @@ class DecodeLayer : public mx::Primitive {
     return j;
   }
 
-  bool q_norm_, k_norm_;
+  std::array<bool, 4> norms_;  // q_norm, k_norm, attn_out_norm, mlp_out_norm present
   LayerShape shape_;
-  int index_;
-  std::vector<Kind> kinds_;
+  int index_, seen_;
+  std::vector<std::vector<Kind>> kinds_;  // per stage, per part
 };
 
 void check_vector(const mx::array& a, int n, const char* what) {
@@ -375,12 +416,30 @@ void check_vector(const mx::array& a, int n, const char* what) {
   }
 }
 
+void check_projection(const Projection& p, int n, int k, const char* what);
+
+// A stage's parts: together n outputs of k inputs (o and down: one part; a part's n
+// within [1, n]).
+void check_stage(const std::vector<Projection>& parts, int n, int k, size_t most,
+                 const char* what) {
+  if (parts.empty() || parts.size() > most) fail(std::string(what) + ": bad number of parts");
+  int total = 0;
+  for (const auto& p : parts) {
+    const int rows = p.w.ndim() == 2 ? p.w.shape(0) : 0;
+    check_projection(p, rows, k, what);
+    total += rows;
+  }
+  if (total != n) fail(std::string(what) + ": the parts' outputs must add up to " +
+                       std::to_string(n));
+}
+
 void check_projection(const Projection& p, int n, int k, const char* what) {
   const bool ok = (p.bits == 4 || p.bits == 5 || p.bits == 8) && p.group_size % 32 == 0 &&
       p.w.dtype() == mx::uint32 && p.w.ndim() == 2 && p.w.shape(0) == n &&
       static_cast<int64_t>(p.w.shape(1)) * 32 == static_cast<int64_t>(k) * p.bits &&
       k % p.group_size == 0 && p.scales.shape() == mx::Shape({n, k / p.group_size}) &&
-      p.biases.shape() == p.scales.shape() && p.scales.dtype() == p.biases.dtype() &&
+      (p.biases.size() == 0 ||  // symmetric
+       (p.biases.shape() == p.scales.shape() && p.scales.dtype() == p.biases.dtype())) &&
       (p.scales.dtype() == mx::float16 || p.scales.dtype() == mx::float32);
   if (!ok) fail(std::string(what) + ": not an affine quantized (" + std::to_string(n) + ", " +
                 std::to_string(k) + ") projection");
@@ -390,38 +449,49 @@ void check_projection(const Projection& p, int n, int k, const char* what) {
 }  // namespace
 
 DecoderLayer::DecoderLayer(
-    std::vector<Projection> projections,
+    std::vector<std::vector<Projection>> stages,
     mx::array input_norm,
     mx::array post_norm,
     std::optional<mx::array> q_norm,
     std::optional<mx::array> k_norm,
+    std::optional<mx::array> attn_out_norm,
+    std::optional<mx::array> mlp_out_norm,
     LayerShape shape)
     : none_(mx::zeros({0}, mx::int32, mx::Device::cpu)),
       q_norm_(q_norm.has_value()),
       k_norm_(k_norm.has_value()),
+      attn_out_norm_(attn_out_norm.has_value()),
+      mlp_out_norm_(mlp_out_norm.has_value()),
       shape_(shape) {
   const auto& s = shape;
-  if (projections.size() != 4) fail("four projections: qkv, o, gate_up, down");
+  if (stages.size() != 4) fail("four stages: qkv, o, gate_up, down");
   if (s.q_heads <= 0 || s.kv_heads <= 0 || s.q_heads % s.kv_heads != 0 || s.head_dim <= 0 ||
       s.rope_dims % 2 != 0 || s.rope_dims > s.head_dim) {
     fail("bad head shape");
   }
   const int hidden = input_norm.ndim() == 1 ? input_norm.shape(0) : 0;
-  const int inter = projections[DOWN].w.shape(1) * 32 / std::max(1, projections[DOWN].bits);
+  if (stages[DOWN].size() != 1 || stages[DOWN][0].w.ndim() != 2) fail("down: one projection");
+  const auto& down = stages[DOWN][0];
+  const int inter = down.w.shape(1) * 32 / std::max(1, down.bits);
   check_vector(input_norm, hidden, "input_norm");
   check_vector(post_norm, hidden, "post_norm");
   if (q_norm) check_vector(*q_norm, s.head_dim, "q_norm");
   if (k_norm) check_vector(*k_norm, s.head_dim, "k_norm");
-  check_projection(projections[QKV], (s.q_heads + 2 * s.kv_heads) * s.head_dim, hidden, "qkv");
-  check_projection(projections[O], hidden, s.q_heads * s.head_dim, "o");
-  check_projection(projections[GATE_UP], 2 * inter, hidden, "gate_up");
-  check_projection(projections[DOWN], hidden, inter, "down");
+  if (attn_out_norm) check_vector(*attn_out_norm, hidden, "attn_out_norm");
+  if (mlp_out_norm) check_vector(*mlp_out_norm, hidden, "mlp_out_norm");
+  check_stage(stages[QKV], (s.q_heads + 2 * s.kv_heads) * s.head_dim, hidden, 3, "qkv");
+  check_stage(stages[O], hidden, s.q_heads * s.head_dim, 1, "o");
+  check_stage(stages[GATE_UP], 2 * inter, hidden, 2, "gate_up");
+  check_stage(stages[DOWN], hidden, inter, 1, "down");
   std::vector<mx::array> weights = {input_norm, post_norm};
-  if (q_norm) weights.push_back(*q_norm);
-  if (k_norm) weights.push_back(*k_norm);
-  for (const auto& p : projections) {
-    weights.insert(weights.end(), {p.w, p.scales, p.biases});
-    if (p.bias) weights.push_back(*p.bias);
+  for (const auto* norm : {&q_norm, &k_norm, &attn_out_norm, &mlp_out_norm}) {
+    if (*norm) weights.push_back(**norm);
+  }
+  for (const auto& stage : stages) {
+    for (const auto& p : stage) {
+      weights.insert(weights.end(), {p.w, p.scales, p.biases});
+      if (p.bias) weights.push_back(*p.bias);
+    }
   }
   mx::eval(weights);
   for (auto& w : weights) {  // a row-contiguous view (an offset into a larger buffer) is kept
@@ -430,7 +500,7 @@ DecoderLayer::DecoderLayer(
   mx::eval(weights);
   mx::eval(none_);
   weights_ = std::move(weights);
-  projections_ = std::move(projections);
+  stages_ = std::move(stages);
 }
 
 std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
@@ -440,6 +510,7 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
     int index,
     const std::optional<mx::array>& positions,
     const std::optional<mx::array>& mask,
+    int seen,
     mx::StreamOrDevice s) const {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
@@ -459,6 +530,10 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
   if (index < 0 || index + L > cache_shape[2]) {
     fail("index..index + L - 1 must be within the cache's capacity");
   }
+  if (seen >= 0 && (L != 1 || seen <= index || seen > cache_shape[2])) {
+    fail("seen: one token, written at index < seen <= capacity");
+  }
+  const int keys_seen = seen >= 0 ? seen : index + L;
   // empty (evaluated, so no op) where there are no per-row positions / no mask
   std::vector<mx::array> inputs = {x, keys, values, none_, none_};
   if (positions) {
@@ -470,17 +545,20 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
         : mx::reshape(mx::astype(*positions, mx::int32, stream), {-1}, stream);
   }
   if (mask) {
-    const bool fits = mask->ndim() == 4 && mask->shape(2) == L && mask->shape(3) == index + L &&
+    const bool fits = mask->ndim() == 4 && mask->shape(2) == L && mask->shape(3) == keys_seen &&
         (mask->shape(0) == 1 || mask->shape(0) == B) &&
         (mask->shape(1) == 1 || mask->shape(1) == shape_.q_heads);
-    if (!fits) fail("mask must broadcast to (B, q_heads, L, index + L)");
+    if (!fits) fail("mask must broadcast to (B, q_heads, L, index + L) (seen: (B, q_heads, 1, seen))");
     if (mask->dtype() != mx::bool_ && mask->dtype() != mx::float32) fail("mask: bool or float32");
     inputs[MASK] = *mask;
   }
   inputs.insert(inputs.end(), weights_.begin(), weights_.end());
   auto outs = mx::array::make_arrays(
       {x.shape(), cache_shape, cache_shape}, {mx::float32, mx::float32, mx::float32},
-      std::make_shared<DecodeLayer>(stream, projections_, q_norm_, k_norm_, shape_, index),
+      std::make_shared<DecodeLayer>(
+          stream, stages_,
+          std::array<bool, 4>{q_norm_, k_norm_, attn_out_norm_, mlp_out_norm_}, shape_, index,
+          seen),
       inputs);
   return {outs[0], outs[1], outs[2]};
 }

@@ -38,8 +38,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from pipeserve.engine.cpu_kernels.cache_steps import CacheStep, advance, decode_step
 from pipeserve.engine.cpu_kernels.layers import (
     QUANT_KEYS,
     KernelEmbedding,
@@ -190,26 +190,28 @@ class FusedBlock(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         step = None if self._decoder is None else decode_step(x, mask, cache, self._max_tokens)
         if step is not None:
-            return self._step(x, cache, *step)
+            return one_op_step(self._decoder, x, cache, step)
         residual = self.self_attn(self.input_layernorm(x), mask, cache)
         norm = self.post_attention_layernorm
         h, normed = self._ext.add_rms_norm(x, residual, norm.weight, norm.eps)
         out: mx.array = h + self.mlp(normed)
         return out
 
-    def _step(self, x: mx.array, cache: Any, index: int, positions: mx.array | None,
-              mask: mx.array | None) -> mx.array:  # fmt: skip
-        out, cache.keys, cache.values = self._decoder(
-            x, cache.keys, cache.values, index, positions, mask
-        )
-        tokens = x.shape[1]  # the offsets advance as the cache's own update_and_fetch does
-        if type(cache) is KVCache:
-            cache.offset += tokens
-        else:
-            cache.offset = cache.offset + tokens
-            cache._idx += tokens
-        result: mx.array = out
-        return result
+
+def one_op_step(decoder: Any, x: mx.array, cache: Any, step: CacheStep) -> mx.array:
+    """One layer's decode step through its `ext.DecoderLayer`: the cache's buffers
+    replaced by the op's outputs, its offsets advanced as its own update would."""
+    out, cache.keys, cache.values = decoder(
+        x, cache.keys, cache.values, step.index, step.positions, step.mask, step.seen
+    )
+    advance(cache, x.shape[1])
+    result: mx.array = out
+    return result
+
+
+def projection_args(p: Any) -> tuple[Any, ...]:
+    """A kernel projection as `ext.DecoderLayer` takes it."""
+    return (p.weight, p.scales, p.biases, p.get("bias"), p.group_size, p.bits)
 
 
 def decoder_layer(block: FusedBlock, ext: Any) -> Any:
@@ -226,7 +228,7 @@ def decoder_layer(block: FusedBlock, ext: Any) -> Any:
     rope, heads = attention.rope, attention.n_heads + 2 * attention.n_kv_heads
     try:
         return ext.DecoderLayer(
-            [(p.weight, p.scales, p.biases, p.get("bias"), p.group_size, p.bits) for p in projections],
+            [[projection_args(p)] for p in projections],
             norms[0].weight, norms[1].weight, q_norm and q_norm.weight, k_norm and k_norm.weight,
             attention.n_heads, attention.n_kv_heads, attention.qkv_proj.weight.shape[0] // heads,
             rope.dims, rope.traditional, rope.base, rope.scale, attention.scale, norms[0].eps,
@@ -234,48 +236,6 @@ def decoder_layer(block: FusedBlock, ext: Any) -> Any:
         )  # fmt: skip
     except ValueError:  # a shape the op does not take (e.g. a bias of another dtype)
         return None
-
-
-Step = tuple[int, mx.array | None, mx.array | None]
-
-
-def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int) -> Step | None:
-    """(the cache position the first new token is written at, per-row RoPE positions or
-    None, the mask as the layer op takes it) when this call is a decode step of at most
-    `max_tokens` tokens per row that the op takes, else None."""
-    tokens = x.shape[1]
-    if not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
-        return None
-    if type(cache) is KVCache:
-        index, positions = cache.offset, None
-    elif type(cache) is BatchKVCache:
-        index, positions = cache._idx, cache.offset
-    else:
-        return None
-    keys = cache.keys
-    if keys is None or index + tokens > keys.shape[2] or keys.dtype != mx.float32:
-        return None  # no buffer yet, or too small: the cache's own update grows it
-    layer_mask = step_mask(mask, tokens, index + tokens, type(cache) is KVCache)
-    if layer_mask is False:
-        return None
-    return index, positions, layer_mask
-
-
-def step_mask(mask: Any, tokens: int, keys: int, plain_cache: bool) -> mx.array | None | bool:
-    """The mask the layer op takes (its new tokens see each other causally; a mask adds
-    to that), or False: one it does not. mlx-lm passes None (one token), "causal" (a
-    KVCache's few tokens), or an array (B, 1, L, S) (BatchKVCache: left padding) or (L, S)."""
-    if mask is None:
-        return None if tokens == 1 else False  # several tokens, no mask: not causal
-    if isinstance(mask, str):
-        return None if mask == "causal" and plain_cache else False
-    if not isinstance(mask, mx.array) or mask.dtype not in (mx.bool_, mx.float32):
-        return False
-    if mask.ndim == 2:
-        mask = mask.reshape(1, 1, *mask.shape)
-    if mask.ndim != 4 or mask.shape[2:] != (tokens, keys):
-        return False
-    return mask
 
 
 _FUSED: list[tuple[str, type[FusedAttention] | type[FusedMLP]]] = [

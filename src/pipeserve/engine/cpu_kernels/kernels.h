@@ -16,6 +16,8 @@ namespace mx = mlx::core;
 namespace pipeserve {
 
 // x @ dequantize(w, scales, biases).T for MLX's affine layout, float32 out (affine_qmm.cpp).
+// An empty `biases`: a symmetric format (Q8_0, Q4_0, Q5_0), each bias -2^(bits - 1) x its
+// scale, computed from the scales instead of read.
 mx::array affine_qmm(
     const mx::array& x,
     const mx::array& w,
@@ -32,7 +34,7 @@ struct QmmRows {
   const float* x;
   const void* w;  // uint32 words (N, K * bits / 32)
   const void* scales;  // (N, K / group_size), float16 (half_scales) or float32
-  const void* biases;
+  const void* biases;  // as scales, or null: symmetric, bias = -2^(bits - 1) x scale
   float* out;
   int M, K, N, group_size, bits;
   bool half_scales;
@@ -106,34 +108,41 @@ struct LayerShape {
   int q_heads, kv_heads, head_dim, rope_dims;
   bool traditional;
   float rope_base, rope_scale, attn_scale, norm_eps, qk_norm_eps;
+  bool gelu = false;  // the gate's activation: tanh-approximated GELU (Gemma), else SiLU
 };
 
 // Most new tokens per row a DecoderLayer step takes (a decode step: 1; a speculative
 // verification: its width); prefills take the per-op path.
 constexpr int DECODER_LAYER_MAX_TOKENS = 16;
 
-// A llama-style decoder layer whose decode step of L = 1..16 tokens per row is ONE op
-// (fused_layer.cpp): rms_norm -> qkv -> heads (+ per-head norm) + RoPE -> the L new keys /
-// values written into the cache buffers at index..index + L - 1 -> attention of token l
-// over positions 0..index + l -> o -> residual add
-// + rms_norm -> gate_up -> SwiGLU -> down -> residual add. Projections: qkv, o, gate_up
-// (gate half first), down. The weights are taken (made contiguous) at construction.
+// A llama- or Gemma-style decoder layer whose decode step of L = 1..16 tokens per row is
+// ONE op (fused_layer.cpp): rms_norm -> qkv -> heads (+ per-head norm) + RoPE -> the L new
+// keys / values written into the cache buffers at index..index + L - 1 -> attention of
+// token l over positions 0..index + l -> o (-> rms_norm: Gemma's attn_out_norm) ->
+// residual add + rms_norm -> gate_up -> SwiGLU or GeGLU -> down (-> rms_norm: Gemma's
+// mlp_out_norm) -> residual add. Stages: qkv, o, gate_up (gate half first), down, each
+// one projection or several whose outputs lie side by side (q, k, v of different
+// quantizations; gate, up). The weights are taken (made contiguous) at construction.
 class DecoderLayer {
  public:
   DecoderLayer(
-      std::vector<Projection> projections,
+      std::vector<std::vector<Projection>> stages,
       mx::array input_norm,
       mx::array post_norm,
       std::optional<mx::array> q_norm,
       std::optional<mx::array> k_norm,
+      std::optional<mx::array> attn_out_norm,
+      std::optional<mx::array> mlp_out_norm,
       LayerShape shape);
 
   // x (B, L, hidden); keys / values the cache buffers (B, Hk, capacity, D), index + L <=
   // capacity; positions: int32, 1 or B RoPE positions of each row's first new token
   // (None: index); mask: boolean or additive, broadcastable to (B, Hq, L, index + L), on
-  // top of the causal order of the new tokens. Returns (out, keys, values): the cache
-  // buffers with positions index..index + L - 1 written (the input buffers, donated,
-  // where MLX allows; copies otherwise).
+  // top of the causal order of the new tokens. seen >= 1 (a sliding window's ring
+  // buffer, L = 1): the token is written at index < seen and attends to positions
+  // 0..seen - 1 of the buffer (the mask then broadcasts to (B, Hq, 1, seen)). Returns
+  // (out, keys, values): the cache buffers with the new positions written (the input
+  // buffers, donated, where MLX allows; copies otherwise).
   std::tuple<mx::array, mx::array, mx::array> operator()(
       const mx::array& x,
       const mx::array& keys,
@@ -141,13 +150,14 @@ class DecoderLayer {
       int index,
       const std::optional<mx::array>& positions,
       const std::optional<mx::array>& mask,
+      int seen = -1,
       mx::StreamOrDevice s = {}) const;
 
  private:
   mx::array none_;  // an empty input: no positions / no mask
   std::vector<mx::array> weights_;  // norms, then each projection's w, scales, biases, bias
-  std::vector<Projection> projections_;
-  bool q_norm_, k_norm_;
+  std::vector<std::vector<Projection>> stages_;
+  bool q_norm_, k_norm_, attn_out_norm_, mlp_out_norm_;
   LayerShape shape_;
 };
 

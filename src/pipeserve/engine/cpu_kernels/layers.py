@@ -64,16 +64,35 @@ class KernelLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
+def symmetric_zero(scales: mx.array, biases: mx.array, bits: int) -> float | None:
+    """-2^(bits - 1) where every bias is that times its scale (GGUF's Q8_0, Q4_0, Q5_0
+    blocks: q * d - 2^(bits - 1) * d, exact in float16 as a power of two), else None."""
+    zero = -(2 ** (bits - 1))
+    return float(zero) if mx.array_equal(biases, scales * zero).item() else None
+
+
 class KernelEmbedding(nn.Module):
+    """A quantized embedding (and tied output projection). Symmetric blocks (a GGUF's
+    Q8_0 embedding, Gemma 3's 262k x 640 one) keep no biases: the kernel computes each
+    from its scale (the same numbers), so the output projection reads and holds 1/9 fewer
+    bytes (10.5 MB on Gemma 3 270M)."""
+
     def __init__(self, layer: nn.QuantizedEmbedding, ext: Any) -> None:
         super().__init__()
         self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
         self.group_size, self.bits = layer.group_size, layer.bits
+        self._zero = symmetric_zero(layer.scales, layer.biases, layer.bits)
+        if self._zero is not None:
+            self.biases = mx.zeros((0,), dtype=layer.scales.dtype)  # affine_qmm: symmetric
         self._ext = ext
 
     def __call__(self, ids: mx.array) -> mx.array:
         # float32 scales: a float16 dequantize would round every looked-up weight
-        scales, biases = self.scales[ids].astype(mx.float32), self.biases[ids].astype(mx.float32)
+        scales = self.scales[ids].astype(mx.float32)
+        if self._zero is None:
+            biases = self.biases[ids].astype(mx.float32)
+        else:
+            biases = scales * self._zero  # exact: a power of two
         return mx.dequantize(self.weight[ids], scales, biases, self.group_size, self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:

@@ -63,12 +63,24 @@ inline void swiglu_span(const float* __restrict gate, const float* __restrict up
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];
 }
 
-// silu(gate) * up for each row of a fused gate/up projection: row r's gate at
-// base + rows[r], its up `half * step` after it, elements `step` apart; out (rows, half)
-// contiguous. Split over the kernels' pool in runs of elements (each computed alone, so
-// the result does not depend on the split). Not from inside a parallel_for job.
+// gelu_approx(gate) * up (Gemma's GeGLU): MLX's 0.5 g (1 + tanh(y)), y = sqrt(2 / pi)
+// (g + 0.044715 g^3), written as g / (1 + exp(-2 y)) (the same function).
+inline void geglu_span(const float* __restrict gate, const float* __restrict up,
+                       float* __restrict out, int64_t n) {
+  constexpr float minus_two_c = -2.0f * 0.7978845608028654f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + fast_exp(minus_two_c * (g + 0.044715f * g * g * g))) * up[i];
+  }
+}
+
+// silu(gate) * up (gelu: gelu_approx(gate) * up) for each row of a fused gate/up
+// projection: row r's gate at base + rows[r], its up `half * step` after it, elements
+// `step` apart; out (rows, half) contiguous. Split over the kernels' pool in runs of
+// elements (each computed alone, so the result does not depend on the split). Not from
+// inside a parallel_for job.
 inline void swiglu_rows(const float* base, const std::vector<int64_t>& rows, int64_t step,
-                        int half, float* out) {
+                        int half, float* out, bool gelu = false) {
   const int64_t total = static_cast<int64_t>(rows.size()) * half;
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t row = begin / half, e = begin; e < end; ++row) {
@@ -76,13 +88,17 @@ inline void swiglu_rows(const float* base, const std::vector<int64_t>& rows, int
       const float* up = gate + half * step;
       const int64_t first = e - row * half, last = std::min<int64_t>(half, end - row * half);
       if (step == 1) {  // the common layout
-        swiglu_span(gate + first, up + first, out + e, last - first);
+        (gelu ? geglu_span : swiglu_span)(gate + first, up + first, out + e, last - first);
         e += last - first;
         continue;
       }
       for (int64_t i = first; i < last; ++i, ++e) {
-        const float g = gate[i * step];
-        out[e] = g / (1.0f + fast_exp(-g)) * up[i * step];
+        const float g = gate[i * step], u = up[i * step];
+        if (gelu) {
+          geglu_span(&g, &u, out + e, 1);
+        } else {
+          out[e] = g / (1.0f + fast_exp(-g)) * u;
+        }
       }
     }
   };

@@ -162,6 +162,7 @@ def _fuse_cpu_ops(model: Any, name: str, blocks: bool = True) -> None:
 
     from pipeserve.engine.cpu_kernels import kernels
     from pipeserve.engine.cpu_kernels.fused_layers import use_fused_layers
+    from pipeserve.engine.cpu_kernels.gemma_layers import use_gemma_layers
     from pipeserve.engine.cpu_kernels.layers import use_fused_ops
 
     if mx.default_device() != mx.cpu:
@@ -169,7 +170,7 @@ def _fuse_cpu_ops(model: Any, name: str, blocks: bool = True) -> None:
     ext = kernels()
     if ext is not None:
         ops = use_fused_ops(model, ext)
-        fused = use_fused_layers(model, ext) if blocks else 0
+        fused = (use_fused_layers(model, ext) + use_gemma_layers(model, ext)) if blocks else 0
         log.info("%s: %d norm / RoPE layers run as one CPU op each, %d blocks with fused "
                  "projections", name, ops, fused)  # fmt: skip
 

@@ -25,8 +25,11 @@ GLOBAL_TENSORS: dict[str, str] = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# GGUF tensors read into config.json instead of weights (llama 3's rope factors).
-CONFIG_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
+# GGUF tensors read into config.json instead of weights (llama 3's rope factors, Phi-3's
+# longrope factors).
+CONFIG_TENSORS: frozenset[str] = frozenset(
+    {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+)
 
 # GGUF vectors that mlx-lm holds as a one-row Linear (qwen2moe's shared-expert gate).
 ROW_VECTORS: tuple[str, ...] = (".ffn_gate_inp_shexp.weight",)

@@ -56,8 +56,8 @@ def convert(path: Path, out: Path) -> None:
     names = {gguf: mlx_name(gguf, arch) for gguf in types if gguf not in CONFIG_TENSORS}
     tokenizer = build_tokenizer(meta)
     tensors = gguf_tensors(path)
-    freqs = _rope_freqs(tensors)
-    config = model_config(meta, file.architecture_name, arch, names, types, freqs)
+    rope = _config_tensors(tensors)
+    config = model_config(meta, file.architecture_name, arch, names, types, rope)
     write_shards(out, read_weights(tensors, names, arch, config))
     tokenizer.save(str(out / "tokenizer.json"))
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -66,11 +66,13 @@ def convert(path: Path, out: Path) -> None:
     _write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
 
 
-def _rope_freqs(tensors: list[Any]) -> np.ndarray | None:
-    for tensor in tensors:
-        if tensor.name == "rope_freqs.weight":
-            return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
-    return None
+def _config_tensors(tensors: list[Any]) -> dict[str, np.ndarray]:
+    """The rope tensors config.json takes (CONFIG_TENSORS), by name without `.weight`."""
+    return {
+        tensor.name.removesuffix(".weight"): np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+        for tensor in tensors
+        if tensor.name in CONFIG_TENSORS
+    }
 
 
 def mlx_name(gguf_name: str, arch: Architecture) -> str:

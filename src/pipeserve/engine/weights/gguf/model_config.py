@@ -4,6 +4,7 @@ mlx-lm's `quantization` section."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -26,8 +27,10 @@ def model_config(
     arch: Architecture,
     names: dict[str, str],
     types: dict[str, str],
-    rope_freqs: np.ndarray | None = None,
+    rope_tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
+    """`rope_tensors`: the file's rope_freqs / rope_factors_long / rope_factors_short
+    (names without `.weight`), which become rope scaling here."""
     config: dict[str, Any] = {"model_type": arch.model_type}
     for key, (gguf_key, default) in {**CONFIG_KEYS, **arch.config}.items():
         full = f"{arch_name}.{gguf_key}"
@@ -44,7 +47,7 @@ def model_config(
     for key in arch.head_dim_keys:
         config[key] = config["head_dim"]
     _sliding_window(config, arch)
-    _rope(config, meta, arch_name, arch, rope_freqs)
+    _rope(config, meta, arch_name, arch, rope_tensors or {})
     config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     config["tie_word_embeddings"] = "output.weight" not in types
     if arch.attention_bias_key:
@@ -71,7 +74,7 @@ def _rope(
     meta: dict[str, Any],
     arch_name: str,
     arch: Architecture,
-    rope_freqs: np.ndarray | None,
+    tensors: dict[str, np.ndarray],
 ) -> None:
     if arch.rope == "traditional":
         config["rope_traditional"] = True
@@ -80,8 +83,10 @@ def _rope(
         config["partial_rotary_factor"] = int(dims) / config["head_dim"]
     kind = meta.get(f"{arch_name}.rope.scaling.type")
     factor = meta.get(f"{arch_name}.rope.scaling.factor")
-    if rope_freqs is not None:
-        config["rope_scaling"] = llama3_scaling(rope_freqs, config)
+    if "rope_freqs" in tensors:
+        config["rope_scaling"] = llama3_scaling(tensors["rope_freqs"], config)
+    elif "rope_factors_long" in tensors:
+        config.update(_longrope(meta, arch_name, arch, tensors, config))
     elif kind == "linear" and factor:
         config["rope_scaling"] = {"type": "linear", "factor": float(factor)}
     elif kind == "yarn" and factor:
@@ -90,6 +95,35 @@ def _rope(
         raise GgufError(
             f"GGUF rope scaling {kind!r} is not supported (supported: linear, llama3, yarn)"
         )
+
+
+def _longrope(meta: dict[str, Any], arch_name: str, arch: Architecture,
+              tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Phi-3's longrope (rope_factors_long / _short and the attention factor) as mlx-lm's
+    `longrope` rope scaling (SuScaledRoPE). mlx-lm rotates every position with the long
+    factors, as llama.cpp does where its context exceeds the original one (with a context
+    at most that long llama.cpp takes the short factors); SuScaledRoPE derives the
+    attention factor from the two context lengths, which must give the file's."""
+    key = f"{arch_name}.rope.scaling"
+    if arch.model_type != "phi3":
+        raise GgufError(f"GGUF rope_factors_long.weight is not supported for {arch_name}")
+    original = meta.get(f"{key}.original_context_length")
+    short = tensors.get("rope_factors_short")
+    if original is None or short is None:
+        raise GgufError(f"GGUF longrope: {key}.original_context_length or "
+                        "rope_factors_short.weight is missing")  # fmt: skip
+    long = tensors["rope_factors_long"]
+    ratio = config["max_position_embeddings"] / int(original)
+    derived = math.sqrt(1 + math.log(ratio) / math.log(int(original))) if ratio > 1 else 1.0
+    stored = float(meta.get(f"{key}.attn_factor", 1.0))
+    if not math.isclose(derived, stored, rel_tol=1e-5):
+        raise GgufError(f"GGUF longrope: attention factor {stored:g} is not the one the "
+                        f"context lengths give ({derived:g}); not supported")  # fmt: skip
+    return {
+        "original_max_position_embeddings": int(original),
+        "rope_scaling": {"type": "longrope", "long_factor": long.tolist(),
+                         "short_factor": short.tolist()},
+    }  # fmt: skip
 
 
 def _yarn(meta: dict[str, Any], arch_name: str, factor: float) -> dict[str, Any]:
