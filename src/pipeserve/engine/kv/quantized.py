@@ -208,15 +208,15 @@ class BatchQuantizedKVCache(_BaseCache):
         )
 
     def extract(self, idx: int) -> QuantizedRowCache:
-        row: Any = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
+        out = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
+        row: Any = out  # mlx-lm's attributes are typed None
         if self.keys is None or self.values is None:
-            return row
+            return out
         start: int = self.left_padding.tolist()[idx]
         end = self._idx
         row.keys = _each(lambda p: mx.contiguous(p[idx : idx + 1, :, start:end]), self.keys)
         row.values = _each(lambda p: mx.contiguous(p[idx : idx + 1, :, start:end]), self.values)
         row.offset = end - start
-        out: QuantizedRowCache = row
         return out
 
     @classmethod
