@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from pipeserve.config.detect import AUTO
+from pipeserve.config.kv_cache_checks import check_kv_cache
 from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import EMBEDDING_APIS, ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
@@ -88,6 +89,7 @@ def check_config(
     if parsed is not None:
         problems += check_sharding(doc, parsed)
         problems += check_speculative(doc, parsed)
+        problems += check_kv_cache(doc, parsed)
     if problems or parsed is None:
         return None, problems
     return LoadedConfig(doc.path, parsed, pipelines, text=doc.text), []

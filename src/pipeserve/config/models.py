@@ -437,12 +437,6 @@ class EngineOptions(Strict):
         " Chat's `prediction` propose from it whether or not this is set).",
     )
 
-    @model_validator(mode="after")
-    def _kv_cache_unsharded(self) -> EngineOptions:
-        if self.kv_cache is not None and self.sharding is not None:
-            raise ValueError("kv_cache: a quantized KV cache is not supported on sharded models")
-        return self
-
 
 class OutputFormatDefault(Strict):
     """A structured-output constraint for clients that cannot send one: exactly one key.

@@ -262,22 +262,6 @@ class BatchQuantizedKVCache(_BaseCache):
         return sum(p.nbytes for p in (*self.keys, *self.values))
 
 
-def head_dims(model: Any) -> set[int]:
-    """The attention head sizes of `model`'s layers that have them (q/k/v per layer)."""
-    found = set()
-    for _, module in model.named_modules():
-        dim = getattr(module, "head_dim", None)
-        if isinstance(dim, int):
-            found.add(dim)
-    args: Any = getattr(model, "args", None)
-    dim = getattr(args, "head_dim", None)
-    if isinstance(dim, int):
-        found.add(dim)
-    elif getattr(args, "hidden_size", None) and getattr(args, "num_attention_heads", None):
-        found.add(args.hidden_size // args.num_attention_heads)
-    return found
-
-
 class RowCaches:
     """Makes a new row's per-layer caches: the model's own, with every plain KVCache
     quantized as `options` says (or None: mlx-lm's default caches)."""
@@ -286,14 +270,16 @@ class RowCaches:
         self.model, self.options = model, options
         if options is None:
             return
-        for dim in head_dims(model):
-            if dim % options.group_size:
-                raise LoadRefused(
-                    f"options.kv_cache.group_size {options.group_size} does not divide the"
-                    f" model's attention head size {dim}"
-                )
-        if not any(type(c) is KVCache for c in make_prompt_cache(model)):
+        caches = self()
+        if not any(type(c) is QuantizedRowCache for c in caches or []):
             raise LoadRefused("options.kv_cache: this model has no plain KV cache to quantize")
+        try:  # one token through every layer: head sizes, attention sinks, cache kinds
+            mx.eval(model(mx.array([[0]]), cache=caches))
+        except (ValueError, TypeError) as error:
+            raise LoadRefused(
+                f"options.kv_cache (bits {options.bits}, group_size {options.group_size}):"
+                f" this model cannot keep its KV cache quantized: {error}"
+            ) from error
 
     def __call__(self) -> list[Any] | None:
         options = self.options
