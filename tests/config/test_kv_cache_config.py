@@ -46,3 +46,22 @@ def test_bad_kv_cache_is_a_positioned_error(
     code, err = validate(write_config(tmp_path, options), capsys)
     assert code == 1
     assert f"{where}: " in err and message in err, err
+
+
+def test_a_local_gguf_head_size_is_checked_and_explained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.engine.weights.gguf_fixtures import K_QUANT, write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", dims=K_QUANT)  # 64-wide heads
+    for group, code in ((64, 0), (128, 1)):
+        config = write_config(tmp_path, f"{{kv_cache: {{bits: 8, group_size: {group}}}}}")
+        config.write_text(config.read_text().replace("demo:qwen3", str(gguf)))
+        got, err = validate(config, capsys)
+        assert got == code and ("head size 64" in err) == bool(code), err
+    config.write_text(config.read_text().replace("group_size: 128", "group_size: 64"))
+    from pipeserve.cli import main
+
+    assert main(["validate", "--explain", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache quantized (8 bits, group 64)" in out, out
