@@ -20,6 +20,7 @@ from pipeserve.config.adapter_checks import (
     check_adapter_names,
 )
 from pipeserve.config.detect import AUTO
+from pipeserve.config.kv_cache_checks import check_kv_cache
 from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import EMBEDDING_APIS, ModelEntry, ServerConfig
 from pipeserve.config.pipeline_checks import LoadedPipeline
@@ -100,6 +101,7 @@ def check_config(
     if parsed is not None:
         problems += check_sharding(doc, parsed)
         problems += check_speculative(doc, parsed)
+        problems += check_kv_cache(doc, parsed)
     if problems or parsed is None:
         return None, problems
     return LoadedConfig(doc.path, parsed, pipelines, text=doc.text), []

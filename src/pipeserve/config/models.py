@@ -175,6 +175,19 @@ class PrefixCacheOptions(Strict):
     min_tokens: int = Field(16, ge=1, description="Shorter prompts are not cached.")
 
 
+class KvCacheOptions(Strict):
+    """The decoding batch's KV cache stored quantized (MLX's affine layout), per model."""
+
+    bits: Literal[8, 4] = Field(
+        ..., description="Bits per stored key / value element: 8 or 4 (float32: 32)."
+    )
+    group_size: Literal[32, 64, 128] = Field(
+        64,
+        description="Elements sharing one scale and bias; must divide the model's attention"
+        " head size (checked at load).",
+    )
+
+
 class ShardingOptions(Strict):
     """One model across several processes / machines over mx.distributed (docs/sharding.md)."""
 
@@ -408,6 +421,11 @@ class EngineOptions(Strict):
         " stuck model or device); it is healthy again once the step ends.",
     )
     prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)
+    kv_cache: KvCacheOptions | None = Field(
+        None,
+        description="Store the KV cache quantized: {bits: 8|4, group_size: 32|64|128}; less"
+        " memory per token, attention reads the quantized keys and values (docs/configuration.md).",
+    )
     sharding: ShardingOptions | None = Field(
         None,
         description="Run this model on several processes / machines (mx.distributed), in a"

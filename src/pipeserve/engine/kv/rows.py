@@ -21,7 +21,8 @@ Here (same results as mlx-lm's, token for token):
   run), and the next step's layer ops must be queued after it has run (likewise): the
   generation batch does both at the start of its next step (mlx/generator.py);
 - elsewhere (GPU, float16 caches, no kernels) MLX's gather, as mlx-lm does, minus the wait.
-Other cache types keep mlx-lm's own methods.
+Other cache types keep their own methods (a quantized cache, engine/kv/quantized.py: its
+filter / extract / roll move the packed words, scales and biases with MLX's ops).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
+
+from pipeserve.engine.kv.quantized import BatchQuantizedKVCache
 
 
 def keep_rows(caches: list[Any], keep: list[int], ext: Any | None) -> list[mx.array]:
@@ -130,6 +133,9 @@ def trim_rows(cache: list[Any], stale: list[int], ext: Any | None = None) -> Non
         by = mx.array(shifts)
         rolled = _roll_with_kernel(cache, shifts, ext)
         for layer in cache:
+            if type(layer) is BatchQuantizedKVCache:
+                layer.roll(by)  # each of the packed words, scales and biases
+                continue
             if id(layer) not in rolled:
                 layer.keys = dynamic_roll(layer.keys, by[:, None], axis=2)
                 layer.values = dynamic_roll(layer.values, by[:, None], axis=2)

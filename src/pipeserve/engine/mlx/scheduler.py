@@ -25,6 +25,7 @@ from mlx_lm.generate import StopSequences
 from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.cpu_kernels import kernels
 from pipeserve.engine.kv.prefix_cache import CacheLookup, PrefixCache
+from pipeserve.engine.kv.quantized import RowCaches
 from pipeserve.engine.mlx.generator import BatchGenerator
 from pipeserve.engine.mlx.lora import rows_of
 from pipeserve.engine.mlx.prompt_groups import Insert, PromptGroups
@@ -57,6 +58,7 @@ class Scheduler:
         self.cache_ops = kernels() if self.stream.device == mx.cpu else None
         self.prefix = PrefixCache(options.prefix_cache)
         self.lora = rows_of(model)  # the model's LoRA adapters (engine/mlx/lora.py), or None
+        self.row_caches = RowCaches(model, options.kv_cache)  # a new row's (quantized) KV
         self.speculative = options.speculative or SpeculativeOptions(method="prompt_lookup")
         # A sharded model's ranks replay rank 0's steps: no speculation there (yet).
         self.speculation = (
@@ -113,7 +115,11 @@ class Scheduler:
         started = time.monotonic()
         try:
             for size in sorted({1, self.options.max_batch}):
-                uids = self.gen.insert([[0] * WARMUP_PROMPT_TOKENS] * size, max_tokens=[2] * size)
+                uids = self.gen.insert(
+                    [[0] * WARMUP_PROMPT_TOKENS] * size,
+                    max_tokens=[2] * size,
+                    caches=[self.row_caches() for _ in range(size)],
+                )
                 pending = set(uids)
                 while pending:
                     _, responses = self.gen.step(self._plan())
@@ -158,7 +164,7 @@ class Scheduler:
             (uid,) = self.gen.insert(
                 [list(lookup.rest)],
                 max_tokens=[job.max_tokens],
-                caches=[lookup.cache],  # None: a fresh cache
+                caches=[lookup.cache if lookup.cache is not None else self.row_caches()],
                 all_tokens=[list(prompt[: lookup.cached_tokens])],
                 samplers=[self._sampler(key, job)],
                 logits_processors=[make_processors(job.sampling)],

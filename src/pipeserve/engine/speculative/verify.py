@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from pipeserve.engine.kv.quantized import BatchQuantizedKVCache
 from pipeserve.engine.kv.rows import trim_rows
 from pipeserve.engine.sampling.constraints import RowConstraint
 from pipeserve.engine.speculative.policy import choose_width
@@ -47,7 +48,7 @@ class RowOutcome:
 
 
 def rollable(cache: list[Any]) -> bool:
-    return bool(cache) and all(type(c) is BatchKVCache for c in cache)
+    return bool(cache) and all(type(c) in (BatchKVCache, BatchQuantizedKVCache) for c in cache)
 
 
 def speculative_next(batch: Any, spec: Speculation) -> list[Any] | None:

@@ -131,6 +131,8 @@ class GgufSummary:
     special_tokens: frozenset[str]
     weight_bytes: int  # the weights as pipeserve holds them on the CPU
     kv_bytes_per_token: int  # float32 keys and values, every layer
+    key_length: int = 0  # per attention head
+    value_length: int = 0
 
     def lines(self) -> list[str]:
         types = ", ".join(f"{kind} x{count}" for kind, count in self.tensor_types.items())
@@ -191,6 +193,8 @@ def summarize(file: GgufFile) -> GgufSummary:
             _held_bytes(t.name, t.tensor_type.name, t.n_elements) for t in file.tensors
         ),
         kv_bytes_per_token=layers * kv_heads * (key_length + value_length) * 4,
+        key_length=key_length,
+        value_length=value_length,
     )
 
 
