@@ -389,7 +389,13 @@ def test_console_models_view_shows_the_embedding_chain(server: str) -> None:
     by_name = {m["name"]: m for m in models}
     minilm, demo = by_name["minilm"], by_name["demo"]
     assert minilm["kind"] == "embedding" and minilm["embedding"]["dimensions"] == 384
-    assert minilm["embedding"]["pooling"] == "mean" and minilm["stages"] == []
+    assert minilm["embedding"]["pooling"] == "mean"
+    assert [s["kind"] for s in minilm["stages"]] == [
+        "embed_input", "tokenize", "encode", "pool", "normalize",
+    ]  # fmt: skip
+    assert [s["kind"] for s in by_name["qwen3-rerank"]["stages"]] == [
+        "embed_input", "tokenize", "encode",
+    ]  # fmt: skip
     routes = {r["api"]: r["paths"] for r in minilm["routes"]}
     assert routes == {
         "openai-embeddings": ["/v1/embeddings"],

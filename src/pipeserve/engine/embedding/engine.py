@@ -24,7 +24,6 @@ from pipeserve.engine.embedding.backbone import Backbone
 from pipeserve.engine.embedding.batches import Item, Pending, WaitingPool, lay_out
 from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult
 from pipeserve.engine.embedding.mailbox import Mailbox
-from pipeserve.engine.embedding.pooling import finish, pool
 from pipeserve.engine.embedding.spec import EmbeddingSpec
 from pipeserve.engine.embedding.ticket import EmbedTicket
 from pipeserve.engine.embedding.yielding import Yielding
@@ -134,35 +133,32 @@ class EmbeddingEngine(EngineThread[WaitingPool]):
                 self._deliver(pool_, pending, "cancelled", "cancelled")
 
     def _encode(self, pool_: WaitingPool, batch: list[Item]) -> None:
+        """One padded batch: each input's token vectors (embed: the chain's pool stage
+        makes one vector of them) or its relevance score (rerank)."""
         backbone = self.backbone
         assert backbone is not None
         layout = lay_out(batch)
         ids, mask = mx.array(layout.ids), mx.array(layout.mask)
         lengths = mx.array(layout.lengths)
         hidden = backbone.hidden(ids, mask, mx.array(layout.types))
-        scoring = [i for i, item in enumerate(batch) if item.pending.job.mode == "score"]
-        pooled = pool(hidden, mask, lengths, self.spec.pooling).astype(mx.float32)
-        scores = backbone.score(hidden, lengths) if scoring else None
-        mx.eval(pooled, *([scores] if scores is not None else []))
-        vectors = np.array(pooled)
-        values = np.array(scores) if scores is not None else None
+        scoring = any(item.pending.job.mode == "score" for item in batch)
+        out = backbone.score(hidden, lengths) if scoring else hidden.astype(mx.float32)
+        mx.eval(out)
+        values = np.array(out)
         self._stats["batches_total"] += 1
         self._stats["embedded_inputs_total"] += len(batch)
         self._stats["embedded_tokens_total"] += int(layout.lengths.sum())
         for row, item in enumerate(batch):
-            self._store(pool_, item, vectors[row], None if values is None else float(values[row]))
+            self._store(pool_, item, values[row], int(layout.lengths[row]))
 
-    def _store(
-        self, pool_: WaitingPool, item: Item, vector: np.ndarray, score: float | None
-    ) -> None:
+    def _store(self, pool_: WaitingPool, item: Item, value: np.ndarray, length: int) -> None:
         pending = item.pending
         if pending.done:
             return
-        job = pending.job
-        if job.mode == "embed":
-            pending.result.vectors[item.index] = finish(vector, job.dimensions, self.spec.normalize)
+        if pending.job.mode == "embed":
+            pending.result.vectors[item.index] = value[:length]
         else:
-            pending.result.scores[item.index] = float(score if score is not None else 0.0)
+            pending.result.scores[item.index] = float(value)
         pending.left -= 1
         if pending.left == 0:
             self._deliver(pool_, pending, None, None)
