@@ -147,6 +147,7 @@ def test_pipeline_auto_detects_an_embedding_folder(minilm_dir: Path, tmp_path: P
     resolved = resolve_auto(load_server_config(config), {"m": minilm_dir})
     entry = resolved.config.models[0]
     assert (entry.kind, entry.pipeline) == ("embedding", "")
+    assert resolved.pipeline_for(entry).name == "embedding"  # its kind's chain
 
 
 def test_batches_group_by_length_from_the_oldest_input() -> None:
