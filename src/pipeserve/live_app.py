@@ -34,7 +34,13 @@ from pipeserve.server.fleet import Fleet, FleetView
 from pipeserve.server.fleet_metrics import FleetCollector
 from pipeserve.server.managed_engine import ManagedEngine
 from pipeserve.server.metrics import Metrics
-from pipeserve.server.registry import ModelTable, ServedModel, StageDecl, build_chain
+from pipeserve.server.registry import (
+    ModelTable,
+    ServedModel,
+    StageDecl,
+    build_chain,
+    build_embed_chain,
+)
 from pipeserve.server.remote.client import HostClient, RemoteEngine
 from pipeserve.server.remote.wire import model_key
 from pipeserve.stages import load_builtin_stages
@@ -124,7 +130,7 @@ class LiveApp:
         try:
             models = loaded.config.models
             slots = {
-                e.name: self._slot(e, loaded.pipelines.get(e.pipeline), created, models)
+                e.name: self._slot(e, loaded.pipelines.get(e.chain_name), created, models)
                 for e in models
             }
             for slot in slots.values():
@@ -163,9 +169,9 @@ class LiveApp:
         created: list[Engine],
         models: list[ModelEntry],
     ) -> Slot:
-        if entry.kind != "generation":  # embedding / rerank: no stage chain
-            return self._embedding_slot(entry, created)
-        assert pipeline is not None  # validated: every generation model has its pipeline
+        assert pipeline is not None  # validated: every model has its pipeline
+        if entry.kind != "generation":  # embedding / rerank: the embedding chain
+            return self._embedding_slot(entry, pipeline, created)
         old = self.slots.get(entry.name)
         rkey, ckey = runtime_key(entry, models), chain_key(entry, pipeline)
         if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
@@ -187,27 +193,40 @@ class LiveApp:
         )
         return Slot(rkey, ckey, served)
 
-    def _embedding_slot(self, entry: ModelEntry, created: list[Engine]) -> Slot:
+    def _embedding_slot(
+        self, entry: ModelEntry, pipeline: LoadedPipeline, created: list[Engine]
+    ) -> Slot:
         """An embedding or rerank model: its runtime (kept while its entry is unchanged)
-        and an empty chain. It always runs in this worker's own fleet."""
+        and its embedding chain. It always runs in this worker's own fleet."""
         from pipeserve.engine.embedding.runtime import build_embedding_runtime
         from pipeserve.engine.weights.loader import resolve_source
         from pipeserve.stages.base import Chain
 
         old = self.slots.get(entry.name)
-        rkey = runtime_key(entry)
-        if old is not None and old.runtime_key == rkey:
+        rkey, ckey = runtime_key(entry), chain_key(entry, pipeline)
+        if old is not None and old.runtime_key == rkey and old.chain_key == ckey:
             return old
-        manage = self.fleet.manager_for(entry)
+        if old is not None and old.runtime_key == rkey:
+            runtime = old.model.runtime
+        else:
+            manage = self.fleet.manager_for(entry)
 
-        def build() -> ModelRuntime:
-            model_dir = resolve_source(entry.source, entry.sha256)
-            return build_embedding_runtime(entry, model_dir, manage, self._chat_running)
+            def build() -> ModelRuntime:
+                model_dir = resolve_source(entry.source, entry.sha256)
+                return build_embedding_runtime(entry, model_dir, manage, self._chat_running)
 
-        runtime = run_off_hub(build)
-        created.append(runtime.engine)
-        served = ServedModel(entry=entry, family=entry.kind, runtime=runtime, chain=Chain([], []))
-        return Slot(rkey, "", served)
+            runtime = run_off_hub(build)
+            created.append(runtime.engine)
+        decls = [StageDecl(kind=s.kind, params=s.params, role=s.role) for s in pipeline.stages]
+        served = ServedModel(
+            entry=entry,
+            family=entry.kind,
+            runtime=runtime,
+            chain=Chain([], []),
+            stages=tuple(decls),
+            embed_chain=build_embed_chain(decls),
+        )
+        return Slot(rkey, ckey, served)
 
     def _chat_running(self) -> bool:
         """Whether a generation model of this worker decodes now (embedding engines give

@@ -10,7 +10,7 @@ import yaml
 from jsonschema import Draft202012Validator
 
 from pipeserve.cli import main
-from pipeserve.config.pipeline_checks import stage_registry
+from pipeserve.config.pipeline_checks import embed_stage_registry, stage_registry
 from pipeserve.config.schema import json_schema
 from tests.config.conftest import GOOD_CONFIG, GOOD_PIPELINE
 from tests.config.shipped import require_shipped_and_real_stages
@@ -32,7 +32,8 @@ def test_schema_is_valid_json_schema(kind: str, capsys: pytest.CaptureFixture[st
 def test_stage_items_are_one_of_the_registered_kinds(capsys: pytest.CaptureFixture[str]) -> None:
     schema = cli_schema("pipeline", capsys)
     stage_items = schema["$defs"]["PipelineFile"]["properties"]["stages"]["items"]["oneOf"]
-    assert [item["title"] for item in stage_items] == sorted(stage_registry())
+    kinds = {**stage_registry(), **embed_stage_registry()}  # chat and embedding stages
+    assert [item["title"] for item in stage_items] == sorted(kinds)
     thinking = next(i for i in stage_items if i["title"] == "test_thinking")
     assert thinking["required"] == ["test_thinking"] and thinking["additionalProperties"] is False
     params = schema["$defs"][thinking["properties"]["test_thinking"]["$ref"].split("/")[-1]]

@@ -37,6 +37,50 @@ def test_embedding_entries_need_no_pipeline(tmp_path: Path) -> None:
     assert kinds == [("embedding", "", "mean"), ("rerank", "", None)]
 
 
+def test_each_kind_runs_its_own_chain(tmp_path: Path) -> None:
+    """An embedding / rerank entry without `pipeline` runs pipelines/<kind>.yaml: the
+    embedding stages, in order."""
+    loaded = load_server_config(write(tmp_path, (
+        "  - {name: e, source: demo:qwen3, kind: embedding}\n"
+        "  - {name: r, source: demo:qwen3, kind: rerank, pipeline: auto}\n"
+    )))  # fmt: skip
+    embed, rerank = (loaded.pipeline_for(name) for name in ("e", "r"))
+    assert (embed.name, embed.kind, rerank.name, rerank.kind) == (
+        "embedding", "embedding", "rerank", "rerank",
+    )  # fmt: skip
+    assert [s.kind for s in embed.stages] == [
+        "embed_input",
+        "tokenize",
+        "encode",
+        "pool",
+        "normalize",
+    ]
+    assert [s.kind for s in rerank.stages] == ["embed_input", "tokenize", "encode"]
+
+
+def test_chains_of_the_wrong_kind_are_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    for name in ("embedding", "rerank", "chatml"):
+        (folder / f"{name}.yaml").write_text((REPO / "pipelines" / f"{name}.yaml").read_text())
+    (folder / "mixed.yaml").write_text(
+        "family: mixed\nkind: embedding\nstages:\n  - embed_input: {}\n  - generate: {}\n"
+    )
+    (folder / "chat-pool.yaml").write_text(
+        "family: x\nstages:\n  - render_template: {}\n  - generate: {}\n  - pool: {}\n"
+    )
+    config = tmp_path / "config.yaml"
+    for models, message in (
+        ("{name: e, source: demo:qwen3, kind: embedding, pipeline: chatml}", "is of kind generation"),
+        ("{name: e, source: demo:qwen3, kind: embedding, pipeline: mixed}", "unknown stage kind 'generate'"),
+        ("{name: c, source: demo:chatml, pipeline: chat-pool}", "unknown stage kind 'pool'"),
+    ):  # fmt: skip
+        config.write_text(f"pipelines_dir: pipelines\nmodels:\n  - {models}\n{ENDPOINTS}")
+        with pytest.raises(ConfigError) as refused:
+            load_server_config(config)
+        assert message in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("models", "where"),
     [

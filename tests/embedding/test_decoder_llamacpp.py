@@ -24,6 +24,7 @@ from pipeserve.engine.embedding.engine import EmbeddingEngine
 from pipeserve.engine.embedding.inputs import InputTokenizer
 from pipeserve.engine.embedding.jobs import EmbedJob
 from pipeserve.engine.embedding.runtime import build_embedding_runtime
+from tests.embedding.models import chain_vectors
 from tests.embedding.reference import SENTENCES, cosine
 from tests.engine.weights.llamacpp import run_llama_job
 from tests.engine.weights.real_ggufs import smollm2
@@ -90,7 +91,9 @@ def test_decoder_embedder_matches_llama_cpp(
     assert result is not None and result.error is None
     theirs = reference[pooling]["normalized" if normalize else "raw"]  # type: ignore[index]
     cosines, norms = [], []
-    for ours, vector in zip(result.vectors, theirs, strict=True):
+    assert runtime.embedding is not None
+    vectors = chain_vectors(result.vectors, runtime.embedding)
+    for ours, vector in zip(vectors, theirs, strict=True):
         expected = np.array(vector, dtype=np.float32)
         cosines.append(cosine(ours, expected))
         norms.append(abs(float(np.linalg.norm(ours) / np.linalg.norm(expected)) - 1.0))

@@ -113,6 +113,50 @@ def test_openai_sdk_vectors_match_the_reference(client: openai.OpenAI, minilm_di
     assert answer.usage.prompt_tokens == answer.usage.total_tokens == total
 
 
+def _match_reference(vectors: list[list[float]], texts: list[str], folder: Path) -> None:
+    reference, tokenizer = NumpyBert(folder), plain_tokenizer(folder)
+    assert len(vectors) == len(texts)
+    for text, vector in zip(texts, vectors, strict=True):
+        assert len(vector) == 384
+        assert cosine(np.array(vector), reference.embed(tokenizer.encode(text).ids)) >= 0.999
+
+
+def test_langchain_openai_embeddings_match_the_reference(server: str, minilm_dir: Path) -> None:
+    """LangChain's OpenAIEmbeddings (langchain-openai). Its default first tokenizes with
+    tiktoken, which downloads an encoding file: `check_embedding_ctx_length=False` sends
+    the strings as they are (what a user of a local server sets)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embedder = OpenAIEmbeddings(
+        model="minilm",
+        base_url=server + "/v1",
+        api_key=KEY,  # type: ignore[arg-type]
+        check_embedding_ctx_length=False,
+        chunk_size=4,  # 10 texts: three requests
+        max_retries=0,
+    )
+    texts = SENTENCES[10:20]
+    _match_reference(embedder.embed_documents(texts), texts, minilm_dir)
+    query = embedder.embed_query(SENTENCES[0])
+    _match_reference([query], SENTENCES[:1], minilm_dir)
+
+
+def test_llamaindex_openai_like_embedding_matches_the_reference(
+    server: str, minilm_dir: Path
+) -> None:
+    """LlamaIndex's OpenAI-compatible embedding class (llama-index-embeddings-openai-like)."""
+    from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+    embedder = OpenAILikeEmbedding(
+        model_name="minilm", api_base=server + "/v1", api_key=KEY, embed_batch_size=4,
+        max_retries=0,
+    )  # fmt: skip
+    texts = SENTENCES[20:30]
+    _match_reference(embedder.get_text_embedding_batch(texts), texts, minilm_dir)
+    query = embedder.get_query_embedding(SENTENCES[1])
+    _match_reference([query], SENTENCES[1:2], minilm_dir)
+
+
 def test_float_base64_tokens_and_dimensions(
     client: openai.OpenAI, server: str, minilm_dir: Path
 ) -> None:
@@ -345,7 +389,13 @@ def test_console_models_view_shows_the_embedding_chain(server: str) -> None:
     by_name = {m["name"]: m for m in models}
     minilm, demo = by_name["minilm"], by_name["demo"]
     assert minilm["kind"] == "embedding" and minilm["embedding"]["dimensions"] == 384
-    assert minilm["embedding"]["pooling"] == "mean" and minilm["stages"] == []
+    assert minilm["embedding"]["pooling"] == "mean"
+    assert [s["kind"] for s in minilm["stages"]] == [
+        "embed_input", "tokenize", "encode", "pool", "normalize",
+    ]  # fmt: skip
+    assert [s["kind"] for s in by_name["qwen3-rerank"]["stages"]] == [
+        "embed_input", "tokenize", "encode",
+    ]  # fmt: skip
     routes = {r["api"]: r["paths"] for r in minilm["routes"]}
     assert routes == {
         "openai-embeddings": ["/v1/embeddings"],

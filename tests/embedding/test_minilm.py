@@ -19,6 +19,7 @@ from pipeserve.engine.embedding.jobs import EmbedJob
 from pipeserve.engine.embedding.runtime import build_embedding_runtime
 from pipeserve.engine.embedding.spec import build_spec
 from pipeserve.errors import ApiError
+from tests.embedding.models import chain_vectors
 from tests.embedding.reference import SENTENCES, NumpyBert, cosine
 
 
@@ -43,10 +44,10 @@ def embed(
 ) -> list[np.ndarray]:
     assert isinstance(runtime.tokenizer, InputTokenizer)
     assert isinstance(runtime.engine, EmbeddingEngine)
-    job = EmbedJob("t", runtime.tokenizer.texts(texts, "input", False), dimensions=dimensions)
+    job = EmbedJob("t", runtime.tokenizer.texts(texts, "input", False))
     result = runtime.engine.embed(job).wait(60)
-    assert result is not None and result.error is None
-    return result.vectors
+    assert result is not None and result.error is None and runtime.embedding is not None
+    return chain_vectors(result.vectors, runtime.embedding, dimensions)
 
 
 def test_spec_comes_from_the_folder(minilm_dir: Path) -> None:
@@ -146,6 +147,7 @@ def test_pipeline_auto_detects_an_embedding_folder(minilm_dir: Path, tmp_path: P
     resolved = resolve_auto(load_server_config(config), {"m": minilm_dir})
     entry = resolved.config.models[0]
     assert (entry.kind, entry.pipeline) == ("embedding", "")
+    assert resolved.pipeline_for(entry).name == "embedding"  # its kind's chain
 
 
 def test_batches_group_by_length_from_the_oldest_input() -> None:

@@ -31,18 +31,21 @@ def resolve_auto(loaded: LoadedConfig, folders: Mapping[str, Path]) -> LoadedCon
     folders: model name -> local model folder (needed for the `auto` models only).
     Raises ConfigError, positioned at the entry, when nothing fits and no fallback exists.
     """
-    candidates = {name: p for name, p in loaded.pipelines.items() if p.detect is not None}
+    candidates = {
+        name: p
+        for name, p in loaded.pipelines.items()
+        if p.detect is not None and p.kind == "generation"
+    }
     models = []
     detections: dict[str, Detection] = dict(loaded.detections)
     for index, entry in enumerate(loaded.config.models):
         if entry.pipeline != AUTO:
             models.append(entry)
             continue
-        kind = detect_kind(folders[entry.name])
-        if kind is not None and entry.kind == "generation":
-            log.info(
-                "model %s: pipeline auto found %s model (docs/embeddings.md)", entry.name, kind
-            )
+        kind = detect_kind(folders[entry.name]) if entry.kind == "generation" else entry.kind
+        if kind is not None and kind != "generation":
+            log.info("model %s: pipeline auto found %s model, pipeline %s (docs/embeddings.md)",
+                     entry.name, kind, kind)  # fmt: skip
             models.append(entry.model_copy(update={"kind": kind, "pipeline": ""}))
             continue
         try:

@@ -23,8 +23,8 @@ from pipeserve.config.detect import AUTO
 from pipeserve.config.kv_cache_checks import check_kv_cache
 from pipeserve.config.loader import YamlDoc, display_path, dotted
 from pipeserve.config.models import EMBEDDING_APIS, ModelEntry, ServerConfig
-from pipeserve.config.pipeline_checks import LoadedPipeline
-from pipeserve.config.pipeline_folder import pipeline_folder
+from pipeserve.config.pipeline_checks import EMBED_KINDS, LoadedPipeline
+from pipeserve.config.pipeline_folder import pipeline_folder, shipped_pipelines
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
 from pipeserve.config.sharding_checks import check_sharding
 from pipeserve.config.source_checks import check_sources
@@ -56,7 +56,7 @@ class LoadedConfig:
 
     def pipeline_for(self, model: ModelEntry | str) -> LoadedPipeline:
         entry = model if isinstance(model, ModelEntry) else self.model(model)
-        return self.pipelines[entry.pipeline]
+        return self.pipelines[entry.chain_name]
 
     def model(self, name: str) -> ModelEntry:
         for entry in self.config.models:
@@ -191,8 +191,11 @@ def _check_model_pipelines(
     available = _pipeline_files(folder)
     for i, model in models:
         name = model.get("pipeline")
-        if not isinstance(name, str) or not name or model.get("kind") in ("embedding", "rerank"):
-            continue  # embedding and rerank models have no stage chain
+        if model.get("kind") in EMBED_KINDS:
+            problems += _check_embedding(doc, i, model, available, validator, pipelines)
+            continue
+        if not isinstance(name, str) or not name:
+            continue
         if name == AUTO:
             problems += _check_auto(doc, i, available, validator, pipelines, problems)
             continue
@@ -219,15 +222,49 @@ def _check_auto(
 ) -> list[Problem]:
     """`pipeline: auto`: every pipeline of the folder with a detect section is a candidate."""
     problems: list[Problem] = []
-    for name, path in available.items():
+    for name, path in {**_embedding_files(available), **available}.items():
         loaded, file_problems = validator.pipeline(path)
         problems += [p for p in file_problems if p not in seen and p not in problems]
-        if loaded is not None and loaded.detect is not None:
-            pipelines[name] = loaded
+        if loaded is not None and (loaded.detect is not None or loaded.kind in EMBED_KINDS):
+            pipelines[name] = loaded  # an embedding folder's chain is its kind's
     if not problems and not any(p.detect for p in pipelines.values()):
         message = "pipeline auto: no pipeline in the folder has a `detect:` section"
         problems.append(doc.problem(("models", index, "pipeline"), message))
     return problems
+
+
+def _embedding_files(available: dict[str, Path]) -> dict[str, Path]:
+    """The embedding and rerank pipelines: the folder's, else the shipped ones."""
+    shipped = _pipeline_files(shipped_pipelines())
+    return {
+        k: available.get(k) or shipped[k] for k in EMBED_KINDS if k in available or k in shipped
+    }
+
+
+def _check_embedding(
+    doc: YamlDoc,
+    index: int,
+    model: dict[str, Any],
+    available: dict[str, Path],
+    validator: PipelineSource,
+    pipelines: dict[str, LoadedPipeline],
+) -> list[Problem]:
+    """An embedding or rerank model's pipeline: its own (not `auto`), else its kind's."""
+    kind, name = str(model.get("kind")), model.get("pipeline")
+    if not isinstance(name, str) or name in ("", AUTO):
+        name = kind
+    path = available.get(name) or _embedding_files(available).get(name)
+    if path is None:
+        message = f"no pipeline {name!r} in {display_path(shipped_pipelines())}"
+        return [doc.problem(("models", index, "pipeline"), message)]
+    loaded, problems = validator.pipeline(path)
+    if loaded is None:
+        return problems
+    if loaded.kind != kind:
+        message = f"pipeline {name!r} is of kind {loaded.kind}; this model is of kind {kind}"
+        return [doc.problem(("models", index, "pipeline"), message)]
+    pipelines[name] = loaded
+    return []
 
 
 def _pipeline_files(folder: Path) -> dict[str, Path]:

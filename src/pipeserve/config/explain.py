@@ -64,7 +64,7 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
         summary = gguf_summary(entry)
         folder = locate(entry.source) if summary is None else summary.path
         if entry.kind != "generation":
-            lines.append(f"  {entry.name}: kind {entry.kind} (no pipeline: docs/embeddings.md)")
+            lines.append(f"  {entry.name}: kind {entry.kind}, pipeline {entry.chain_name}")
             continue
         if folder is None:
             where = f"{entry.source} is not here yet (downloaded when the server starts)"

@@ -653,7 +653,8 @@ class ModelEntry(Strict):
     pipeline: str = Field(
         "",
         description="Pipeline name (pipelines/<name>.yaml), or `auto` to pick it from the model"
-        " folder; required for kind generation, unused by embedding and rerank models.",
+        " folder; required for kind generation; an embedding or rerank model without one runs"
+        " the pipeline of its kind (embedding.yaml, rerank.yaml).",
     )
     engine: Literal["mlx", "replay"] = "mlx"
     aliases: list[str] = Field(
@@ -687,6 +688,14 @@ class ModelEntry(Strict):
         description="LoRA adapters (mlx-lm's adapter folders) served with this model, each"
         " request's rows with its own adapter or none in one batch (engine mlx).",
     )
+
+    @property
+    def chain_name(self) -> str:
+        """The pipeline this entry runs: its own; an embedding or rerank model without one
+        (or with `auto`) runs the pipeline named after its kind (pipelines/embedding.yaml)."""
+        if self.kind != "generation" and self.pipeline in ("", "auto"):
+            return self.kind
+        return self.pipeline
 
     @model_validator(mode="after")
     def _pipeline_for_generation(self) -> ModelEntry:
@@ -740,6 +749,11 @@ class ServerConfig(Strict):
 
 class PipelineFile(Strict):
     family: str = Field(..., min_length=1, description="Model family this pipeline serves.")
+    kind: Literal["generation", "embedding", "rerank"] = Field(
+        "generation",
+        description="The models it serves: generation (chat stages), or embedding / rerank"
+        " (the embedding chain's stages: embed_input, tokenize, encode, pool, normalize).",
+    )
     description: str = ""
     detect: DetectSection | None = Field(
         None, description="How `pipeline: auto` recognizes models of this family."

@@ -18,6 +18,10 @@ from pipeserve.config.loader import YamlDoc
 from pipeserve.config.models import PipelineFile
 from pipeserve.config.problems import PathKey, Problem, pydantic_problems, suggestion
 from pipeserve.stages.base import STAGE_REGISTRY, StageRole, StageSpec
+from pipeserve.stages.embedding.base import EmbedStageSpec
+
+EMBED_KINDS = ("embedding", "rerank")  # pipelines of these kinds hold embedding stages
+AnySpec = StageSpec | EmbedStageSpec
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class StageEntry:
     kind: str
     params: BaseModel
     role: StageRole
-    spec: StageSpec
+    spec: AnySpec
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class LoadedPipeline:
     description: str
     stages: tuple[StageEntry, ...]
     detect: DetectSection | None = None
+    kind: str = "generation"  # generation, or embedding / rerank (stages/embedding/)
 
 
 def stage_registry() -> Mapping[str, StageSpec]:
@@ -54,6 +59,13 @@ def stage_registry() -> Mapping[str, StageSpec]:
             if exc.name != name:
                 raise
     return STAGE_REGISTRY
+
+
+def embed_stage_registry() -> Mapping[str, EmbedStageSpec]:
+    """The embedding stage kinds (an embedding or rerank pipeline's)."""
+    from pipeserve.stages.embedding import load_embed_stages
+
+    return load_embed_stages()
 
 
 def check_pipeline(
@@ -73,10 +85,13 @@ def check_pipeline(
         problems += own
     items = doc.data.get("stages")
     stages: list[StageEntry | None] = []
+    embedding = doc.data.get("kind") in EMBED_KINDS
+    kinds: Mapping[str, AnySpec] = embed_stage_registry() if embedding else registry
     if isinstance(items, list):
-        specs = [_check_stage(doc, i, item, registry, problems) for i, item in enumerate(items)]
+        specs = [_check_stage(doc, i, item, kinds, problems) for i, item in enumerate(items)]
         stages = [entry for _, entry in specs]
-        problems += _check_roles(doc, [spec for spec, _ in specs])
+        if not embedding:
+            problems += _check_roles(doc, [spec for spec, _ in specs])
     if problems or parsed is None:
         return None, problems
     pipeline = LoadedPipeline(
@@ -86,13 +101,14 @@ def check_pipeline(
         description=parsed.description,
         stages=tuple(s for s in stages if s is not None),
         detect=parsed.detect,
+        kind=parsed.kind,
     )
     return pipeline, []
 
 
 def _check_stage(
-    doc: YamlDoc, index: int, item: Any, registry: Mapping[str, StageSpec], problems: list[Problem]
-) -> tuple[StageSpec | None, StageEntry | None]:
+    doc: YamlDoc, index: int, item: Any, registry: Mapping[str, AnySpec], problems: list[Problem]
+) -> tuple[AnySpec | None, StageEntry | None]:
     """The stage's spec (None: unknown or malformed) and its validated entry (None: invalid)."""
     path: PathKey = ("stages", index)
     if not isinstance(item, dict) or len(item) != 1:
@@ -124,7 +140,7 @@ def _check_stage(
     return spec, StageEntry(kind, validated, spec.role, spec)
 
 
-def _check_roles(doc: YamlDoc, specs: list[StageSpec | None]) -> list[Problem]:
+def _check_roles(doc: YamlDoc, specs: list[AnySpec | None]) -> list[Problem]:
     problems = []
     generate = [i for i, s in enumerate(specs) if s is not None and s.role == "generate"]
     render = [i for i, s in enumerate(specs) if s is not None and s.role == "render"]
@@ -145,6 +161,6 @@ def _check_roles(doc: YamlDoc, specs: list[StageSpec | None]) -> list[Problem]:
     return problems
 
 
-def _stage_key(specs: list[StageSpec | None], index: int) -> PathKey:
+def _stage_key(specs: list[AnySpec | None], index: int) -> PathKey:
     spec = specs[index]
     return ("stages", index, spec.kind) if spec else ("stages", index)

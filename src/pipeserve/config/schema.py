@@ -1,6 +1,7 @@
 """JSON Schema (draft 2020-12) of server configs and pipeline files, for editors.
 
-Pipeline stage items are a oneOf over the registered stage kinds, each a single-key
+Pipeline stage items are a oneOf over the registered stage kinds (the chat stages and
+the embedding chain's, stages/embedding/), each a single-key
 object whose value is that kind's params schema, so yaml-language-server completes
 stage names and their parameters.
 """
@@ -15,19 +16,22 @@ from pydantic.json_schema import models_json_schema
 
 from pipeserve.config.models import PipelineFile, ServerConfig
 from pipeserve.stages.base import StageSpec
+from pipeserve.stages.embedding.base import EmbedStageSpec
+
+AnySpec = StageSpec | EmbedStageSpec
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 SchemaKind = Literal["config", "pipeline", "all"]
 
 
 def json_schema(
-    kind: SchemaKind = "all", registry: Mapping[str, StageSpec] | None = None
+    kind: SchemaKind = "all", registry: Mapping[str, AnySpec] | None = None
 ) -> dict[str, Any]:
     """The schema of one file kind, or of either kind ("all")."""
     if registry is None:
-        from pipeserve.config.pipeline_checks import stage_registry
+        from pipeserve.config.pipeline_checks import embed_stage_registry, stage_registry
 
-        registry = stage_registry()
+        registry = {**stage_registry(), **embed_stage_registry()}
     specs = [registry[k] for k in sorted(registry)]
     models: list[type[BaseModel]] = [ServerConfig, PipelineFile]
     models += [s.params_model for s in specs if s.params_model not in models]
@@ -60,7 +64,7 @@ def _name(ref: str) -> str:
     return ref.removeprefix("#/$defs/")
 
 
-def _stage_item(spec: StageSpec, params_ref: str) -> dict[str, Any]:
+def _stage_item(spec: AnySpec, params_ref: str) -> dict[str, Any]:
     params: dict[str, Any] = {"$ref": params_ref}
     if not any(f.is_required() for f in spec.params_model.model_fields.values()):
         params = {"anyOf": [params, {"type": "null"}]}  # `- generate:` with no params

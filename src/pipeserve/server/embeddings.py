@@ -1,4 +1,5 @@
-"""The embeddings and rerank routes: decode -> tokenize -> the model's engine -> encode.
+"""The embeddings and rerank routes: decode -> the model's embedding chain (its pipeline's
+stages: input, tokenize, encode, pool, normalize; stages/embedding/) -> encode.
 
 One resource per route and shape (OpenAI `/v1/embeddings`, Ollama `/api/embed` and
 `/api/embeddings`, `/v1/rerank`). Keys, scopes, the body limits, the request timeout,
@@ -22,8 +23,7 @@ from pipeserve.api.embeddings.decode import (
 from pipeserve.api.embeddings.encode import encode_embeddings, encode_rerank
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.engine.embedding.engine import EmbeddingEngine
-from pipeserve.engine.embedding.inputs import InputTokenizer
-from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult, Sequence
+from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult
 from pipeserve.engine.embedding.ticket import EmbedTicket
 from pipeserve.errors import ApiError, invalid
 from pipeserve.server.body import read_json_body
@@ -33,14 +33,12 @@ from pipeserve.server.managed_engine import ManagedEngine
 from pipeserve.server.metrics import Metrics
 from pipeserve.server.registry import ModelTable, ServedModel
 from pipeserve.server.request_log import RequestRecord, record_of
+from pipeserve.stages.embedding.base import EmbedContext
+from pipeserve.stages.embedding.embed_input import DEFAULT_RERANK_TEMPLATE
+
+__all__ = ["DEFAULT_RERANK_TEMPLATE", "add_embedding_routes"]
 
 log = logging.getLogger("pipeserve.http")
-DEFAULT_RERANK_TEMPLATE = (
-    "<|im_start|>system\nJudge whether the Document meets the requirements based on the"
-    ' Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
-    "<|im_end|>\n<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n"
-    "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-)
 
 
 def add_embedding_routes(
@@ -101,11 +99,14 @@ class EmbeddingsResource:
             kind = "rerank" if self.shape == "rerank" else "embedding"
             served = self.models.resolve(request.model, grant.scope(self.allowed), kind=kind)
             label = record.model = served.name
-            job = build_job(served, request, request_id(req))
-            result = self.run(req, served, job, started)
-            record.prompt_tokens = result.tokens
-            self.metrics.prompt_tokens.labels(served.name).inc(result.tokens)
-            resp.media = self.encode(request, served, result, started)
+            if served.embed_chain is None:
+                raise invalid(f"model {served.name} does not embed", "model")
+            ctx = context_of(served, request, request_id(req))
+            ctx.submit = lambda job: self.run(req, served, job, started)  # encode's way in
+            served.embed_chain.run(ctx)
+            record.prompt_tokens = ctx.tokens
+            self.metrics.prompt_tokens.labels(served.name).inc(ctx.tokens)
+            resp.media = self.encode(request, served, ctx, started)
         except ApiError as error:
             record.error = error.kind
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))
@@ -137,15 +138,13 @@ class EmbeddingsResource:
         return result
 
     def encode(
-        self, request: EmbedRequest | RerankRequest, served: ServedModel, result: EmbedResult,
+        self, request: EmbedRequest | RerankRequest, served: ServedModel, ctx: EmbedContext,
         started: float,
     ) -> dict[str, object]:  # fmt: skip
         if isinstance(request, RerankRequest):
-            return encode_rerank(request, served.name, result.scores, result.tokens)
+            return encode_rerank(request, served.name, ctx.scores, ctx.tokens)
         seconds = time.monotonic() - started
-        return encode_embeddings(
-            self.shape, request, served.name, result.vectors, result.tokens, seconds
-        )
+        return encode_embeddings(self.shape, request, served.name, ctx.vectors, ctx.tokens, seconds)
 
 
 def submit(runtime: ModelRuntime, job: EmbedJob, timeout: float) -> EmbedTicket:
@@ -157,65 +156,24 @@ def submit(runtime: ModelRuntime, job: EmbedJob, timeout: float) -> EmbedTicket:
     raise invalid(f"model {runtime.name} does not embed", "model")
 
 
-def build_job(served: ServedModel, request: EmbedRequest | RerankRequest, rid: str) -> EmbedJob:
-    """The request's inputs as token sequences, within the model's limits."""
-    runtime = served.runtime
-    tokenizer = runtime.tokenizer
-    spec = runtime.embedding
-    assert isinstance(tokenizer, InputTokenizer) and spec is not None
-    options = served.entry.embedding
+def context_of(
+    served: ServedModel, request: EmbedRequest | RerankRequest, rid: str
+) -> EmbedContext:
+    """The decoded request as the embedding chain's protocol-neutral context."""
+    ctx = EmbedContext(served.runtime, served.entry.embedding, rid, submit=_not_submitted)
+    ctx.truncate = request.truncate
     if isinstance(request, RerankRequest):
-        _check_count(len(request.documents), options.max_inputs, "documents")
-        return EmbedJob(rid, rerank_sequences(served, tokenizer, request), mode="score")
-    _check_count(request.count, options.max_inputs, request.field)
-    dimensions = check_dimensions(request.dimensions, spec.dimensions, spec.matryoshka)
-    if request.texts is not None:
-        seqs = tokenizer.texts(request.texts, request.field, request.truncate, request.single)
-    else:
-        arrays = request.token_arrays or []
-        seqs = tokenizer.token_arrays(arrays, request.field, request.truncate, request.single)
-    return EmbedJob(rid, seqs, mode="embed", dimensions=dimensions)
+        ctx.scoring, ctx.field_name = True, "documents"
+        ctx.query, ctx.documents = request.query, request.documents
+        return ctx
+    ctx.field_name, ctx.single, ctx.asked_dimensions = (
+        request.field,
+        request.single,
+        request.dimensions,
+    )
+    ctx.texts, ctx.token_arrays = request.texts, request.token_arrays
+    return ctx
 
 
-def rerank_sequences(
-    served: ServedModel, tokenizer: InputTokenizer, request: RerankRequest
-) -> list[Sequence]:
-    """Cross-encoders read (query, document) pairs; decoder rerankers a prompt each."""
-    if _is_encoder(served):
-        return tokenizer.pairs(request.query, request.documents, request.truncate)
-    options = served.entry.embedding
-    template = options.rerank_template or DEFAULT_RERANK_TEMPLATE
-    prompts = [
-        template.format(instruction=options.rerank_instruction, query=request.query, document=d)
-        for d in request.documents
-    ]
-    return tokenizer.texts(prompts, "documents", request.truncate)
-
-
-def _is_encoder(served: ServedModel) -> bool:
-    from pipeserve.engine.embedding.backbone import is_encoder
-
-    return is_encoder(served.runtime.model_dir)
-
-
-def _check_count(count: int, limit: int, field: str) -> None:
-    if count > limit:
-        raise invalid(
-            f"'{field}' has {count} items; this model takes at most {limit} per request", field
-        )
-
-
-def check_dimensions(asked: int | None, native: int, matryoshka: bool) -> int | None:
-    if asked is None or asked == native:
-        return None
-    if asked > native:
-        raise invalid(
-            f"'dimensions' is {asked}; this model's vectors have {native} dimensions", "dimensions"
-        )
-    if not matryoshka:
-        raise invalid(
-            f"'dimensions': this model's vectors have {native} dimensions and it is not"
-            " configured for shorter ones (embedding.matryoshka)",
-            "dimensions",
-        )
-    return asked
+def _not_submitted(job: EmbedJob) -> EmbedResult:
+    raise RuntimeError("the route sets ctx.submit before it runs the chain")

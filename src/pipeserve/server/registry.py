@@ -12,6 +12,7 @@ from pipeserve.config.models import ModelEntry
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.errors import ApiError
 from pipeserve.stages.base import STAGE_REGISTRY, BuildEnv, Chain, Stage, StageRole
+from pipeserve.stages.embedding import EmbedChain, load_embed_stages
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ServedModel:
     runtime: ModelRuntime
     chain: Chain
     stages: tuple[StageDecl, ...] = ()  # the validated pipeline the chain was built from
+    embed_chain: EmbedChain | None = None  # kind embedding / rerank: its built chain
 
     @property
     def name(self) -> str:
@@ -42,6 +44,12 @@ def build_chain(stages: Sequence[StageDecl], env: BuildEnv) -> Chain:
     for decl in stages:
         built.append(STAGE_REGISTRY[decl.kind].factory(decl.params, env))
     return Chain(built, [decl.role for decl in stages])
+
+
+def build_embed_chain(stages: Sequence[StageDecl]) -> EmbedChain:
+    """An embedding / rerank pipeline's stages, each built once from its params."""
+    registry = load_embed_stages()
+    return EmbedChain([registry[decl.kind].factory(decl.params) for decl in stages])
 
 
 _KIND_TEXT = {

@@ -20,13 +20,13 @@ class Sequence:
 
 @dataclass(slots=True)
 class EmbedJob:
-    """mode embed: one vector per sequence; mode score: one relevance score per sequence
-    (a cross-encoder's logit, or a decoder's probability of `yes`)."""
+    """mode embed: the token vectors of each sequence (the chain's pool stage makes one
+    vector of them); mode score: one relevance score per sequence (a cross-encoder's
+    logit, or a decoder's probability of `yes`)."""
 
     request_id: str
     sequences: list[Sequence]
     mode: Mode = "embed"
-    dimensions: int | None = None  # Matryoshka: cut to this many (validated before)
 
     @property
     def tokens(self) -> int:
@@ -35,7 +35,7 @@ class EmbedJob:
 
 @dataclass(slots=True)
 class EmbedResult:
-    """vectors (embed) or scores (score), in the order of the job's sequences; error:
+    """vectors (embed: [length, width] each) or scores (score), in the order of the job's sequences; error:
     why the job ended without them (cancelled, engine fault, shutdown)."""
 
     vectors: list[np.ndarray] = field(default_factory=list)

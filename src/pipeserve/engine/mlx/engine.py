@@ -12,37 +12,29 @@ thread that made them (docs/architecture.md, "Threading model").
 from __future__ import annotations
 
 import atexit
-import gc
-import itertools
 import logging
-import queue
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
-
 from pipeserve.backend import describe_device
 from pipeserve.config.models import EngineOptions
-from pipeserve.engine.base import AlwaysHealthy, GenerationJob
+from pipeserve.engine.base import GenerationJob
+from pipeserve.engine.mlx.engine_thread import MAX_RETRY_AFTER, RETRY_AFTER_SECONDS, EngineThread
 from pipeserve.engine.mlx.scheduler import Scheduler
 from pipeserve.engine.output.channel import Channel, Courier
 from pipeserve.engine.output.detokenize import Detokenizers
 from pipeserve.engine.output.request_state import RequestState
 from pipeserve.engine.output.stream import EngineStream
 from pipeserve.engine.weights.memory import release_free_memory
-from pipeserve.errors import ApiError, refused_load
-from pipeserve.gevent_support import OsFlag, OsThreadHost, os_lock, os_simple_queue, start_os_thread
+from pipeserve.errors import ApiError
+from pipeserve.gevent_support import OsThreadHost
 
 log = logging.getLogger("pipeserve.engine")
 
-_CLOSE = ("close",)
-RETRY_AFTER_SECONDS = 1.0
-MAX_RETRY_AFTER = 60.0
 
-
-class MlxEngine(AlwaysHealthy):
+class MlxEngine(EngineThread[tuple[Scheduler, Courier]]):
     """Engine for a loaded mlx-lm model; `submit` is safe from any thread or greenlet.
 
     Unhealthy while one step has run longer than options.stall_seconds: a wedged step
@@ -60,34 +52,15 @@ class MlxEngine(AlwaysHealthy):
         host: OsThreadHost | None = None,
         load_draft: Callable[[], Any] | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(name, options or EngineOptions())
         self.tokenizer = tokenizer
-        self.options = options or EngineOptions()
         self.max_tokens_limit = self.options.max_tokens_limit
-        self._capacity = self.options.max_batch + self.options.queue_size
         self._detokenizers = Detokenizers(tokenizer)
-        self._inbox = os_simple_queue()
-        self._lock = os_lock()
-        self._in_flight = 0
-        self._closed = False
-        self._keys = itertools.count(1)
-        self._stats: dict[str, float] = {"requests_total": 0, "overloaded_total": 0}
-        self._load_error: BaseException | None = None
         self._adapter_failures: dict[str, str] = {}  # set at load (engine/mlx/lora.py)
         self._step_started: float | None = None  # monotonic start of the running step
-        self._loaded = OsFlag()
-        self._stopped = OsFlag()
         self._load_model = load_model
         self._load_draft = load_draft  # method draft: its weights, on the engine thread too
-        if host is not None:  # a reused thread: it returns to its host when the engine stops
-            host.run(self._serve)
-        else:
-            start_os_thread(self._run, name=f"pipeserve-engine-{name}")
-        self._loaded.wait()
-        if self._load_error is not None:
-            raise RuntimeError(
-                f"model {name}: loading failed: {self._load_error}"
-            ) from self._load_error
+        self._launch(host, f"pipeserve-engine-{name}")
         # Stop decoding before interpreter shutdown tears down what the thread uses.
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -120,28 +93,10 @@ class MlxEngine(AlwaysHealthy):
         """The LoRA adapters this model refused at load, with their reasons (if any)."""
         return {"adapter_errors": dict(self._adapter_failures)} if self._adapter_failures else {}
 
-    def _admit(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise ApiError("unavailable", f"model {self.name} is shutting down")
-            if self._in_flight >= self._capacity:
-                self._stats["overloaded_total"] += 1
-                raise ApiError(
-                    "overloaded",
-                    f"model {self.name} is at capacity ({self._in_flight} requests in flight); retry later",
-                    retry_after=self._retry_after(),
-                )
-            self._in_flight += 1
-            self._stats["requests_total"] += 1
-
     def _retry_after(self) -> float:
         """About when a place frees up: with max_batch running, one ends every mean/max_batch s."""
         mean = float(self._stats.get("mean_request_seconds") or RETRY_AFTER_SECONDS)
         return min(MAX_RETRY_AFTER, max(RETRY_AFTER_SECONDS, mean / self.options.max_batch))
-
-    def _release(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
 
     def stats(self) -> dict[str, float]:
         """Live counters for metrics: queue depth, active sequences, cache hits, tokens.
@@ -175,34 +130,12 @@ class MlxEngine(AlwaysHealthy):
         running = 0.0 if started is None else time.monotonic() - started
         return running if running > self.options.stall_seconds else None
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop: requests still running end with an error; later submits are refused."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._inbox.put(_CLOSE)
-        self._stopped.wait(timeout)
-
     # -- engine thread ------------------------------------------------------------
 
-    def _run(self) -> None:
-        self._serve()
-        self._park()
-
-    def _serve(self) -> None:
-        """Load, decode until closed, free the model; returns (the caller parks or reuses)."""
-        try:
-            batch = self._new_batch(self._load_model())
-            if self._load_draft is not None:
-                batch.use_draft(self._load_draft())
-        except BaseException as exc:  # reported to the constructor's caller
-            if refused_load(exc) is None:
-                log.exception("model %s failed to load", self.name)
-            self._load_error = exc
-            self._loaded.set()
-            self._stopped.set()
-            return
+    def _open(self) -> tuple[Scheduler, Courier]:
+        batch = self._new_batch(self._load_model())
+        if self._load_draft is not None:
+            batch.use_draft(self._load_draft())
         self._load_model = self._load_draft = lambda: None  # drop the loader closures
         if batch.lora is not None:
             self._adapter_failures = dict(batch.lora.failed)
@@ -210,39 +143,22 @@ class MlxEngine(AlwaysHealthy):
         if self.options.warmup:
             batch.warm_up()
         release_free_memory()  # the load's and the warm-up's garbage (engine/weights/memory.py)
-        self._loaded.set()
-        courier = Courier()
-        try:
-            self._loop(batch, courier)
-        finally:
-            batch.close(courier)
-            courier.flush()
-            del batch  # free MLX state on the thread that made it (mlx_lm.server does too)
-            try:
-                mx.synchronize()
-            except RuntimeError:  # a sharded model's ring reports its closed peers here
-                log.debug("model %s: synchronize at close failed", self.name, exc_info=True)
-            gc.collect()
-            self._stopped.set()
+        return batch, Courier()
+
+    def _shut(self, state: tuple[Scheduler, Courier]) -> None:
+        batch, courier = state
+        batch.close(courier)
+        courier.flush()
 
     def _new_batch(self, model: Any) -> Scheduler:
         return Scheduler(model, self.options, self._stats)
 
-    def _park(self) -> None:
-        """Never let the engine thread exit.
-
-        MLX keeps a per-thread compile cache whose thread-exit destructor takes the
-        GIL; if that races with interpreter shutdown the process aborts ("terminate
-        called without an active exception"). A parked daemon thread never runs it.
-        """
-        while True:
-            self._inbox.get()
-
-    def _loop(self, batch: Scheduler, courier: Courier) -> None:
+    def _loop(self, state: tuple[Scheduler, Courier]) -> None:
+        batch, courier = state
         running = True
         while running:
             try:
-                running = self._drain(batch, courier, block=batch.idle)
+                running = self._drain(state, block=batch.idle)
                 if running and not batch.idle:
                     self._step_started = time.monotonic()
                     batch.step(courier)
@@ -254,21 +170,12 @@ class MlxEngine(AlwaysHealthy):
                 self._release()
             courier.flush()
 
-    def _drain(self, batch: Scheduler, courier: Courier, block: bool) -> bool:
-        """Apply every pending message; False when the engine must stop."""
-        while True:
-            try:
-                message = self._inbox.get() if block else self._inbox.get(block=False)
-            except queue.Empty:
-                return True
-            block = False
-            kind = message[0]
-            if kind == "submit":
-                batch.add(message[1], message[2], courier)
-            elif kind == "cancel":
-                batch.cancel(message[1], courier)
-            elif kind == "close":
-                return False
+    def _handle(self, state: tuple[Scheduler, Courier], message: tuple[Any, ...]) -> None:
+        batch, courier = state
+        if message[0] == "submit":
+            batch.add(message[1], message[2], courier)
+        elif message[0] == "cancel":
+            batch.cancel(message[1], courier)
 
 
 def _close_at_exit(ref: weakref.ref[MlxEngine]) -> None:
