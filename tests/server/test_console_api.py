@@ -206,3 +206,23 @@ def test_models_view_states_loading_then_failed_with_the_reason(
     assert state_of(facts) == "failed"
     assert "the weights are truncated" in facts["load_error"]
     fleet.close()
+
+
+def test_models_view_gives_the_kv_bytes_per_token_the_cache_holds(
+    demo_model_dir: Any, tmp_path: Path
+) -> None:
+    """The Models view's KV cache per token equals what mlx-lm's cache arrays hold per
+    position after a real prefill of the demo model (float32, every layer)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pipeserve.engine.weights.loader import load_model
+    from pipeserve.server.console.models_view import kv_bytes_per_token
+
+    folder = demo_model_dir("qwen3")
+    model = load_model(folder, "float32", False)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=cache))
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    assert kv_bytes_per_token(folder) == held // cache[0].keys.shape[2]
+    assert kv_bytes_per_token(tmp_path) is None  # no config.json (a replay engine's folder)
