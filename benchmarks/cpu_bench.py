@@ -414,6 +414,12 @@ def main() -> None:
     parser.add_argument(
         "--long-tokens", type=int, default=16, help="tokens decoded after each long prompt"
     )
+    parser.add_argument(
+        "--llama-build",
+        choices=["best", "avx2"],
+        default="best",
+        help="best: the build matching this CPU (ratios are against it); avx2: the tests' build",
+    )
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.long = [int(n) for n in args.long.split(",") if n.strip()]
@@ -446,7 +452,7 @@ def run(args: argparse.Namespace) -> None:
     n_ctx = max([2048, *args.long]) + max(args.tokens, args.long_tokens) + 64
     worker_args = [str(gguf), str(args.threads), eos, str(n_ctx)]
     env = {**bench_environment(home, str(args.threads)), "PIPESERVE_CPU_THREADS": str(args.threads)}
-    build, cmake_args = llama_build(cpu_flags())
+    build, cmake_args = llama_build(cpu_flags() if args.llama_build == "best" else set())
     llama = llama_python(home, build, cmake_args)
     print(f"llama.cpp build: {build} (CMAKE_ARGS {cmake_args})", flush=True)
     specs = [("pipeserve", sys.executable, env, ["pipeserve", *worker_args]),
