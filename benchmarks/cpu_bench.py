@@ -337,7 +337,8 @@ def llama_build(flags: set[str]) -> tuple[str, str]:
     """(name, CMAKE_ARGS) of the llama.cpp build that matches a CPU with these
     /proc/cpuinfo flags: AVX2/FMA/F16C (the tests' build, "avx2"), plus AVX-512 and its
     VNNI and BF16 extensions where present (e.g. "avx512-vnni-bf16")."""
-    tags, args = [], [LLAMA_CMAKE_ARGS]
+    tags: list[str] = []
+    args = [LLAMA_CMAKE_ARGS]
     for tag, needed, switch in LLAMA_AVX512:
         if set(needed) <= flags and (tags or tag == "avx512"):
             tags.append(tag)
@@ -345,13 +346,16 @@ def llama_build(flags: set[str]) -> tuple[str, str]:
     return "-".join(tags) or "avx2", " ".join(args)
 
 
+def llama_venv(home: Path, name: str) -> Path:
+    return home / "bench" / ("llama-cpp-venv" if name == "avx2" else f"llama-cpp-{name}-venv")
+
+
 def llama_python(home: Path, name: str, cmake_args: str) -> str:
     """The interpreter of the llama-cpp-python venv of build `name`, created and built
     on first use: the AVX2 build in bench/llama-cpp-venv (the one the llamacpp tests
     use), any other in bench/llama-cpp-<name>-venv, built from source without pip's
     cache (which would hand back a wheel built with other flags)."""
-    folder = "llama-cpp-venv" if name == "avx2" else f"llama-cpp-{name}-venv"
-    venv = home / "bench" / folder
+    venv = llama_venv(home, name)
     python = venv / "bin" / "python"
     check = [str(python), "-c", "import llama_cpp"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
@@ -454,7 +458,9 @@ def run(args: argparse.Namespace) -> None:
     env = {**bench_environment(home, str(args.threads)), "PIPESERVE_CPU_THREADS": str(args.threads)}
     build, cmake_args = llama_build(cpu_flags() if args.llama_build == "best" else set())
     llama = llama_python(home, build, cmake_args)
-    print(f"llama.cpp build: {build} (CMAKE_ARGS {cmake_args})", flush=True)
+    note = llama_venv(home, build) / BUILD_NOTE  # the arguments it was really built with
+    built_with = note.read_text().strip() if note.exists() else "not recorded"
+    print(f"llama.cpp build: {build} (CMAKE_ARGS {built_with})", flush=True)
     specs = [("pipeserve", sys.executable, env, ["pipeserve", *worker_args]),
              ("llama.cpp", llama, dict(os.environ), ["llama", *worker_args])]  # fmt: skip
     if not args.no_fallback:
@@ -487,9 +493,9 @@ def kv_bytes_per_token(folder: Path, dtype_bytes: int = 4) -> int:
 
     config = read_config(folder)
     config = {**config, **(config.get("text_config") or {})}
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     return int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * dtype_bytes
 
 
