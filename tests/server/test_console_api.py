@@ -206,3 +206,37 @@ def test_models_view_states_loading_then_failed_with_the_reason(
     assert state_of(facts) == "failed"
     assert "the weights are truncated" in facts["load_error"]
     fleet.close()
+
+
+def test_models_view_gives_the_kv_bytes_per_token_the_cache_holds(
+    demo_model_dir: Any, tmp_path: Path
+) -> None:
+    """The Models view's KV cache per token equals what mlx-lm's cache arrays hold per
+    position after a real prefill of the demo model (float32, every layer), and, with
+    `options.kv_cache`, what mlx-lm's quantized cache holds."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+    from pipeserve.config.models import KvCacheOptions
+    from pipeserve.engine.weights.loader import load_model
+    from pipeserve.server.console.models_view import kv_bytes_per_token
+
+    folder = demo_model_dir("qwen3")
+    model = load_model(folder, "float32", False)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=cache))
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    assert kv_bytes_per_token(folder, None) == held // cache[0].keys.shape[2]
+    assert kv_bytes_per_token(tmp_path, None) is None  # no config.json (a replay engine's)
+    # options.kv_cache: what mlx-lm's quantized cache holds (a 32-wide head: the demo's 16
+    # is below MLX's smallest group)
+    (tmp_path / "q").mkdir()
+    shape = {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "q" / "config.json").write_text(json.dumps({**shape, "head_dim": 32}))
+    for bits in (8, 4):
+        layer = QuantizedKVCache(group_size=32, bits=bits)
+        rows = mx.zeros((1, 2, 5, 32), dtype=mx.float32)
+        mx.eval(layer.update_and_fetch(rows, rows))
+        held = sum(a.nbytes for a in (*layer.keys, *layer.values)) // layer.keys[0].shape[2]
+        options = KvCacheOptions(bits=bits, group_size=32)
+        assert kv_bytes_per_token(tmp_path / "q", options) == 3 * held

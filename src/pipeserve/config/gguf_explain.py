@@ -24,7 +24,7 @@ def gguf_lines(entry: ModelEntry, summary: GgufSummary) -> list[str]:
     kv = entry.options.kv_cache
     if kv is not None:
         lines.append(f"    KV cache quantized ({kv.bits} bits, group {kv.group_size}): "
-                     f"{quantized_kv_bytes(summary, kv.bits, kv.group_size) * 1024 / 2**20:.1f}"
+                     f"{kv.bytes_per_token(summary.kv_bytes_per_token) * 1024 / 2**20:.1f}"
                      " MiB per 1024 tokens")  # fmt: skip
     if not summary.chat_template:
         if entry.chat_template is not None:
@@ -35,10 +35,3 @@ def gguf_lines(entry: ModelEntry, summary: GgufSummary) -> list[str]:
                 "`chat_template:` on this model (a .jinja file or a built-in name)"
             )
     return lines
-
-
-def quantized_kv_bytes(summary: GgufSummary, bits: int, group_size: int) -> float:
-    """Bytes per token of a quantized cache (packed elements, a float32 scale and bias
-    per group) from the float32 figure (4 bytes per element)."""
-    elements = summary.kv_bytes_per_token / 4
-    return elements * bits / 8 + elements / group_size * 8

@@ -187,6 +187,12 @@ class KvCacheOptions(Strict):
         " head size (checked at load).",
     )
 
+    def bytes_per_token(self, float32_bytes: int) -> int:
+        """A token's cache bytes from its float32 figure (4 bytes an element): packed
+        elements, and a float32 scale and bias per group."""
+        elements = float32_bytes // 4
+        return elements * self.bits // 8 + elements // self.group_size * 8
+
 
 class ShardingOptions(Strict):
     """One model across several processes / machines over mx.distributed (docs/sharding.md)."""

@@ -173,3 +173,34 @@ def test_cpu_kernel_logits_match_the_float32_layout(smollm2: tuple[Path, Path]) 
             ours, theirs = (m(tokens, cache=c)[:, -1] for m, c in zip((fast, dense), caches))
             assert mx.abs(ours - theirs).max().item() <= LOGIT_TOLERANCE, prompt
             tokens = mx.argmax(theirs, axis=-1, keepdims=True)
+
+
+# A prompt long enough (~250 tokens) that its prefill multiplies more than 64 rows at once:
+# on an AVX512-VNNI build the int8 prompt GEMM (cpu_kernels/prefill_gemm.cpp) takes it.
+LONG_PROMPT = (
+    "Here are my notes from the week. "
+    + " ".join(
+        f"On day {d} I walked {d * 3 % 7 + 2} miles and read {d % 4 + 1} chapters."
+        for d in range(1, 15)
+    )
+    + " Summarize the notes in one sentence."
+)
+
+
+def test_long_prompt_greedy_tokens_match_numpy_reference(smollm2: tuple[Path, Path]) -> None:
+    """Prefill through the prompt GEMM (int8 activations, as llama.cpp's): the 20 greedy
+    tokens are still the float32 numpy reference's own choices."""
+    gguf, _folder = smollm2
+    entry = ModelEntry(name="smollm2", source=str(gguf), pipeline="chatml",
+                       options=EngineOptions(dtype="auto"))  # fmt: skip
+    runtime = build_runtime(entry)
+    try:
+        prompt = runtime.tokenizer.apply_chat_template(
+            [{"role": "user", "content": LONG_PROMPT}], add_generation_prompt=True
+        )
+        ids = collect(runtime.engine.submit(job(prompt, GREEDY_TOKENS))).ids
+    finally:
+        runtime.engine.close()
+    assert len(prompt) > 200
+    agree, logits = NumpyLlama(gguf).greedy_agrees(list(prompt), ids)
+    assert agree == GREEDY_TOKENS, (runtime.tokenizer.decode(ids), agree)

@@ -29,6 +29,10 @@ ENV_SWITCH = "PIPESERVE_CPU_KERNELS"  # "off" forces the float32 path
 ENV_THREADS = "PIPESERVE_CPU_THREADS"  # threads the kernels split rows over
 BITS = (4, 5, 8)
 SELF_TEST_TOLERANCE = 1e-4  # relative to the output's scale; float32 sums differ ~1e-6
+# Prompt chunks (prefill_gemm.cpp) round x to int8 per group, as llama.cpp does: ~5e-3 of
+# the output's scale on normal data (the float path where the GEMM is not built: ~1e-6).
+PREFILL_TOLERANCE = 2e-2
+PREFILL_SELF_TEST_ROWS = 72  # more than affine_qmm.cpp's PREFILL_MIN_M
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -91,8 +95,28 @@ def self_test(ext: Any) -> None:
         error = mx.abs(got - expected).max().item()
         scale = mx.abs(expected).max().item()
         assert error <= SELF_TEST_TOLERANCE * scale, f"self-test: {bits}-bit error {error:.3g}"
+    _self_test_prefill(ext, weights)
     _self_test_fused(ext, x, weights)
     _self_test_f32_matmul(ext, x, weights)
+
+
+def _self_test_prefill(ext: Any, weights: Any) -> None:
+    """A prompt chunk (more rows than the decode paths take: prefill_gemm.cpp's int8
+    GEMM where built) against MLX's dequantize + matmul, within PREFILL_TOLERANCE."""
+    import mlx.core as mx
+
+    x = mx.random.normal((PREFILL_SELF_TEST_ROWS, 128), key=mx.random.key(11))
+    for bits in BITS:
+        w, scales, biases = mx.quantize(weights, group_size=32, bits=bits)
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
+        expected = x @ dense.T
+        got = ext.affine_qmm(x, w, scales, biases, 32, bits)
+        error = mx.abs(got - expected).max().item()
+        scale = mx.abs(expected).max().item()
+        assert error <= PREFILL_TOLERANCE * scale, (
+            f"self-test: {bits}-bit prefill error {error:.3g}"
+        )
 
 
 def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:

@@ -1017,6 +1017,9 @@ void row_range(const Problem& p, int n_begin, int n_end) {
   for (; n < n_end; ++n) rows<BITS, S, 1>(p, n);
 }
 
+// Rows of x above which prefill_gemm.cpp's int8 GEMM takes the product where built.
+constexpr int PREFILL_MIN_M = 64;
+
 constexpr size_t CHUNK_WEIGHTS = 1 << 16;  // work per claimed chunk (weights x rows of x)
 
 template <int BITS, typename S>
@@ -1060,6 +1063,10 @@ void dispatch_bits(const Problem& p, int bits) {
 }
 
 void compute(Problem p, int bits, bool half_scales) {
+  if (p.M > PREFILL_MIN_M &&
+      prefill_qmm({p.x, p.w, p.scales, p.biases, p.out, p.M, p.K, p.N, p.group_size, bits, half_scales})) {
+    return;  // a prompt chunk: the int8 GEMM (prefill_gemm.cpp)
+  }
   std::vector<float> xsum;
 #if defined(PIPESERVE_INT_PATH)
   thread_local QuantizedX quantized;

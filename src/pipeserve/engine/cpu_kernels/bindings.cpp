@@ -102,4 +102,9 @@ NB_MODULE(_pipeserve_cpu, m) {
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);
   m.def("simd", &pipeserve::simd_name, "The instruction set this build uses.");
+  m.def("prefill_gemm_built", &pipeserve::prefill_gemm_built,
+        "Whether the int8 VNNI GEMM for prompt chunks is built (prefill_gemm.cpp).");
+  m.def("set_prefill_gemm", &pipeserve::set_prefill_gemm, "on"_a,
+        "Switches the int8 prompt-chunk GEMM on or off (off: the float path).");
+  m.def("prefill_gemm_enabled", &pipeserve::prefill_gemm_enabled);
 }

@@ -32,6 +32,7 @@ SOURCE_FILES = (
     "attention.h",
     "attention.cpp",
     "affine_qmm.cpp",
+    "prefill_gemm.cpp",
     "fused.cpp",
     "fused_step.cpp",
     "fused_layer.cpp",

@@ -41,6 +41,13 @@ struct QmmRows {
 };
 void affine_qmm_rows(const QmmRows& args);
 
+// The same product for prompt chunks as an int8 AVX512-VNNI GEMM (prefill_gemm.cpp):
+// false (nothing written) where it is not built, switched off, or x is not finite.
+bool prefill_qmm(const QmmRows& args);
+bool prefill_gemm_built();
+void set_prefill_gemm(bool on);
+bool prefill_gemm_enabled();
+
 // mx.fast.rms_norm as one CPU op, float32 (fused.cpp).
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
 

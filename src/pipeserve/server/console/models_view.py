@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeserve.api.base import WireProtocol
 from pipeserve.backend import installed_backends
-from pipeserve.config.models import EMBEDDING_APIS, EndpointEntry, ShardingOptions
+from pipeserve.config.models import EMBEDDING_APIS, EndpointEntry, KvCacheOptions, ShardingOptions
 from pipeserve.server.registry import ServedModel
 
 
@@ -43,6 +43,7 @@ def describe_model(
         "device": device_of(entry.engine),
         "backend": ", ".join(installed_backends()) or "mlx",
         "context_length": runtime.context_length,
+        "kv_bytes_per_token": kv_bytes_per_token(runtime.model_dir, entry.options.kv_cache),
         "default_max_tokens": runtime.default_max_tokens,
         "sampling": dict(runtime.sampling_defaults),
         "capabilities": sorted(served.chain.capabilities()),
@@ -75,6 +76,23 @@ def adapters_of(served: ServedModel, residency: Mapping[str, Any]) -> list[dict[
         }
         for a in served.entry.adapters
     ]
+
+
+def kv_bytes_per_token(model_dir: Path, quantized: KvCacheOptions | None) -> int | None:
+    """Keys and values of one token over every layer as the engine caches them: float32
+    (layers x kv heads x head dim x 2 x 4 bytes, from the model's config.json), or that
+    quantized per `options.kv_cache`; None without a config.json (e.g. a replay
+    engine's folder) or without those fields."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        config = {**config, **(config.get("text_config") or {})}
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        float32 = int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * 4
+        return float32 if quantized is None else quantized.bytes_per_token(float32)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def state_of(residency: Mapping[str, Any]) -> str:

@@ -150,7 +150,8 @@ class GgufSummary:
             + (f" (re-quantized: {', '.join(requant)})" if requant else ""),
             f"chat template: {template}",
             f"memory: weights {self.weight_bytes / 2**20:.0f} MiB, KV cache "
-            f"{self.kv_bytes_per_token * 1024 / 2**20:.1f} MiB per 1024 tokens",
+            f"{self.kv_bytes_per_token * 1024 / 2**20:.1f} MiB per 1024 tokens "
+            f"({self.kv_bytes_per_token} bytes per token)",
         ]
         return lines
 

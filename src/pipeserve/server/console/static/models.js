@@ -53,6 +53,7 @@ function modelCard(model, placed) {
       fact("device", model.device),
       fact("backend", model.backend),
       fact("context", model.context_length ? `${model.context_length} tokens` : "model default"),
+      model.kv_bytes_per_token ? fact("KV cache", `${bytes(model.kv_bytes_per_token)} per token`) : null,
       fact("in flight / queue", `${model.in_flight} / ${model.queue}`),
       model.embedding ? null : fact("sampling defaults", samplingText(model.sampling)),
       ...embeddingFacts(model),

@@ -1,0 +1,305 @@
+// Prompt chunks (more rows of x than the decode paths take): y = x @ dequantize(w).T on
+// MLX's affine layout as an int8 GEMM with AVX512-VNNI vpdpbusd, as llama.cpp multiplies
+// prompts: each row of x is rounded to int8 per weight group (scale = the group's largest
+// magnitude / 127) per run of 32 values, like llama.cpp's Q8_0 activations, whatever
+// the weights' group size (an outlier column coarsens only its own 32 values); the
+// weights' unsigned integers (4, 5 or 8 bits) are the other operand as they are, 64
+// exact multiply-adds per instruction. Per output, group g and run c of the group:
+//     scale[n, g] * xscale[m, c] * (q[n, c] . xq[m, c]) + bias[n, g] * xsum[m, g]
+// with xsum the sum of the rounded x, so the result is exactly the product of the
+// rounded x (float32 accumulation over runs and groups).
+//
+// Layout: the output columns are the vector lanes. A block of 32 weight rows is unpacked
+// once into a buffer that stays in L2 ([K / 4][32 rows][4 bytes]: the four values one
+// vpdpbusd lane multiplies), its scales and biases into float32 ([G][32]); then tiles of
+// up to 6 rows of x x 32 columns stream past it, 4 values of a row of x broadcast to all
+// lanes, int32 sums per group converted and scaled once. Blocks are claimed by the
+// kernels' pool. Built only where the compiler targets AVX512-VNNI (the build picks its
+// flags from /proc/cpuinfo); elsewhere, for a NaN or infinity in x, or when switched off,
+// prefill_qmm returns false and the caller takes its float path.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "kernels.h"
+#include "simd512.h"
+
+namespace pipeserve {
+
+namespace {
+std::atomic<bool> enabled{true};
+}  // namespace
+
+void set_prefill_gemm(bool on) { enabled.store(on); }
+bool prefill_gemm_enabled() { return enabled.load(); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+
+bool prefill_gemm_built() { return true; }
+
+namespace {
+
+constexpr int NB = 32;  // weight rows (output columns) per block: two vectors of 16
+constexpr int MT = 6;  // rows of x per tile
+
+constexpr int RUN = 32;  // values of x per int8 scale
+
+struct Int8X {
+  std::vector<int8_t> q;  // (M, K)
+  std::vector<float> scale;  // (M, K / RUN)
+  std::vector<float> sum;  // (M, G): sums of the rounded x per weight group
+};
+
+// Rounds x to int8 per run of 32; false when x holds a NaN or an infinity.
+bool quantize_rows(const float* x, int M, int K, int group_size, Int8X& qx) {
+  const int G = K / group_size, runs = K / RUN;
+  qx.q.resize(static_cast<size_t>(M) * K);
+  qx.scale.resize(static_cast<size_t>(M) * runs);
+  qx.sum.assign(static_cast<size_t>(M) * G, 0.0f);
+  std::atomic<bool> finite{true};
+  parallel_for((M + 15) / 16, [&](int chunk) {
+    __mmask16 bad = 0;
+    for (int m = chunk * 16; m < std::min(M, chunk * 16 + 16); ++m) {
+      for (int c = 0; c < runs; ++c) {
+        const float* v = x + static_cast<size_t>(m) * K + static_cast<size_t>(c) * RUN;
+        __m512 peak = _mm512_setzero_ps();
+        for (int k = 0; k < RUN; k += 16) {
+          const __m512 a = _mm512_loadu_ps(v + k);
+          bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+          peak = _mm512_max_ps(peak, _mm512_abs_ps(a));
+        }
+        const float amax = _mm512_reduce_max_ps(peak);
+        const float d = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        int8_t* out = qx.q.data() + static_cast<size_t>(m) * K + static_cast<size_t>(c) * RUN;
+        __m512i total = _mm512_setzero_si512();
+        for (int k = 0; k < RUN; k += 16) {
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv));
+          total = _mm512_add_epi32(total, q);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(q));
+        }
+        qx.scale[static_cast<size_t>(m) * runs + c] = d;
+        qx.sum[static_cast<size_t>(m) * G + c * RUN / group_size] +=
+            d * static_cast<float>(_mm512_reduce_add_epi32(total));
+      }
+    }
+    if (bad) finite.store(false);
+  });
+  return finite.load();
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// Row n's K values, one byte each.
+template <int BITS>
+void unpack_row(const uint8_t* w, int K, uint8_t* out) {
+  if constexpr (BITS == 8) {
+    std::memcpy(out, w, K);
+  } else if constexpr (BITS == 4) {
+    // byte b holds values 2b (low nibble) and 2b + 1
+    const __m512i low = _mm512_set1_epi16(0x000f), high = _mm512_set1_epi16(0x0f00);
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
+      const __m512i v = _mm512_or_si512(_mm512_and_si512(b, low),
+                                        _mm512_and_si512(_mm512_slli_epi16(b, 4), high));
+      _mm512_storeu_si512(out + k, v);
+    }
+    for (; k < K; k += 2) {
+      out[k] = w[k / 2] & 0x0f;
+      out[k + 1] = w[k / 2] >> 4;
+    }
+  } else {
+    // 5 bytes hold 8 values (little-endian bit stream)
+    for (int k = 0; k < K; k += 8) {
+      uint64_t raw = 0;
+      std::memcpy(&raw, w + k / 8 * 5, 5);
+      const uint64_t spread = _pdep_u64(raw, 0x1f1f1f1f1f1f1f1fULL);
+      std::memcpy(out + k, &spread, 8);
+    }
+  }
+}
+
+template <typename S>
+inline float to_f32(S v) {
+  if constexpr (std::is_same_v<S, float>) {
+    return v;
+  } else {
+    return half_to_float(v);
+  }
+}
+
+struct Block {
+  uint32_t* words;  // (K / 4, NB): four values of row j at [k4 * NB + j]
+  float* scales;  // (G, NB)
+  float* biases;  // (G, NB)
+};
+
+// Rows n0 .. n0 + NB - 1 into the block buffer (rows past N: zeros).
+template <int BITS, typename S>
+void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
+  const int G = a.K / a.group_size;
+  const size_t row_bytes = static_cast<size_t>(a.K) * BITS / 8;
+  const S* scales = static_cast<const S*>(a.scales);
+  const S* biases = static_cast<const S*>(a.biases);
+  for (int j = 0; j < NB; ++j) {
+    const int n = n0 + j;
+    if (n < a.N) {
+      unpack_row<BITS>(static_cast<const uint8_t*>(a.w) + n * row_bytes, a.K, row);
+    } else {
+      std::memset(row, 0, a.K);
+    }
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(row);
+    for (int k4 = 0; k4 < a.K / 4; ++k4) blk.words[static_cast<size_t>(k4) * NB + j] = r[k4];
+    for (int g = 0; g < G; ++g) {
+      const size_t at = static_cast<size_t>(n) * G + g;
+      blk.scales[g * NB + j] = n < a.N ? to_f32(scales[at]) : 0.0f;
+      blk.biases[g * NB + j] = n < a.N ? to_f32(biases[at]) : 0.0f;
+    }
+  }
+}
+
+// Rows m0 .. m0 + R - 1 of x against the block: out columns n0 .. n0 + NB - 1.
+template <int R>
+void tile(const QmmRows& a, const Int8X& qx, const Block& blk, int m0, int n0) {
+  const int G = a.K / a.group_size, runs = a.K / RUN, per_group = a.group_size / RUN;
+  constexpr int steps = RUN / 4;
+  __m512 acc[R][2];
+  PIPESERVE_UNROLL
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const int8_t* xrow[R];
+  for (int i = 0; i < R; ++i) xrow[i] = qx.q.data() + static_cast<size_t>(m0 + i) * a.K;
+  for (int c = 0; c < runs; ++c) {
+    const int g = c / per_group;
+    __m512i dot[R][2];
+    PIPESERVE_UNROLL
+    for (int i = 0; i < R; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+    const uint32_t* wp = blk.words + static_cast<size_t>(c) * steps * NB;
+    const int kx = c * RUN;
+    PIPESERVE_UNROLL
+    for (int s = 0; s < steps; ++s) {
+      const __m512i w0 = _mm512_load_si512(wp + s * NB);
+      const __m512i w1 = _mm512_load_si512(wp + s * NB + 16);
+      PIPESERVE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, xrow[i] + kx + 4 * s, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], w0, xb);
+        dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, xb);
+      }
+    }
+    const __m512 s0 = _mm512_load_ps(blk.scales + g * NB), s1 = _mm512_load_ps(blk.scales + g * NB + 16);
+    PIPESERVE_UNROLL
+    for (int i = 0; i < R; ++i) {
+      const __m512 xs = _mm512_set1_ps(qx.scale[static_cast<size_t>(m0 + i) * runs + c]);
+      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][0]), _mm512_mul_ps(s0, xs), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][1]), _mm512_mul_ps(s1, xs), acc[i][1]);
+    }
+    if ((c + 1) % per_group == 0) {  // the group's bias term
+      const __m512 b0 = _mm512_load_ps(blk.biases + g * NB), b1 = _mm512_load_ps(blk.biases + g * NB + 16);
+      PIPESERVE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const __m512 xsum = _mm512_set1_ps(qx.sum[static_cast<size_t>(m0 + i) * G + g]);
+        acc[i][0] = _mm512_fmadd_ps(b0, xsum, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(b1, xsum, acc[i][1]);
+      }
+    }
+  }
+  const int valid = std::min(NB, a.N - n0);
+  const __mmask16 m0mask = valid >= 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 m1mask = valid >= 32 ? 0xffff
+                           : valid <= 16 ? 0
+                                         : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+  for (int i = 0; i < R; ++i) {
+    float* out = a.out + static_cast<size_t>(m0 + i) * a.N + n0;
+    _mm512_mask_storeu_ps(out, m0mask, acc[i][0]);
+    _mm512_mask_storeu_ps(out + 16, m1mask, acc[i][1]);
+  }
+}
+
+void rows_past_block(const QmmRows& a, const Int8X& qx, const Block& blk, int n0) {
+  int m = 0;
+  for (; m + MT <= a.M; m += MT) tile<MT>(a, qx, blk, m, n0);
+  switch (a.M - m) {
+    case 5: return tile<5>(a, qx, blk, m, n0);
+    case 4: return tile<4>(a, qx, blk, m, n0);
+    case 3: return tile<3>(a, qx, blk, m, n0);
+    case 2: return tile<2>(a, qx, blk, m, n0);
+    case 1: return tile<1>(a, qx, blk, m, n0);
+    default: return;
+  }
+}
+
+// A thread's block buffer, 64-byte aligned.
+uint8_t* block_scratch(size_t bytes) {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<void, Free> memory;
+  thread_local size_t capacity = 0;
+  if (bytes > capacity) {
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    memory.reset(std::aligned_alloc(64, rounded));
+    if (!memory) throw std::bad_alloc();
+    capacity = rounded;
+  }
+  return static_cast<uint8_t*>(memory.get());
+}
+
+template <int BITS, typename S>
+void run_blocks(const QmmRows& a, const Int8X& qx) {
+  const int G = a.K / a.group_size;
+  const int blocks = (a.N + NB - 1) / NB;
+  parallel_for(blocks, [&](int b) {
+    const size_t word_bytes = static_cast<size_t>(a.K) * NB;  // K / 4 words x NB x 4 bytes
+    const size_t scale_bytes = static_cast<size_t>(G) * NB * sizeof(float);
+    uint8_t* mem = block_scratch(word_bytes + 2 * scale_bytes + static_cast<size_t>(a.K) + 64);
+    Block blk{reinterpret_cast<uint32_t*>(mem), reinterpret_cast<float*>(mem + word_bytes),
+              reinterpret_cast<float*>(mem + word_bytes + scale_bytes)};
+    uint8_t* row = mem + word_bytes + 2 * scale_bytes;
+    unpack_block<BITS, S>(a, b * NB, blk, row);
+    rows_past_block(a, qx, blk, b * NB);
+  });
+}
+
+template <typename S>
+void run_bits(const QmmRows& a, const Int8X& qx) {
+  switch (a.bits) {
+    case 4: return run_blocks<4, S>(a, qx);
+    case 5: return run_blocks<5, S>(a, qx);
+    default: return run_blocks<8, S>(a, qx);
+  }
+}
+
+}  // namespace
+
+bool prefill_qmm(const QmmRows& a) {
+  if (!enabled.load(std::memory_order_relaxed)) return false;
+  if (a.group_size % 32 != 0 || a.K % a.group_size != 0) return false;
+  if (a.bits != 4 && a.bits != 5 && a.bits != 8) return false;
+  thread_local Int8X qx;
+  if (!quantize_rows(a.x, a.M, a.K, a.group_size, qx)) return false;
+  if (a.half_scales) {
+    run_bits<uint16_t>(a, qx);
+  } else {
+    run_bits<float>(a, qx);
+  }
+  return true;
+}
+
+#else
+
+bool prefill_gemm_built() { return false; }
+bool prefill_qmm(const QmmRows&) { return false; }
+
+#endif
+
+}  // namespace pipeserve
