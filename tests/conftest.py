@@ -28,6 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PIPESERVE_HOME", str(REPO / ".pipeserve-home"))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU kernels (engine/cpu_kernels) into the home before any test: a first
+    build takes minutes on 2 cores, longer than the one test it would fall in may run.
+    Where they cannot build (no compiler, not the CPU) this logs why and returns."""
+    from pipeserve.engine.cpu_kernels import kernels
+
+    kernels()
+
+
 @pytest.fixture(scope="session")
 def pipeserve_home() -> Path:
     """The session's PIPESERVE_HOME (shared with server subprocesses)."""
