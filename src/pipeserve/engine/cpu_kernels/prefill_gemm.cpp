@@ -148,7 +148,8 @@ void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
   const int G = a.K / a.group_size;
   const size_t row_bytes = static_cast<size_t>(a.K) * BITS / 8;
   const S* scales = static_cast<const S*>(a.scales);
-  const S* biases = static_cast<const S*>(a.biases);
+  const S* biases = static_cast<const S*>(a.biases);  // null: symmetric (Q8_0, Q4_0, Q5_0)
+  const float zero = -static_cast<float>(1 << (BITS - 1));  // a symmetric bias per unit of scale
   for (int j = 0; j < NB; ++j) {
     const int n = n0 + j;
     if (n < a.N) {
@@ -161,7 +162,11 @@ void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
     for (int g = 0; g < G; ++g) {
       const size_t at = static_cast<size_t>(n) * G + g;
       blk.scales[g * NB + j] = n < a.N ? to_f32(scales[at]) : 0.0f;
-      blk.biases[g * NB + j] = n < a.N ? to_f32(biases[at]) : 0.0f;
+      if (n >= a.N) {
+        blk.biases[g * NB + j] = 0.0f;
+      } else {
+        blk.biases[g * NB + j] = biases ? to_f32(biases[at]) : zero * blk.scales[g * NB + j];
+      }
     }
   }
 }
