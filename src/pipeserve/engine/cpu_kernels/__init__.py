@@ -86,26 +86,19 @@ def self_test(ext: Any) -> None:
     key = mx.random.key(7)
     x = mx.random.normal((3, 128), key=key)
     weights = mx.random.normal((37, 128), key=mx.random.split(key)[1])
-    for bits in BITS:
-        w, scales, biases = mx.quantize(weights, group_size=32, bits=bits)
-        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
-        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
-        expected = x @ dense.T
-        got = ext.affine_qmm(x, w, scales, biases, 32, bits)
-        error = mx.abs(got - expected).max().item()
-        scale = mx.abs(expected).max().item()
-        assert error <= SELF_TEST_TOLERANCE * scale, f"self-test: {bits}-bit error {error:.3g}"
-    _self_test_prefill(ext, weights)
+    _check_products(ext, x, weights, SELF_TEST_TOLERANCE, "")
+    # A prompt chunk: more rows than the decode paths take (prefill_gemm.cpp's int8 GEMM
+    # where built), within PREFILL_TOLERANCE.
+    chunk = mx.random.normal((PREFILL_SELF_TEST_ROWS, 128), key=mx.random.key(11))
+    _check_products(ext, chunk, weights, PREFILL_TOLERANCE, " prefill")
     _self_test_fused(ext, x, weights)
     _self_test_f32_matmul(ext, x, weights)
 
 
-def _self_test_prefill(ext: Any, weights: Any) -> None:
-    """A prompt chunk (more rows than the decode paths take: prefill_gemm.cpp's int8
-    GEMM where built) against MLX's dequantize + matmul, within PREFILL_TOLERANCE."""
+def _check_products(ext: Any, x: Any, weights: Any, tolerance: float, what: str) -> None:
+    """x times every bit width's quantized weights against MLX's dequantize + matmul."""
     import mlx.core as mx
 
-    x = mx.random.normal((PREFILL_SELF_TEST_ROWS, 128), key=mx.random.key(11))
     for bits in BITS:
         w, scales, biases = mx.quantize(weights, group_size=32, bits=bits)
         scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
@@ -114,9 +107,7 @@ def _self_test_prefill(ext: Any, weights: Any) -> None:
         got = ext.affine_qmm(x, w, scales, biases, 32, bits)
         error = mx.abs(got - expected).max().item()
         scale = mx.abs(expected).max().item()
-        assert error <= PREFILL_TOLERANCE * scale, (
-            f"self-test: {bits}-bit prefill error {error:.3g}"
-        )
+        assert error <= tolerance * scale, f"self-test: {bits}-bit{what} error {error:.3g}"
 
 
 def _self_test_fused(ext: Any, x: Any, weights: Any) -> None:
