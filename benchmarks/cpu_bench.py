@@ -143,12 +143,16 @@ class PipeserveWorker:
         self.gguf = gguf
 
     def info(self) -> dict[str, Any]:
-        from pipeserve.engine.cpu_kernels import kernels
+        from pipeserve.engine.cpu_kernels import ENV_PREFILL_GEMM, kernels, prefill_gemm_on
 
         ext = kernels()
         if ext is None:
             return {"system": "CPU kernels off (float32 path)"}
-        gemm = "int8 VNNI prefill GEMM" if ext.prefill_gemm_built() else "float prefill path"
+        gemm = (
+            "int8 VNNI prefill GEMM"
+            if ext.prefill_gemm_built() and prefill_gemm_on()
+            else f"float prefill path ({ENV_PREFILL_GEMM}=on for the int8 GEMM)"
+        )
         return {"system": f"CPU kernels {ext.simd()}, {gemm}, {ext.threads()} threads"}
 
     def memory(self) -> dict[str, int]:

@@ -25,9 +25,12 @@ ROWS = 65  # affine_qmm.cpp PREFILL_MIN_M + 1
 
 @pytest.fixture
 def gemm(ext):
+    """The extension with the prompt GEMM switched on (it is opt-in), off again after."""
     if not ext.prefill_gemm_built():
         pytest.skip("the int8 prefill GEMM needs an AVX512-VNNI build (float path here)")
-    return ext
+    ext.set_prefill_gemm(True)
+    yield ext
+    ext.set_prefill_gemm(cpu_kernels.prefill_gemm_on())
 
 
 def rounded_x(x: mx.array) -> np.ndarray:

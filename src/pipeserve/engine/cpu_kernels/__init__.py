@@ -27,6 +27,11 @@ log = logging.getLogger("pipeserve.engine")
 
 ENV_SWITCH = "PIPESERVE_CPU_KERNELS"  # "off" forces the float32 path
 ENV_THREADS = "PIPESERVE_CPU_THREADS"  # threads the kernels split rows over
+# "on": prompt chunks through the int8 GEMM (prefill_gemm.cpp). Off by default: its int8
+# activations moved SmolLM2's first greedy token on a batched prefill (0.088 of the top
+# logit over 30 layers; each product within 0.6 %), where a single row of the same prompt
+# kept it; opt in where prompt speed matters more (docs/cpu-kernels.md).
+ENV_PREFILL_GEMM = "PIPESERVE_PREFILL_GEMM"
 BITS = (4, 5, 8)
 SELF_TEST_TOLERANCE = 1e-4  # relative to the output's scale; float32 sums differ ~1e-6
 # Prompt chunks (prefill_gemm.cpp) round x to int8 per group, as llama.cpp does: ~5e-3 of
@@ -64,11 +69,16 @@ def _load() -> ModuleType | None:
         ext = import_module(built_module(pipeserve_home()))
         ext.set_threads(thread_count())
         self_test(ext)
+        ext.set_prefill_gemm(prefill_gemm_on())
     except (BuildError, OSError, ImportError, AssertionError, ValueError) as exc:
         log.warning("CPU kernels unavailable (%s): quantized weights run as float32", exc)
         return None
     log.info("CPU kernels ready (%s, %d threads)", ext.simd(), ext.threads())
     return ext
+
+
+def prefill_gemm_on() -> bool:
+    return os.environ.get(ENV_PREFILL_GEMM, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 def thread_count() -> int:
