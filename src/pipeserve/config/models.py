@@ -565,7 +565,7 @@ class EmbeddingOptions(Strict):
         " waiting requests, grouped by length).",
     )
     chat_share: float = Field(
-        0.25,
+        0.05,
         gt=0,
         le=1,
         description="While a generation model of the same server decodes, the share of the"
