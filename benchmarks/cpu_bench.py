@@ -493,14 +493,13 @@ def run(args: argparse.Namespace) -> None:
 def kv_bytes_per_token(folder: Path, dtype_bytes: int = 4) -> int:
     """Keys and values of one token over every layer, from the model's config (layers x
     kv heads x head dim x 2 x dtype bytes; pipeserve's caches are float32)."""
+    from pipeserve.engine.weights.attention_shape import kv_elements_per_token
     from pipeserve.engine.weights.loader import read_config
 
-    config = read_config(folder)
-    config = {**config, **(config.get("text_config") or {})}
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * dtype_bytes
+    elements = kv_elements_per_token(read_config(folder))
+    if elements is None:
+        raise SystemExit(f"{folder}: config.json does not give the attention shape")
+    return elements * dtype_bytes
 
 
 def print_kv(folder: Path, n_ctx: int) -> None:

@@ -66,10 +66,7 @@ def head_sizes(source: str) -> set[int]:
 
 
 def _config_heads(config: dict[str, Any]) -> set[int]:
-    dim = config.get("head_dim")
-    if isinstance(dim, int):
-        return {dim}
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if isinstance(hidden, int) and isinstance(heads, int) and heads:
-        return {hidden // heads}
-    return set()
+    from pipeserve.engine.weights.attention_shape import head_dim
+
+    dim = head_dim(config)
+    return set() if dim is None else {dim}

@@ -14,6 +14,7 @@ from typing import Any
 from pipeserve.api.base import WireProtocol
 from pipeserve.backend import installed_backends
 from pipeserve.config.models import EMBEDDING_APIS, EndpointEntry, KvCacheOptions, ShardingOptions
+from pipeserve.engine.weights.attention_shape import kv_elements_per_token
 from pipeserve.server.registry import ServedModel
 
 
@@ -80,19 +81,17 @@ def adapters_of(served: ServedModel, residency: Mapping[str, Any]) -> list[dict[
 
 def kv_bytes_per_token(model_dir: Path, quantized: KvCacheOptions | None) -> int | None:
     """Keys and values of one token over every layer as the engine caches them: float32
-    (layers x kv heads x head dim x 2 x 4 bytes, from the model's config.json), or that
-    quantized per `options.kv_cache`; None without a config.json (e.g. a replay
-    engine's folder) or without those fields."""
+    (4 bytes an element of engine/weights/attention_shape.py's count, from the model's
+    config.json), or that quantized per `options.kv_cache`; None without a config.json
+    (e.g. a replay engine's folder) or without those fields."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-        config = {**config, **(config.get("text_config") or {})}
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        float32 = int(config["num_hidden_layers"]) * kv_heads * head_dim * 2 * 4
-        return float32 if quantized is None else quantized.bytes_per_token(float32)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (OSError, ValueError):
         return None
+    elements = kv_elements_per_token(config) if isinstance(config, dict) else None
+    if elements is None:
+        return None
+    return elements * 4 if quantized is None else quantized.bytes_per_token(elements * 4)
 
 
 def state_of(residency: Mapping[str, Any]) -> str:
