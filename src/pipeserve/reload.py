@@ -72,7 +72,10 @@ class ReloadingArbiter(Arbiter):  # type: ignore[misc]
         except Exception:  # whatever goes wrong, a reload must not stop the master
             self.log.exception("reload failed; the running config keeps serving")
             return
+        from pipeserve.engine.weights.loader import forget_preloaded_tokenizers
+
         app.loaded = loaded
+        forget_preloaded_tokenizers()  # a worker forked from now on reads the folders
         if app.host is not None:  # first the engines, so workers find the new models there
             app.host.reload()
         for pid in list(self.WORKERS):

@@ -13,6 +13,7 @@ import logging.config
 import multiprocessing
 import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,30 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
         if int(self.cfg.workers or 1) > 1:
             self.start_engine_host()
         self.start_shard_hosts()
+        import_the_server()  # before the bind: each forked worker accepts at once
+        self.preload_tokenizers()
         try:
             ReloadingArbiter(self).run()
         except RuntimeError as e:  # as gunicorn's BaseApplication.run
             print(f"\nError: {e}\n", file=sys.stderr)
             sys.exit(1)
+
+    def preload_tokenizers(self) -> None:
+        """The startup chat models' tokenizers, loaded before the fork and shared with
+        the workers (engine/weights/loader.py preload_tokenizers: parsing one holds the
+        GIL, which would freeze a booting worker's /health answers)."""
+        from pipeserve.engine.weights.loader import preload_tokenizers
+
+        models = self.loaded.config.models if self.loaded is not None else []
+        folders = {
+            self.folders[e.source]
+            for e in models
+            if e.kind == "generation" and e.engine == "mlx" and e.load == "startup"
+            and e.chat_template is None and e.source in self.folders
+        }  # fmt: skip
+        started = time.monotonic()
+        preload_tokenizers(folders)
+        log.info("tokenizers preloaded for the workers in %.1f s", time.monotonic() - started)
 
     def start_engine_host(self) -> None:
         """Start the engine host and wait until its startup models are loaded; a host
@@ -71,6 +91,7 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
             secret=self.snapshot.secret,
         )
         self.host.start()
+        import_the_server()  # while the host loads its models
         if not self.host.wait_ready():
             self.host.stop()
             print("\nError: the engine host failed to load the models (see above)\n",
@@ -98,6 +119,7 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
             )
             host.start()
             self.shard_hosts[name] = host
+        import_the_server()  # while the hosts start
         for host in self.shard_hosts.values():
             host.wait_ready()  # listening (its model is placed in the background)
 
@@ -148,9 +170,33 @@ class PipeserveApplication(BaseApplication):  # type: ignore[misc]
 
 
 def import_the_server() -> None:
-    """What a worker imports before it builds its app (MLX, the tokenizer libraries,
-    Falcon, the stages): seconds (server/booting.py)."""
+    """What a worker needs before it builds its app (MLX, the tokenizer libraries,
+    Falcon, the stages): seconds of imports. The master imports them before it binds the
+    port, so that a forked worker has them already and accepts within milliseconds of
+    its fork (its `/health` answers "starting": server/booting.py); a worker that
+    imported them itself left every request of its first seconds unanswered in the
+    listen queue (0.9-2.5 s after the bind, one or two workers).
+
+    Fork-safe: none of these modules starts a thread or runs an MLX op at import (MLX
+    creates its streams' threads on first use, in the worker); locks they create at
+    import are plain ones, never held across a greenlet switch. psycopg stays out of the
+    master (it picks its wait functions at import: see check_response_store)."""
+    if "pipeserve.loading" in sys.modules:
+        return
+    started = time.monotonic()
     import pipeserve.loading  # noqa: F401
+    from pipeserve.api import load_builtin_protocols
+    from pipeserve.stages import load_builtin_stages
+    from pipeserve.stages.embedding import load_embed_stages
+    from pipeserve.stages.toolfmt.registry import load_builtin_formats
+
+    # the plug-in registries import their modules lazily: on a worker's hub otherwise
+    load_builtin_protocols()
+    load_builtin_stages()
+    load_embed_stages()
+    load_builtin_formats()
+
+    log.info("server modules imported in %.1f s", time.monotonic() - started)
 
 
 def gunicorn_options(

@@ -3,7 +3,8 @@
 gunicorn binds the port before its worker has imported the server and loaded the model;
 every request sent meanwhile used to wait unanswered in the listen queue until the model
 was loaded (a readiness probe saw a hang, not a 503). A real server is polled from its
-first accepted connection: the first answers are 503 "starting" (in /v1/models' protocol shape, as
+first accepted connection (the master imported the server before it bound the port, so the
+worker accepts at once): the first answers are 503 "starting" (in /v1/models' protocol shape, as
 the openai SDK reads it), given while the model was still loading (its "loaded" log
 line not yet written), then 200, and nothing else in between; a chat request sent
 while it boots waits and is answered, as before.
@@ -35,6 +36,9 @@ endpoints:
   - {{route: /v1/chat/completions, api: openai-chat}}
 """
 LOADED = "model demo loaded in"
+IMPORTED = "server modules imported in"  # the master's lines, before the bind
+PRELOADED = "tokenizers preloaded for the workers"
+LISTENING = "Listening at:"
 
 
 def accepts(port: int) -> bool:
@@ -74,6 +78,12 @@ def test_health_and_models_answer_starting_until_the_model_is_ready(tmp_path: Pa
         waiting.join(timeout=120)
     finally:
         stop(proc)
+    log_text = log_path.read_text()
+    # The master imports the server before it binds, so the worker has nothing to import
+    # before its first accept (the first answer came 0.1-0.2 s after the bind, not 1-2.5 s).
+    assert -1 < log_text.find(IMPORTED) < log_text.find(LISTENING), log_text[-3000:]
+    # ... and the model's tokenizer (its parse holds the GIL: the worker's hub froze)
+    assert -1 < log_text.find(PRELOADED) < log_text.find(LISTENING), log_text[-3000:]
     assert statuses[0] == (503, "starting") and first.headers["retry-after"] == "1"
     assert not loaded_before_first_answer  # answered while the model was still loading
     # 503 "starting" until the model is ready, then 200: no other answer, no hang.

@@ -25,6 +25,7 @@ from pipeserve.engine.weights.loader import (
     read_config,
     resolve_source,
     sampling_defaults,
+    take_preloaded_tokenizer,
 )
 from pipeserve.errors import LoadRefused
 from pipeserve.gevent_support import OsThreadHost
@@ -87,6 +88,8 @@ def _tokenizer(entry: ModelEntry, model_dir: Path, tokenizers: dict[Path, Any] |
         set_chat_template(tokenizer, entry.chat_template)
         return tokenizer
     tokenizer = tokenizers.get(model_dir) if tokenizers is not None else None
+    if tokenizer is None:
+        tokenizer = take_preloaded_tokenizer(model_dir)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir)
         if tokenizers is not None:

@@ -1,13 +1,13 @@
 """A worker's app while it boots: /health and /v1/models answer at once, 503 "starting".
 
-gunicorn binds the port in the master and forks the workers; each worker then imported
-the whole server (MLX, the tokenizer libraries, Falcon: seconds), built every model's
-tokenizer and stage chain and, with one worker, loaded the weights, all before its first
-`accept`. Every request sent meanwhile, a readiness probe's included, queued unanswered
-(a fresh start: tens of seconds). Now the worker's app is this one from the first
-moment: it accepts at once and builds the real app (`boot`) in the background, every
-load on OS threads (run_off_hub), so that the hub keeps answering (all but while the
-worker imports the server, see `boot`):
+gunicorn binds the port in the master and forks the workers; each worker then built
+every model's tokenizer and stage chain and, with one worker, loaded the weights, all
+before its first `accept`. Every request sent meanwhile, a readiness probe's included,
+queued unanswered (a fresh start: tens of seconds). Now the worker's app is this one from
+the first moment: it accepts at once and builds the real app (`boot`) in the background,
+every load on OS threads (run_off_hub), so that the hub keeps answering. The server's
+imports (seconds) are done by the master before it binds (serving.import_the_server), so
+a forked worker answers within milliseconds of the bind:
 
 - `/health`: 503 {"status": "starting", ...} with Retry-After until the real app is
   built, then the real app answers (200 once the models are ready, 503 naming any that
@@ -38,8 +38,9 @@ class BootingApp:
     def __init__(
         self, models: list[str], build: Callable[[], Any], prepare: Callable[[], None]
     ) -> None:
-        """`prepare` (the server's imports: seconds), then `build` (the real app: its
-        loads go off the hub themselves), both in the booting greenlet."""
+        """`prepare` (the server's imports: done by the master already, so instant),
+        then `build` (the real app: its loads go off the hub themselves), both in the
+        booting greenlet."""
         import gevent.event
 
         self.models = models
@@ -52,12 +53,11 @@ class BootingApp:
     def boot(self) -> None:
         """Build the real app (from a greenlet of the running worker); raises its error.
 
-        The imports (`prepare`) run here, on the hub. With them on an OS thread a
-        request stalled its worker for minutes twice in about a dozen starts (cause not
-        proven; likely that under gevent's monkey patching the interpreter's module
-        locks are gevent locks, held across threads). So requests wait through the
-        imports; the build's loads (tokenizers, weights, warm-up) run off the hub and
-        are answered "starting". The OS threads that load hand the GIL back every
+        The imports (`prepare`) run here, on the hub, and find every module imported
+        by the master. (With them on an OS thread a request stalled its worker for
+        minutes twice in about a dozen starts: under gevent's monkey patching the
+        interpreter's module locks are gevent locks, held across threads.) The build's
+        loads (tokenizers, weights, warm-up) run off the hub and are answered "starting". The OS threads that load hand the GIL back every
         millisecond (not 5): each answer waits for the GIL at each of its socket calls."""
         interval = sys.getswitchinterval()
         sys.setswitchinterval(BOOT_SWITCH_INTERVAL)

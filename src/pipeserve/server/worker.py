@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import warnings
 from typing import Any
 
 import gevent
@@ -27,6 +28,11 @@ class PipeserveWorker(GeventWorker):  # type: ignore[misc]
     def init_process(self) -> None:
         self._connections: dict[int, socket.socket] = {}
         self._busy: set[int] = set()
+        # The master imported the server before forking (serving.import_the_server), ssl
+        # with it, so gevent warns that ssl is patched late. A worker opens no TLS
+        # connection with Python's ssl (sources are fetched by the master; PostgreSQL's
+        # TLS is libpq's own), so the late patch changes nothing a worker uses.
+        warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl")
         super().init_process()
 
     def init_signals(self) -> None:

@@ -49,3 +49,27 @@ def test_dtype_cast(demo_model_dir):
     assert model.model.embed_tokens.weight.dtype == mx.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(demo_model_dir("qwen3"), "int3")
+
+
+def test_a_preloaded_tokenizer_is_handed_out_once(demo_model_dir, tmp_path):
+    """The master's tokenizer (loaded before the fork) serves the first build only: a
+    later reload reads the folder again, and a folder without tokenizer.json is skipped."""
+    from pipeserve.engine.weights.loader import (
+        forget_preloaded_tokenizers,
+        preload_tokenizers,
+        take_preloaded_tokenizer,
+    )
+
+    path = demo_model_dir("qwen3")
+    preload_tokenizers([path, tmp_path])
+    try:
+        tokenizer = take_preloaded_tokenizer(path)
+        assert tokenizer is not None
+        assert tokenizer.encode("hello world") == load_tokenizer(path).encode("hello world")
+        assert take_preloaded_tokenizer(path) is None
+        assert take_preloaded_tokenizer(tmp_path) is None
+        preload_tokenizers([path])
+        forget_preloaded_tokenizers()
+        assert take_preloaded_tokenizer(path) is None
+    finally:
+        forget_preloaded_tokenizers()

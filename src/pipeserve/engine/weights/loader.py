@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,29 @@ def _download(repo: str) -> Path:
 
     log.info("downloading %s from the Hugging Face Hub (progress below)", repo)
     return Path(mlx_download(repo))
+
+
+# Tokenizers the master loaded before it forked its workers (preload_tokenizers).
+_PRELOADED: dict[Path, Any] = {}
+
+
+def preload_tokenizers(model_dirs: Iterable[Path]) -> None:
+    """Load these folders' tokenizers now, in the master before it forks: the tokenizers
+    library parses tokenizer.json holding the GIL (0.3 s for an 11 MB file, more under
+    load), which froze a booting worker's hub, and its /health answers, that long."""
+    for model_dir in model_dirs:
+        if model_dir not in _PRELOADED and (model_dir / "tokenizer.json").is_file():
+            _PRELOADED[model_dir] = load_tokenizer(model_dir)
+
+
+def take_preloaded_tokenizer(model_dir: Path) -> Any | None:
+    """The master's tokenizer for this folder, once (a later reload reads the folder
+    again: its files may have changed)."""
+    return _PRELOADED.pop(model_dir, None)
+
+
+def forget_preloaded_tokenizers() -> None:
+    _PRELOADED.clear()
 
 
 def load_tokenizer(model_dir: Path) -> Any:
