@@ -112,6 +112,11 @@ def check_convertible(file: GgufFile) -> Architecture:
 
     try:
         check_tokenizer(file.meta)
+        if arch.encoder:
+            from pipeserve.engine.weights.gguf.encoder import bert_name
+
+            for name in file.types:
+                bert_name(name)
     except GgufError as error:
         raise GgufError(f"{file.path}: {error}") from None
     return arch
@@ -138,7 +143,9 @@ class GgufSummary:
         types = ", ".join(f"{kind} x{count}" for kind, count in self.tensor_types.items())
         requant = [f"{k} -> {REQUANT_BITS[k]} bit" for k in self.tensor_types if k in REQUANT_BITS]
         context = self.context_length if self.context_length is not None else "not set"
-        template = "present" if self.chat_template else (
+        template = "present" if self.chat_template else "none (an embedding model)" if (
+            self.kv_bytes_per_token == 0
+        ) else (
             "none (a base model: /v1/completions and raw prompts work; chat requests "
             "answer 400 until the model entry sets `chat_template:`)"
         )  # fmt: skip
@@ -193,7 +200,9 @@ def summarize(file: GgufFile) -> GgufSummary:
         weight_bytes=sum(
             _held_bytes(t.name, t.tensor_type.name, t.n_elements) for t in file.tensors
         ),
-        kv_bytes_per_token=layers * kv_heads * (key_length + value_length) * 4,
+        kv_bytes_per_token=0
+        if arch.encoder
+        else layers * kv_heads * (key_length + value_length) * 4,
         key_length=key_length,
         value_length=value_length,
     )
