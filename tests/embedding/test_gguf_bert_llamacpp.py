@@ -117,8 +117,10 @@ def test_bert_gguf_explains_itself(tmp_path: Path) -> None:
     gguf = write_bert_gguf(tmp_path / "b.gguf", SENTENCES[:3], GGMLQuantizationType.F16)
     summary = inspect_gguf(gguf)
     assert summary.architecture == "bert" and summary.model_type == "bert"
-    assert summary.kv_bytes_per_token == 0
-    assert any("embedding model" in line for line in summary.lines())
+    assert summary.encoder and summary.kv_bytes_per_token == 0
+    lines = summary.lines()
+    assert "chat template: none (an embedding model)" in lines
+    assert any(line.endswith("MiB (float32), no KV cache") for line in lines)
 
 
 def test_a_bert_gguf_with_unknown_tensors_is_refused_by_name(tmp_path: Path) -> None:
