@@ -1,6 +1,7 @@
 """A tiny random-weight BERT GGUF as llama.cpp's converter writes one (architecture
 `bert`, a WordPiece vocabulary in phantom-space form, F32 tables and norms, F16 or
-Q8_0 matrices), for the encoder GGUF tests."""
+Q8_0 matrices), or a nomic-bert one (rotary positions, one q/k/v matrix, a SwiGLU
+feed-forward, no biases), for the encoder GGUF tests."""
 
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ def vocabulary(texts: list[str]) -> list[str]:
 
 
 def write_bert_gguf(path: Path, texts: list[str], matrix_type: GGMLQuantizationType,
-                    pooling: int = 1, seed: int = 0) -> Path:  # fmt: skip
-    """pooling: llama.cpp's pooling type (1 mean, 2 cls)."""
+                    pooling: int = 1, seed: int = 0, arch: str = "bert") -> Path:  # fmt: skip
+    """pooling: llama.cpp's pooling type (1 mean, 2 cls); arch: bert or nomic-bert."""
     rng = np.random.default_rng(seed)
     tokens = vocabulary(texts)
-    writer = GGUFWriter(str(path), "bert")
+    nomic = arch == "nomic-bert"
+    writer = GGUFWriter(str(path), arch)
+    if nomic:
+        writer.add_rope_freq_base(1000.0)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
@@ -73,17 +77,23 @@ def write_bert_gguf(path: Path, texts: list[str], matrix_type: GGMLQuantizationT
         else:
             data = quants.quantize(weight, matrix_type)
             writer.add_tensor(f"{name}.weight", data, raw_dtype=matrix_type)
-        writer.add_tensor(f"{name}.bias", small(rows, scale=0.02))
+        if not nomic:
+            writer.add_tensor(f"{name}.bias", small(rows, scale=0.02))
 
     writer.add_tensor("token_embd.weight", small(len(tokens), HIDDEN, scale=0.5))
     writer.add_tensor("token_types.weight", small(2, HIDDEN, scale=0.1))
-    writer.add_tensor("position_embd.weight", small(CONTEXT, HIDDEN, scale=0.1))
+    if not nomic:
+        writer.add_tensor("position_embd.weight", small(CONTEXT, HIDDEN, scale=0.1))
     norm("token_embd_norm")
     for layer in range(LAYERS):
         p = f"blk.{layer}"
-        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        if nomic:
+            linear(f"{p}.attn_qkv", 3 * HIDDEN, HIDDEN)
+        for part in ("attn_output",) if nomic else ("attn_q", "attn_k", "attn_v", "attn_output"):
             linear(f"{p}.{part}", HIDDEN, HIDDEN)
         norm(f"{p}.attn_output_norm")
+        if nomic:
+            linear(f"{p}.ffn_gate", FFN, HIDDEN)
         linear(f"{p}.ffn_up", FFN, HIDDEN)
         linear(f"{p}.ffn_down", HIDDEN, FFN)
         norm(f"{p}.layer_output_norm")

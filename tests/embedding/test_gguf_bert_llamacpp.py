@@ -44,20 +44,22 @@ TEXTS = SENTENCES + EDGE_TEXTS
 # The bounds leave about twice the measured gap.
 COSINE, NORM = 0.99997, 0.003
 CASES = [
-    (GGMLQuantizationType.F16, "mean"),
-    (GGMLQuantizationType.F16, "cls"),
-    (GGMLQuantizationType.Q8_0, "mean"),
+    ("bert", GGMLQuantizationType.F16, "mean"),
+    ("bert", GGMLQuantizationType.F16, "cls"),
+    ("bert", GGMLQuantizationType.Q8_0, "mean"),
+    ("nomic-bert", GGMLQuantizationType.F16, "mean"),
+    ("nomic-bert", GGMLQuantizationType.Q8_0, "mean"),
 ]
 POOLING_TYPE = {"mean": 1, "cls": 2}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{t.name}-{p}" for t, p in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{t.name}-{p}" for a, t, p in CASES])
 def case(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, str, dict[str, object]]:
-    kind, pooling = request.param
-    work = tmp_path_factory.mktemp(f"bert-{kind.name}-{pooling}")
-    gguf = write_bert_gguf(work / "bert.gguf", TEXTS, kind, POOLING_TYPE[pooling])
+    arch, kind, pooling = request.param
+    work = tmp_path_factory.mktemp(f"{arch}-{kind.name}-{pooling}")
+    gguf = write_bert_gguf(work / "bert.gguf", TEXTS, kind, POOLING_TYPE[pooling], arch=arch)
     job = {"command": "embed", "gguf": str(gguf), "texts": TEXTS, "poolings": [pooling]}
     return gguf, pooling, run_llama_job(job, work)
 

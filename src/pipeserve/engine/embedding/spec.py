@@ -13,7 +13,12 @@ from pipeserve.config.models import EmbeddingOptions
 
 Pooling = Literal["cls", "mean", "last"]
 DEFAULT_MAX_LENGTH = 512
-ENCODER_TYPES = ("bert", "xlm-roberta", "roberta")  # config.json model_type of encoders
+ENCODER_TYPES = (
+    "bert",
+    "xlm-roberta",
+    "roberta",
+    "nomic_bert",
+)  # config.json model_type of encoders
 _POOLING_KEYS: tuple[tuple[str, Pooling], ...] = (
     ("pooling_mode_cls_token", "cls"),
     ("pooling_mode_mean_tokens", "mean"),

@@ -215,5 +215,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         config=_MOE_CONFIG,
         constants={"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
     ),
-    "bert": Architecture("bert", rope="neox", encoder=True),  # an encoder: encoder.py
+    # encoders (embedding models), converted by encoder.py
+    "bert": Architecture("bert", rope="neox", encoder=True),
+    "nomic-bert": Architecture("nomic_bert", rope="neox", encoder=True),
 }
