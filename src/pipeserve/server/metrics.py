@@ -53,6 +53,12 @@ class EngineCollector(Collector):
                 "Choices (n) that started from another choice's prompt KV instead of a prefill",
                 labels=["model"],
             ),
+            "yielded_batches_total": GaugeMetricFamily(
+                "pipeserve_embedding_yielded_batches",
+                "Embedding batches made small and paused because chat was decoding "
+                "(embedding.chat_share)",
+                labels=["model"],
+            ),
         }
         for model, stats in self._stats_by_model().items():
             for key, family in families.items():

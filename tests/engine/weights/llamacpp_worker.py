@@ -95,7 +95,11 @@ def generate(job):
     return {"prompts": prompts, "corpus": corpus, "corpus_bos": bos}
 
 
-POOLINGS = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+POOLINGS = {
+    "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+    "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
+    "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+}
 
 
 def embed(job):

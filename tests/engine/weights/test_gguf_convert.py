@@ -163,7 +163,7 @@ def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf", arch="rwkv7")
     assert _error(gguf, tmp_path / "home") == (
         f"{gguf}: GGUF architecture 'rwkv7' is not supported (supported: llama, qwen2, "
-        "qwen3, gemma3, gemma2, phi3, granite, olmo2, glm4, gpt-oss, smollm3, qwen2moe, qwen3moe)"
+        "qwen3, gemma3, gemma2, phi3, granite, olmo2, glm4, gpt-oss, smollm3, qwen2moe, qwen3moe, bert, nomic-bert)"
     )
 
 

@@ -1,4 +1,5 @@
-"""A BERT-style encoder in MLX (BERT, MiniLM, bge, e5; XLM-RoBERTa's position offset),
+"""A BERT-style encoder in MLX (BERT, MiniLM, bge, e5; XLM-RoBERTa's position offset;
+nomic-bert's rotary positions and SwiGLU feed-forward, as its GGUF is converted),
 loaded from a Hugging Face folder (config.json + *.safetensors), and the sequence
 classification head of a cross-encoder (BertForSequenceClassification).
 
@@ -33,10 +34,18 @@ class BertConfig:
     layer_norm_eps: float
     position_offset: int  # XLM-RoBERTa counts positions from pad_token_id + 1
     num_labels: int  # a cross-encoder's outputs (0: a plain encoder)
+    # nomic-bert: rotary positions (NeoX style, this base) instead of learned ones, and a
+    # SwiGLU feed-forward (silu(gate(x)) * up(x)) instead of GELU
+    rope_base: float | None = None
+    gated: bool = False
 
     @classmethod
     def read(cls, model_dir: Path) -> BertConfig:
         raw = read_json(model_dir / "config.json")
+        if raw.get("model_type") == "nomic_bert" and "hidden_size" not in raw:
+            raise ValueError(
+                f"{model_dir}: a Hugging Face nomic-bert folder is not supported (its GGUF is)"
+            )
         roberta = raw.get("model_type") in ("xlm-roberta", "roberta")
         classifier = any("SequenceClassification" in a for a in raw.get("architectures", []))
         labels = raw.get("id2label") or {"0": "LABEL_0"}
@@ -51,6 +60,8 @@ class BertConfig:
             layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
             position_offset=int(raw.get("pad_token_id", 1)) + 1 if roberta else 0,
             num_labels=len(labels) if classifier else 0,
+            rope_base=float(raw["rotary_emb_base"]) if "rotary_emb_base" in raw else None,
+            gated=raw.get("hidden_act") == "swiglu",
         )
 
 
@@ -58,14 +69,19 @@ class Embeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        if config.rope_base is None:  # else the attention rotates q and k
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size
+            )
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.offset = config.position_offset
 
     def __call__(self, ids: mx.array, types: mx.array) -> mx.array:
-        positions = mx.arange(ids.shape[1]) + self.offset
-        h = self.word_embeddings(ids) + self.position_embeddings(positions)[None]
+        h = self.word_embeddings(ids)
+        if "position_embeddings" in self:
+            positions = mx.arange(ids.shape[1]) + self.offset
+            h = h + self.position_embeddings(positions)[None]
         return self.LayerNorm(h + self.token_type_embeddings(types))
 
 
@@ -76,6 +92,7 @@ class SelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.rope_base = config.rope_base
 
     def __call__(self, h: mx.array, bias: mx.array) -> mx.array:
         batch, length, width = h.shape
@@ -85,6 +102,9 @@ class SelfAttention(nn.Module):
             return x.reshape(batch, length, self.heads, size).transpose(0, 2, 1, 3)
 
         q, k, v = split(self.query(h)), split(self.key(h)), split(self.value(h))
+        if self.rope_base is not None:
+            q = mx.fast.rope(q, size, traditional=False, base=self.rope_base, scale=1.0, offset=0)
+            k = mx.fast.rope(k, size, traditional=False, base=self.rope_base, scale=1.0, offset=0)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(size), mask=bias)
         return out.transpose(0, 2, 1, 3).reshape(batch, length, width)
 
@@ -141,9 +161,13 @@ gelu_erf = mx.compile(_gelu_erf, shapeless=True)
 class Intermediate(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)  # up, when gated
+        if config.gated:
+            self.gate = nn.Linear(config.hidden_size, config.intermediate_size)
 
     def __call__(self, h: mx.array) -> mx.array:
+        if "gate" in self:
+            return nn.silu(self.gate(h)) * self.dense(h)
         out: mx.array = gelu_erf(self.dense(h))
         return out
 

@@ -52,7 +52,10 @@ class EmbeddingEngine(EngineThread[WaitingPool]):
         self.yielding = yielding or Yielding()
         self.spec = spec
         self.batch_tokens = batch_tokens
-        self._stats.update(embedded_inputs_total=0, embedded_tokens_total=0, batches_total=0)
+        self._stats.update(
+            embedded_inputs_total=0, embedded_tokens_total=0, batches_total=0,
+            yielded_batches_total=0,  # batches run while chat decoded (made small, paused)
+        )  # fmt: skip
         self._active = 0
         self._load = load
         self.backbone: Backbone | None = None
@@ -122,6 +125,7 @@ class EmbeddingEngine(EngineThread[WaitingPool]):
                     self._deliver(pool_, pending, "internal", message)
             self._active = 0
             if chat:
+                self._stats["yielded_batches_total"] += 1
                 os_sleep(self.yielding.pause(time.monotonic() - started))
 
     def _handle(self, pool_: WaitingPool, message: tuple[Any, ...]) -> None:

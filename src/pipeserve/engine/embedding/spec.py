@@ -13,7 +13,12 @@ from pipeserve.config.models import EmbeddingOptions
 
 Pooling = Literal["cls", "mean", "last"]
 DEFAULT_MAX_LENGTH = 512
-ENCODER_TYPES = ("bert", "xlm-roberta", "roberta")  # config.json model_type of encoders
+ENCODER_TYPES = (
+    "bert",
+    "xlm-roberta",
+    "roberta",
+    "nomic_bert",
+)  # config.json model_type of encoders
 _POOLING_KEYS: tuple[tuple[str, Pooling], ...] = (
     ("pooling_mode_cls_token", "cls"),
     ("pooling_mode_mean_tokens", "mean"),
@@ -93,7 +98,16 @@ def build_spec(
 def detect_kind(model_dir: Path) -> str | None:
     """`pipeline: auto` on an embedding folder: "embedding" for an encoder or a
     sentence-transformers folder (modules.json), "rerank" for a cross-encoder, None for
-    a folder of a generation model."""
+    a folder of a generation model. A GGUF file: "embedding" for an encoder architecture
+    (BERT: engine/weights/gguf/encoder.py)."""
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        from pipeserve.engine.weights.gguf.files import GgufError
+        from pipeserve.engine.weights.gguf.inspect import architecture, open_gguf
+
+        try:
+            return "embedding" if architecture(open_gguf(model_dir)).encoder else None
+        except GgufError:  # the generation path's checks name what is wrong
+            return None
     config = read_json(model_dir / "config.json")
     architectures = [str(a) for a in config.get("architectures") or []]
     if config.get("model_type") in ENCODER_TYPES:

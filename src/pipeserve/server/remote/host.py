@@ -55,6 +55,11 @@ from pipeserve.errors import ApiError
 from pipeserve.events import Event, KeepAlive
 from pipeserve.gevent_support import run_off_hub
 from pipeserve.server.fleet import Fleet
+from pipeserve.server.remote.chat_activity import (
+    ChatActivityWriter,
+    activity_path,
+    publish_forever,
+)
 from pipeserve.server.remote.wire import (
     MAX_FRAME,
     MAX_HANDSHAKES,
@@ -154,6 +159,11 @@ class HostedModels:
 
             out["cluster"] = cluster_view()
         return out
+
+    def active_sequences(self) -> int:
+        """Sequences the host's engines decode now (the workers' embedding engines give
+        way to them: chat_activity.py)."""
+        return sum(int(e.stats().get("active_sequences", 0)) for e in self.fleet.all_engines())
 
     def reap_gone(self) -> None:
         """Forget retired runtimes once the fleet has unloaded and dropped them."""
@@ -354,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     models.fleet.start_reaper()  # keep_alive of the models loaded on demand
     gevent.spawn(watch, args.parent, stop, models)
+    activity = ChatActivityWriter(activity_path(args.socket))
+    gevent.spawn(publish_forever, activity, models.active_sequences, stop.is_set)
     serve(args.socket, models, stop, args.secret)
     log.info("engine host %d: stopping", os.getpid())
     models.fleet.close()

@@ -107,6 +107,9 @@ class Architecture:
     # The mlx-lm class has sliding-window layers of its own (gemma3): the file's window
     # goes to `sliding_window`; else a window the file sets makes every layer sliding.
     own_window_pattern: bool = False
+    # An encoder (BERT): converted to a Hugging Face folder for the embedding engine by
+    # encoder.py; the decoder fields above do not apply.
+    encoder: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -212,4 +215,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         config=_MOE_CONFIG,
         constants={"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
     ),
+    # encoders (embedding models), converted by encoder.py
+    "bert": Architecture("bert", rope="neox", encoder=True),
+    "nomic-bert": Architecture("nomic_bert", rope="neox", encoder=True),
 }

@@ -1,4 +1,5 @@
-"""One GGUF file -> one mlx-lm model folder (config.json, model.safetensors, tokenizer).
+"""One GGUF file -> one mlx-lm model folder (config.json, model.safetensors, tokenizer);
+an encoder (BERT) file -> a Hugging Face BERT folder (encoder.py).
 
 Metadata, tensor types and the weights are read with gguf-py (llama.cpp's own reader),
 one tensor at a time (tensors.py): float types as stored, quantized blocks repacked
@@ -52,6 +53,11 @@ def convert(path: Path, out: Path) -> None:
     """Write the mlx-lm model folder of GGUF `path` into the existing folder `out`."""
     file = open_gguf(path)
     arch = check_convertible(file)
+    if arch.encoder:
+        from pipeserve.engine.weights.gguf.encoder import convert_encoder
+
+        convert_encoder(file, gguf_tensors(path), out)
+        return
     meta, types = file.meta, file.types
     names = {gguf: mlx_name(gguf, arch) for gguf in types if gguf not in CONFIG_TENSORS}
     tokenizer = build_tokenizer(meta)

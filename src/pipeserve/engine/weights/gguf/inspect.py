@@ -112,6 +112,11 @@ def check_convertible(file: GgufFile) -> Architecture:
 
     try:
         check_tokenizer(file.meta)
+        if arch.encoder:
+            from pipeserve.engine.weights.gguf.encoder import bert_name
+
+            for name in file.types:
+                bert_name(name)
     except GgufError as error:
         raise GgufError(f"{file.path}: {error}") from None
     return arch
@@ -133,12 +138,15 @@ class GgufSummary:
     kv_bytes_per_token: int  # float32 keys and values, every layer
     key_length: int = 0  # per attention head
     value_length: int = 0
+    encoder: bool = False  # an embedding model (no KV cache, no chat)
 
     def lines(self) -> list[str]:
         types = ", ".join(f"{kind} x{count}" for kind, count in self.tensor_types.items())
         requant = [f"{k} -> {REQUANT_BITS[k]} bit" for k in self.tensor_types if k in REQUANT_BITS]
         context = self.context_length if self.context_length is not None else "not set"
-        template = "present" if self.chat_template else (
+        template = "present" if self.chat_template else "none (an embedding model)" if (
+            self.encoder
+        ) else (
             "none (a base model: /v1/completions and raw prompts work; chat requests "
             "answer 400 until the model entry sets `chat_template:`)"
         )  # fmt: skip
@@ -151,7 +159,9 @@ class GgufSummary:
             f"chat template: {template}",
             f"memory: weights {self.weight_bytes / 2**20:.0f} MiB, KV cache "
             f"{self.kv_bytes_per_token * 1024 / 2**20:.1f} MiB per 1024 tokens "
-            f"({self.kv_bytes_per_token} bytes per token)",
+            f"({self.kv_bytes_per_token} bytes per token)"
+            if not self.encoder
+            else f"memory: weights {self.weight_bytes / 2**20:.1f} MiB (float32), no KV cache",
         ]
         return lines
 
@@ -191,11 +201,17 @@ def summarize(file: GgufFile) -> GgufSummary:
         chat_template=str(meta.get("tokenizer.chat_template") or ""),
         special_tokens=specials,
         weight_bytes=sum(
-            _held_bytes(t.name, t.tensor_type.name, t.n_elements) for t in file.tensors
-        ),
-        kv_bytes_per_token=layers * kv_heads * (key_length + value_length) * 4,
+            int(t.n_elements) * 4
+            if arch.encoder
+            else _held_bytes(t.name, t.tensor_type.name, t.n_elements)
+            for t in file.tensors
+        ),  # fmt: skip
+        kv_bytes_per_token=0
+        if arch.encoder
+        else layers * kv_heads * (key_length + value_length) * 4,
         key_length=key_length,
         value_length=value_length,
+        encoder=arch.encoder,
     )
 
 

@@ -115,10 +115,10 @@ def check_tokenizer(meta: dict[str, Any]) -> None:
     kind = meta.get("tokenizer.ggml.model")
     if kind == "gpt2":
         pre_tokenizer_of(str(meta.get("tokenizer.ggml.pre", "default")))
-    elif kind != "llama":
+    elif kind not in ("llama", "bert"):
         raise UnsupportedTokenizer(
             f"tokenizer.ggml.model {kind!r} is not supported "
-            "(supported: gpt2 (byte-level BPE), llama (sentencepiece))"
+            "(supported: gpt2 (byte-level BPE), llama (sentencepiece), bert (WordPiece))"
         )
     if not meta.get("tokenizer.ggml.tokens"):
         raise UnsupportedTokenizer("the file has no tokenizer.ggml.tokens (no vocabulary)")
@@ -127,6 +127,10 @@ def check_tokenizer(meta: dict[str, Any]) -> None:
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """The fast tokenizer the metadata describes."""
     check_tokenizer(meta)
+    if meta.get("tokenizer.ggml.model") == "bert":
+        from pipeserve.engine.weights.gguf.wordpiece import build_wordpiece
+
+        return build_wordpiece(meta)
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     if meta.get("tokenizer.ggml.model") == "gpt2":
         tokenizer = _byte_level_tokenizer(meta)
