@@ -164,3 +164,26 @@ def test_encoder_backbone_packs_on_the_cpu(minilm_dir: Path, tmp_path: Path) -> 
     (odd / "config.json").write_text(json.dumps(config))
     model = BertModel(BertConfig.read(odd))
     assert PackedBert.build(model) is None
+
+
+def test_packed_batches_take_the_oldest_inputs_within_the_budget() -> None:
+    """No padding, so no grouping by length: arrival order while the real tokens fit (a
+    longer first input still goes alone), laid end to end with each input's segments."""
+    from pipeserve.engine.embedding.batches import Pending, WaitingPool, pack
+    from pipeserve.engine.embedding.jobs import EmbedJob, Sequence
+    from pipeserve.engine.embedding.mailbox import Mailbox
+
+    sizes = [10, 40, 11, 9, 70]
+    types = [[0] * (n // 2) + [1] * (n - n // 2) for n in sizes]
+    seqs = [Sequence(list(range(1, n + 1)), t) for n, t in zip(sizes, types, strict=True)]
+    pool = WaitingPool()
+    pool.add(Pending(1, EmbedJob("t", seqs), Mailbox()))
+    first = pool.next_batch(budget=55, padded=False)
+    assert [item.index for item in first] == [0, 1]
+    layout = pack(first)
+    assert layout.ids.tolist() == seqs[0].ids + seqs[1].ids
+    assert layout.types.tolist() == types[0] + types[1]
+    assert layout.lengths.tolist() == [10, 40]
+    assert [item.index for item in pool.next_batch(budget=55, padded=False)] == [2, 3]
+    assert [item.index for item in pool.next_batch(budget=55, padded=False)] == [4]
+    assert pool.empty

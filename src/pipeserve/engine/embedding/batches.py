@@ -127,10 +127,12 @@ def pack(batch: list[Item]) -> Layout:
     """A batch laid end to end: ids and types (sum of lengths,), mask all ones."""
     lengths = np.array([len(item.seq.ids) for item in batch], dtype=np.int32)
     ids = np.concatenate([np.asarray(item.seq.ids, dtype=np.int32) for item in batch])
-    types = np.concatenate(
-        [np.asarray(item.seq.types if item.seq.types is not None else np.zeros(len(item.seq.ids)),
-                    dtype=np.int32) for item in batch]
-    )  # fmt: skip
+    types = np.zeros_like(ids)
+    start = 0
+    for item, length in zip(batch, lengths, strict=True):
+        if item.seq.types is not None:
+            types[start : start + length] = item.seq.types
+        start += length
     return Layout(ids, np.ones_like(ids), types, lengths)
 
 
