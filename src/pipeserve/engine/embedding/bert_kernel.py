@@ -11,6 +11,7 @@ and this op compute the same network on the same numbers.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
@@ -18,7 +19,10 @@ import numpy as np
 
 from pipeserve.engine.embedding.bert import BertModel
 
+log = logging.getLogger("pipeserve.engine")
+
 PANEL = 32  # bert_encoder.cpp's panel width: hidden and intermediate sizes must be multiples
+CHECK_TOLERANCE = 1e-4  # of the largest magnitude, in the load-time check (measured ~1e-6)
 
 
 def pack_linear(weight: mx.array) -> mx.array:
@@ -74,7 +78,25 @@ class PackedBert:
         ext = kernels()
         if ext is None or not hasattr(ext, "bert_encode"):
             return None
-        return cls(ext, model)
+        packed = cls(ext, model)
+        error = packed.check(model)
+        if error > CHECK_TOLERANCE:
+            log.warning("encoder kernel off: it differs from the MLX encoder by %.3g", error)
+            return None
+        return packed
+
+    def check(self, model: BertModel) -> float:
+        """Two short sequences through this op and through the MLX encoder: the largest
+        difference relative to the largest value (on every load, as the kernels' self-test)."""
+        lengths = np.array([3, 5])
+        ids = np.arange(8, dtype=np.int32) % self.config.vocab_size
+        got = self.encode(ids, np.zeros_like(ids), lengths)
+        padded = np.zeros((2, 5), np.int32)
+        padded[0, :3], padded[1] = ids[:3], ids[3:]
+        mask = (np.arange(5)[None] < lengths[:, None]).astype(np.int32)
+        want = np.array(model(mx.array(padded), mx.array(mask), mx.zeros((2, 5), mx.int32)))
+        want = np.concatenate([want[0, :3], want[1]])
+        return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
 
     def encode(self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Token vectors (sum(lengths), hidden) of sequences laid end to end in ids / types."""
