@@ -187,3 +187,34 @@ def test_packed_batches_take_the_oldest_inputs_within_the_budget() -> None:
     assert [item.index for item in pool.next_batch(budget=55, padded=False)] == [2, 3]
     assert [item.index for item in pool.next_batch(budget=55, padded=False)] == [4]
     assert pool.empty
+
+
+def test_engine_padded_and_packed_paths_agree(minilm_dir: Path) -> None:
+    """The engine over the MLX encoder (padded batches: the path without the kernels) and
+    over the kernel (packed batches) gives the same vectors for inputs of mixed lengths."""
+    from pipeserve.config.models import EmbeddingOptions, EngineOptions
+    from pipeserve.engine.embedding.engine import EmbeddingEngine
+    from pipeserve.engine.embedding.inputs import InputTokenizer
+    from pipeserve.engine.embedding.jobs import EmbedJob
+    from pipeserve.engine.embedding.spec import build_spec
+
+    packed = load_backbone(minilm_dir, None, (None, None))
+    if not packed.packs:
+        pytest.skip("CPU kernels unavailable here")
+    assert isinstance(packed, EncoderBackbone)
+    padded = EncoderBackbone(packed.model)  # no kernel
+    spec = build_spec(minilm_dir, EmbeddingOptions(), decoder=False, hidden_size=384)
+    tokenizer = InputTokenizer(minilm_dir, 256, 30522)
+    texts = [SENTENCES[i] * (1 + i % 3) for i in range(12)]  # 8 to 60 tokens
+    out = []
+    for backbone in (padded, packed):
+        engine = EmbeddingEngine("e", lambda b=backbone: b, spec, EngineOptions(), 8192)
+        try:
+            result = engine.embed(EmbedJob("t", tokenizer.texts(texts, "input", False))).wait(60)
+        finally:
+            engine.close()
+        assert result is not None and result.error is None
+        out.append(result.vectors)
+    for a, b in zip(*out, strict=True):
+        assert a.shape == b.shape
+        assert float(np.abs(a - b).max()) <= TOLERANCE * float(np.abs(a).max())
