@@ -20,7 +20,7 @@ from pipeserve.api.embeddings.decode import (
     decode_embed,
     decode_rerank,
 )
-from pipeserve.api.embeddings.encode import encode_embeddings, encode_rerank
+from pipeserve.api.embeddings.encode import encode_embeddings, encode_rerank, json_bytes
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.engine.embedding.engine import EmbeddingEngine
 from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult
@@ -106,7 +106,8 @@ class EmbeddingsResource:
             served.embed_chain.run(ctx)
             record.prompt_tokens = ctx.tokens
             self.metrics.prompt_tokens.labels(served.name).inc(ctx.tokens)
-            resp.media = self.encode(request, served, ctx, started)
+            resp.data = json_bytes(self.encode(request, served, ctx, started))
+            resp.content_type = falcon.MEDIA_JSON
         except ApiError as error:
             record.error = error.kind
             self.metrics.count_request(self.route, label, self.errors.render(resp, error))

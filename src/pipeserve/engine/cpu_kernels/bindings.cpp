@@ -98,6 +98,9 @@ NB_MODULE(_pipeserve_cpu, m) {
         "One index per row drawn from softmax(logits) at two float32 uniforms (..., 2).");
   m.def("top_k", &pipeserve::top_k, "logprobs"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
         "The k largest float32 log-probabilities of each row kept, the rest -inf.");
+  m.def("bert_encode", &pipeserve::bert_encode, "ids"_a, "types"_a, "starts"_a, "weights"_a,
+        "heads"_a, "eps"_a, "offset"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "A BERT-style encoder over packed sequences (bert_encoder.cpp): (T, hidden) vectors.");
   m.def("set_threads", &pipeserve::set_threads, "threads"_a,
         "Threads the quantized matmul splits rows over.");
   m.def("threads", &pipeserve::threads);

@@ -40,6 +40,7 @@ SOURCE_FILES = (
     "cache_rows.cpp",
     "roll_rows.cpp",
     "sampling_filters.cpp",
+    "bert_encoder.cpp",
     "donation.h",
     "bindings.cpp",
     "CMakeLists.txt",

@@ -218,6 +218,16 @@ std::vector<mx::array> roll_rows(const std::vector<mx::array>& buffers,
 void count_cache_copy(int64_t bytes);
 int64_t cache_copy_bytes();
 
+// A BERT-style encoder over packed sequences as one op (bert_encoder.cpp): ids and types
+// (T,) of the sequences laid end to end, starts (S + 1,) their first rows (starts[S] = T);
+// weights: word, position and type embeddings, their LayerNorm weight and bias, then per
+// layer qkv (packed), its bias, output (packed), bias, LayerNorm w, b, up (packed), bias,
+// down (packed), bias, LayerNorm w, b; a packed weight (N / 32, K, 32) is w.T's 32-column
+// panels. Returns the last layer's token vectors (T, hidden), float32.
+mx::array bert_encode(const mx::array& ids, const mx::array& types, const mx::array& starts,
+                      const std::vector<mx::array>& weights, int heads, float eps, int offset,
+                      mx::StreamOrDevice s = {});
+
 // Top-p (nucleus) and top-k filtering of log-probabilities (..., V), float32, as mlx-lm's
 // apply_top_p / apply_top_k: entries outside become -inf (sampling_filters.cpp).
 mx::array top_p(const mx::array& logprobs, float top_p, mx::StreamOrDevice s = {});

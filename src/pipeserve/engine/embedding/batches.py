@@ -3,7 +3,10 @@
 Every input of every waiting request is one item. A batch starts at the oldest item
 (so no request waits behind a stream of newer ones), takes the items whose lengths
 are closest to it (little padding) while the padded size stays within the token
-budget, and is laid out right-padded: ids, mask (1 = real token), segment ids."""
+budget, and is laid out right-padded: ids, mask (1 = real token), segment ids. A
+backbone that takes packed batches (the encoder kernel) has no padding: its batch is
+the oldest items in arrival order while their real tokens stay within the budget, laid
+end to end."""
 
 from __future__ import annotations
 
@@ -84,10 +87,13 @@ class WaitingPool:
     def all_jobs(self) -> Iterator[Pending]:
         yield from list(self.jobs.values())
 
-    def next_batch(self, budget: int) -> list[Item]:
-        """Up to `budget` padded tokens around the oldest item (at least that one), while
+    def next_batch(self, budget: int, padded: bool = True) -> list[Item]:
+        """padded=False: the oldest items while their real tokens fit `budget` (at least one).
+        Else up to `budget` padded tokens around the oldest item (at least that one), while
         padding adds at most MAX_PADDING over the real tokens (on a CPU every padded token
         costs as much as a real one)."""
+        if not padded:
+            return self._oldest(budget)
         anchor = len(self.items[0].seq.ids)
         order = sorted(
             range(len(self.items)), key=lambda i: (abs(len(self.items[i].seq.ids) - anchor), i)
@@ -96,8 +102,8 @@ class WaitingPool:
         longest = real = 0
         for i in order:
             size = len(self.items[i].seq.ids)
-            padded = (len(chosen) + 1) * max(longest, size)
-            if chosen and (padded > budget or padded > MAX_PADDING * (real + size)):
+            width = (len(chosen) + 1) * max(longest, size)
+            if chosen and (width > budget or width > MAX_PADDING * (real + size)):
                 break
             chosen.append(i)
             longest, real = max(longest, size), real + size
@@ -105,6 +111,29 @@ class WaitingPool:
         batch = [self.items[i] for i in sorted(chosen)]
         self.items = [item for i, item in enumerate(self.items) if i not in taken]
         return batch
+
+    def _oldest(self, budget: int) -> list[Item]:
+        count = total = 0
+        for item in self.items:
+            total += len(item.seq.ids)
+            if count and total > budget:
+                break
+            count += 1
+        batch, self.items = self.items[:count], self.items[count:]
+        return batch
+
+
+def pack(batch: list[Item]) -> Layout:
+    """A batch laid end to end: ids and types (sum of lengths,), mask all ones."""
+    lengths = np.array([len(item.seq.ids) for item in batch], dtype=np.int32)
+    ids = np.concatenate([np.asarray(item.seq.ids, dtype=np.int32) for item in batch])
+    types = np.zeros_like(ids)
+    start = 0
+    for item, length in zip(batch, lengths, strict=True):
+        if item.seq.types is not None:
+            types[start : start + length] = item.seq.types
+        start += length
+    return Layout(ids, np.ones_like(ids), types, lengths)
 
 
 def lay_out(batch: list[Item]) -> Layout:

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 class DecoderBackbone:
     decoder = True
+    packs = False
 
     def __init__(self, model: Any, yes_id: int | None, no_id: int | None) -> None:
         self.model = model
@@ -27,6 +28,9 @@ class DecoderBackbone:
     def hidden(self, ids: mx.array, mask: mx.array, types: mx.array) -> mx.array:
         out: mx.array = self.inner(ids)
         return out
+
+    def packed(self, ids: Any, types: Any, lengths: Any, scoring: bool) -> Any:
+        raise NotImplementedError("a decoder takes padded batches")
 
     def head(self, last: mx.array) -> mx.array:
         """The model's logits for the vectors `last` [batch, width]."""

@@ -21,7 +21,7 @@ import numpy as np
 from pipeserve.config.models import EngineOptions
 from pipeserve.engine.base import GenerationJob, TokenStream
 from pipeserve.engine.embedding.backbone import Backbone
-from pipeserve.engine.embedding.batches import Item, Pending, WaitingPool, lay_out
+from pipeserve.engine.embedding.batches import Item, Layout, Pending, WaitingPool, lay_out, pack
 from pipeserve.engine.embedding.jobs import EmbedJob, EmbedResult
 from pipeserve.engine.embedding.mailbox import Mailbox
 from pipeserve.engine.embedding.spec import EmbeddingSpec
@@ -112,7 +112,9 @@ class EmbeddingEngine(EngineThread[WaitingPool]):
             if pool_.empty:
                 continue
             chat = self.yielding.chat_running()
-            batch = pool_.next_batch(self.yielding.budget(self.batch_tokens, chat))
+            budget = self.yielding.budget(self.batch_tokens, chat)
+            packs = self.backbone is not None and self.backbone.packs
+            batch = pool_.next_batch(budget, padded=not packs)
             self._active = len(batch)
             started = time.monotonic()
             try:
@@ -141,19 +143,33 @@ class EmbeddingEngine(EngineThread[WaitingPool]):
         makes one vector of them) or its relevance score (rerank)."""
         backbone = self.backbone
         assert backbone is not None
-        layout = lay_out(batch)
-        ids, mask = mx.array(layout.ids), mx.array(layout.mask)
-        lengths = mx.array(layout.lengths)
-        hidden = backbone.hidden(ids, mask, mx.array(layout.types))
         scoring = any(item.pending.job.mode == "score" for item in batch)
-        out = backbone.score(hidden, lengths) if scoring else hidden.astype(mx.float32)
-        mx.eval(out)
-        values = np.array(out)
+        if backbone.packs:
+            layout = pack(batch)
+            packed = backbone.packed(layout.ids, layout.types, layout.lengths, scoring)
+            starts = np.concatenate([[0], np.cumsum(layout.lengths)])
+            rows = [packed[row] if scoring else packed[starts[row] : starts[row + 1]]
+                    for row in range(len(batch))]  # fmt: skip
+        else:
+            layout, rows = self._padded(backbone, batch, scoring)
         self._stats["batches_total"] += 1
         self._stats["embedded_inputs_total"] += len(batch)
         self._stats["embedded_tokens_total"] += int(layout.lengths.sum())
         for row, item in enumerate(batch):
-            self._store(pool_, item, values[row], int(layout.lengths[row]))
+            self._store(pool_, item, rows[row], int(layout.lengths[row]))
+
+    def _padded(
+        self, backbone: Backbone, batch: list[Item], scoring: bool
+    ) -> tuple[Layout, list[np.ndarray]]:
+        """The MLX forward pass over a right-padded batch: each row's values."""
+        layout = lay_out(batch)
+        ids, mask = mx.array(layout.ids), mx.array(layout.mask)
+        lengths = mx.array(layout.lengths)
+        hidden = backbone.hidden(ids, mask, mx.array(layout.types))
+        out = backbone.score(hidden, lengths) if scoring else hidden.astype(mx.float32)
+        mx.eval(out)
+        values = np.array(out)
+        return layout, [values[row] for row in range(len(batch))]
 
     def _store(self, pool_: WaitingPool, item: Item, value: np.ndarray, length: int) -> None:
         pending = item.pending
