@@ -516,8 +516,9 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   const int hidden = weights_[0].shape(0);
   if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) < 1 ||
-      x.shape(1) > DECODER_LAYER_MAX_TOKENS || x.shape(2) != hidden) {
-    fail("x must be float32 (B, L, hidden), L = 1.." + std::to_string(DECODER_LAYER_MAX_TOKENS));
+      x.shape(1) > DECODER_LAYER_MAX_PROMPT_TOKENS || x.shape(2) != hidden) {
+    fail("x must be float32 (B, L, hidden), L = 1.." +
+         std::to_string(DECODER_LAYER_MAX_PROMPT_TOKENS));
   }
   const int B = x.shape(0), L = x.shape(1);
   const mx::Shape cache_shape = {B, shape_.kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0,
