@@ -48,21 +48,21 @@ def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int,
     """The step the layer op takes for this call, or None (the per-op path). A ring
     buffer's wrap, and with `room` (kv heads, head dim) a buffer's growth, are applied
     here (as mlx-lm's update would): call the op after it."""
-    tokens = x.shape[1]
-    if not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
-        return None
-    keys = getattr(cache, "keys", None)
-    if (keys is None and room is None) or (keys is not None and keys.dtype != mx.float32):
+    tokens, kind = x.shape[1], type(cache)
+    linear = kind is KVCache or kind is BatchKVCache
+    ring = kind is RotatingKVCache or kind is BatchRotatingKVCache
+    if not (linear or ring) or not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
+        return None  # other caches (quantized ones hold tuples) take their own update
+    if (cache.keys is None and room is None) or (
+        cache.keys is not None and cache.keys.dtype != mx.float32
+    ):
         return None
     shape = None if room is None else (x.shape[0], *room)
-    kind = type(cache)
-    if kind is KVCache or kind is BatchKVCache:
+    if linear:
         return _linear_step(mask, cache, tokens, shape)
-    if kind is RotatingKVCache or kind is BatchRotatingKVCache:
-        if tokens == 1:
-            return _ring_step(mask, cache, shape)
-        return None if shape is None else _ring_prompt_step(mask, cache, tokens, shape)
-    return None
+    if tokens == 1:
+        return _ring_step(mask, cache, shape)
+    return None if shape is None else _ring_prompt_step(mask, cache, tokens, shape)
 
 
 Shape = tuple[int, int, int]  # (B, kv heads, head dim) of a buffer the step may make
