@@ -188,3 +188,23 @@ def test_prompt_chunks_take_the_op(ext, padding, lengths, ring_calls):
     assert [c.calls for c in counters] == [ring_calls, 13, ring_calls, 13]
     assert results[1][1:] == results[0][1:]
     assert close(results[1][0], results[0][0])
+
+
+def test_a_verification_and_its_rollback_on_the_rings(ext):
+    """A speculative verification's shape: 3 tokens at once after a 3-token prompt (inside
+    the 8-token window: the rings take them through the op too), the last 2 trimmed as
+    the engine's rollback trims them, then 8 steps past the window."""
+    per_op, one_op = twins(ext)
+    counters = counted(one_op)
+    results = []
+    for model in (per_op, one_op):
+        cache = batch_caches(model, [0])
+        model(mx.array([[3, 9, 27]]), cache=cache)
+        verified = model(mx.array([[81 % 96, 5, 6]]), cache=cache)
+        for c in cache:
+            c.trim(2)
+        logits = decode(model, cache, mx.array([[11]]), 8)
+        results.append((np.array(verified), logits, cache[0].offset.tolist()))
+    assert [c.calls for c in counters] == [11, 11, 11, 11]
+    assert results[1][2] == results[0][2]
+    assert close(results[1][0], results[0][0]) and close(results[1][1], results[0][1])
