@@ -97,8 +97,8 @@ def decode(model: nn.Module, cache: list[Any], prompt: mx.array, steps: int) -> 
     return np.array(mx.stack(rows))
 
 
-@pytest.mark.parametrize("prompt_length", [5, 11])
-def test_one_op_steps_match_mlx_lm_past_the_window(ext, prompt_length):
+@pytest.mark.parametrize(("prompt_length", "ring_calls"), [(5, 15), (11, 13)])
+def test_one_op_steps_match_mlx_lm_past_the_window(ext, prompt_length, ring_calls):
     """make_prompt_cache's caches (RotatingKVCache on the sliding layers): a prompt inside
     the window and one longer than it, then 14 steps, the ring wrapping around."""
     per_op, one_op = twins(ext)
@@ -108,9 +108,10 @@ def test_one_op_steps_match_mlx_lm_past_the_window(ext, prompt_length):
     cache = make_prompt_cache(one_op)
     assert [type(c) for c in cache] == [RotatingKVCache, KVCache] * 2
     got = decode(one_op, cache, prompt, 14)
-    # The rings' first step grows the prompt's buffer (or, past a long prompt, trims
-    # it): that step takes the per-op path; KVCache's prefill left room (256 positions).
-    assert [c.calls for c in counters] == [13, 14, 13, 14]
+    # The prompt and every step take the op (its buffers made as mlx-lm's update makes
+    # them), but on the rings a prompt longer than the window and the first step after it
+    # (mlx-lm's update trims the prompt's buffer to the window first).
+    assert [c.calls for c in counters] == [ring_calls, 15, ring_calls, 15]
     assert cache[0].offset == prompt_length + 14 and cache[0].keys.shape[2] == WINDOW
     assert close(got, want)
 
@@ -134,7 +135,7 @@ def test_one_op_steps_match_mlx_lm_on_a_padded_batch(ext):
         cache = batch_caches(model, [3, 0])
         logits = decode(model, cache, prompts, 12)
         results.append((logits, cache[0].offset.tolist(), cache[0].left_padding.tolist()))
-    assert [c.calls for c in counters] == [11, 12, 11, 12]  # the rings' first step grows them
+    assert [c.calls for c in counters] == [13, 13, 13, 13]  # the prompt and every step
     assert results[1][1:] == results[0][1:]
     assert close(results[1][0], results[0][0])
 
@@ -145,3 +146,65 @@ def test_float16_gemma_keeps_mlx_lm_blocks(ext):
     use_fused_ops(model, ext)
     assert use_gemma_layers(model, ext) == 0
     assert type(model.layers[0]) is gemma3_text.TransformerBlock
+
+
+def chunked(model: nn.Module, cache: list[Any], chunks: list[mx.array], steps: int,
+            lengths: list[int] | None = None) -> np.ndarray:  # fmt: skip
+    """The prompt in chunks (each call's caches evaluated, as mlx-lm's prompt loop does;
+    `lengths`: right-padded rows, prepared and finalized as its PromptProcessingBatch
+    does), then its last tokens and `steps` greedy steps."""
+    if lengths is not None:
+        width = sum(c.shape[1] for c in chunks)
+        for c in cache:
+            c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+    for chunk in chunks[:-1]:
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+    if lengths is not None:
+        for c in cache:
+            c.finalize()
+    return decode(model, cache, chunks[-1], steps)
+
+
+@pytest.mark.parametrize(
+    ("padding", "lengths", "ring_calls"),
+    [([0], None, 13), ([2, 0], None, 13), ([0, 0], [5, 7], 11)],
+)
+def test_prompt_chunks_take_the_op(ext, padding, lengths, ring_calls):
+    """A prompt in chunks of 3 and 4 tokens (the second on buffers that must grow), then its
+    last token and 10 steps past the window, on the engine's caches: one row, a
+    left-padded batch, and a right-padded one (mlx-lm's `prepare` / `finalize`: the rings
+    leave those chunks to mlx-lm's update until `finalize`, the global layers take them)."""
+    per_op, one_op = twins(ext)
+    counters = counted(one_op)
+    rows = len(padding)
+    ids = mx.array([[(5 * i + 11 * r + 1) % 96 for i in range(8)] for r in range(rows)])
+    chunks = [ids[:, :3], ids[:, 3:7], ids[:, 7:]]
+    results = []
+    for model in (per_op, one_op):
+        cache = batch_caches(model, padding)
+        logits = chunked(model, cache, chunks, 10, lengths)
+        results.append((logits, cache[0].offset.tolist(), cache[1].offset.tolist()))
+    assert [c.calls for c in counters] == [ring_calls, 13, ring_calls, 13]
+    assert results[1][1:] == results[0][1:]
+    assert close(results[1][0], results[0][0])
+
+
+def test_a_verification_and_its_rollback_on_the_rings(ext):
+    """A speculative verification's shape: 3 tokens at once after a 3-token prompt (inside
+    the 8-token window: the rings take them through the op too), the last 2 trimmed as
+    the engine's rollback trims them, then 8 steps past the window."""
+    per_op, one_op = twins(ext)
+    counters = counted(one_op)
+    results = []
+    for model in (per_op, one_op):
+        cache = batch_caches(model, [0])
+        model(mx.array([[3, 9, 27]]), cache=cache)
+        verified = model(mx.array([[81 % 96, 5, 6]]), cache=cache)
+        for c in cache:
+            c.trim(2)
+        logits = decode(model, cache, mx.array([[11]]), 8)
+        results.append((np.array(verified), logits, cache[0].offset.tolist()))
+    assert [c.calls for c in counters] == [11, 11, 11, 11]
+    assert results[1][2] == results[0][2]
+    assert close(results[1][0], results[0][0]) and close(results[1][1], results[0][1])

@@ -21,6 +21,7 @@ T = GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 2, 64, 512, 2
 EXPERTS, USED, EXPERT_FFN = 4, 2, 256
 GPT_OSS_EXPERTS = [False]  # set while writing a gpt-oss file: its experts are MXFP4
+WINDOWS = {"gemma3-window": 8, "gemma2-window": 2}  # sliding windows the prompts pass
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ CASES = [
     # ring buffers wrap (llama.cpp: its sliding-window cache)
     ArchCase("gemma3", vocab="spm", name="gemma3-window", top5=0.07),
     ArchCase("gemma2", vocab="spm"),
+    # Gemma 2 with a 2-token window: the prompts (3-14 tokens) and answers run past it;
+    # layers 0 and 2 local (ring buffers that wrap), 1 and 3 global
+    ArchCase("gemma2", vocab="spm", name="gemma2-window"),
     ArchCase("phi3", vocab="spm"),
     # The top-5 logits within 0.15%: measured 0.02-0.04%; with the short factors in place
     # of the long ones 0.02-0.42% (greedy tokens alike: random weights attend flatly).
@@ -67,8 +71,8 @@ FIM_CASE = ArchCase("qwen2", vocab="bpe-fim", name="qwen2-fim", spread=5.0)
 
 def layers_of(arch: str) -> int:
     """Gemma 3's mlx-lm class needs one whole pattern of 5 sliding + 1 global layer;
-    SmolLM3's every 4th layer has no rope."""
-    return {"gemma3": 6, "smollm3": 4}.get(arch, LAYERS)
+    SmolLM3's every 4th layer has no rope; Gemma 2: two local / global pairs."""
+    return {"gemma3": 6, "smollm3": 4, "gemma2": 4}.get(arch, LAYERS)
 
 
 def default_types(name: str) -> GGMLQuantizationType:
@@ -172,7 +176,7 @@ def _metadata(writer: GGUFWriter, case: ArchCase) -> None:
         ints["attention.value_length"] = HEAD_DIM
     ints["rope.dimension_count"] = HEAD_DIM // 2 if arch == "glm4" else HEAD_DIM
     if arch in ("gemma3", "gemma2") or case.name == "mistral":
-        ints["attention.sliding_window"] = 8 if case.name == "gemma3-window" else 1024
+        ints["attention.sliding_window"] = WINDOWS.get(case.name, 1024)
     if arch == "gpt-oss":
         ints["attention.sliding_window"] = 8  # shorter than the prompts: the window matters
     if arch.endswith("moe") or arch == "gpt-oss":

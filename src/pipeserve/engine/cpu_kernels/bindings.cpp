@@ -73,6 +73,7 @@ NB_MODULE(_pipeserve_cpu, m) {
            "(out, keys, values): the step's output and the cache buffers with index..index + L - 1"
            " written (seen >= 1: one token at index, attending to positions 0..seen - 1).");
   m.attr("DECODER_LAYER_MAX_TOKENS") = pipeserve::DECODER_LAYER_MAX_TOKENS;
+  m.attr("DECODER_LAYER_MAX_PROMPT_TOKENS") = pipeserve::DECODER_LAYER_MAX_PROMPT_TOKENS;
   m.def("f32_matmul", &pipeserve::f32_matmul, "x"_a, "w"_a, "transposed"_a,
         "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "x @ w (w stored (K, N): transposed) or x @ w.T (w (N, K)), float32, + bias; a few rows"

@@ -1,4 +1,4 @@
-"""Where a one-op decode step (`ext.DecoderLayer`) writes its new keys and values in
+"""Where a one-op layer step (`ext.DecoderLayer`) writes its new keys and values in
 mlx-lm's caches, and the cache's own bookkeeping after it.
 
 `decode_step` answers, for one layer call, whether the layer op takes it and how: the
@@ -12,10 +12,18 @@ attends to. `advance` then moves the cache's offsets as its own `update_and_fetc
   layers): one token, written where mlx-lm's `_update_in_place` writes it (wrapping to
   the buffer's start once it is full), attending to every position the cache returns;
   the window is the buffer (its size is the window) plus the mask mlx-lm made for it.
+  With `room`, also several tokens (a prompt chunk) while the ring has not wrapped and
+  they fit in the window: the buffer is then linear (position i holds token i), as
+  mlx-lm's `_update_concat` leaves it, so they are written at the cache's index with
+  mlx-lm's mask.
 
-Anything else takes the cache's own update (the layer's per-op path): no buffer yet, a
-buffer that must grow or be trimmed first (the step after that takes the op again),
-several tokens on a ring, a ring that keeps its first tokens, float16 caches.
+`room` (kv heads, head dim): the caller lets the step make room first, as the cache's own
+update would (a prompt's first buffer, a buffer that must grow: mlx-lm's zeros appended
+in its steps of 256 positions), so that prompts and the step after them take the op too.
+Without it those take the cache's own update (the layer's per-op path), as does anything
+else: a buffer that must be trimmed first (the step after that takes the op again),
+several tokens on a ring past its window or after it wrapped, a ring that keeps its first
+tokens, float16 caches.
 """
 
 from __future__ import annotations
@@ -35,41 +43,80 @@ class CacheStep:
     seen: int = -1  # a ring buffer: the positions 0..seen - 1 attended (-1: index + l + 1)
 
 
-def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int) -> CacheStep | None:
+def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int,
+                room: tuple[int, int] | None = None) -> CacheStep | None:  # fmt: skip
     """The step the layer op takes for this call, or None (the per-op path). A ring
-    buffer's wrap is applied here (as mlx-lm's update would): call the op after it."""
-    tokens = x.shape[1]
-    if not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
+    buffer's wrap, and with `room` (kv heads, head dim) a buffer's growth, are applied
+    here (as mlx-lm's update would): call the op after it."""
+    tokens, kind = x.shape[1], type(cache)
+    linear = kind is KVCache or kind is BatchKVCache
+    ring = kind is RotatingKVCache or kind is BatchRotatingKVCache
+    if not (linear or ring) or not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
+        return None  # other caches (quantized ones hold tuples) take their own update
+    if (cache.keys is None and room is None) or (
+        cache.keys is not None and cache.keys.dtype != mx.float32
+    ):
         return None
-    if getattr(cache, "keys", None) is None or cache.keys.dtype != mx.float32:
-        return None
-    kind = type(cache)
-    if kind is KVCache or kind is BatchKVCache:
-        return _linear_step(mask, cache, tokens)
-    if kind is RotatingKVCache or kind is BatchRotatingKVCache:
-        return _ring_step(mask, cache, tokens)
-    return None
+    shape = None if room is None else (x.shape[0], *room)
+    if linear:
+        return _linear_step(mask, cache, tokens, shape)
+    if tokens == 1:
+        return _ring_step(mask, cache, shape)
+    return None if shape is None else _ring_prompt_step(mask, cache, tokens, shape)
 
 
-def _linear_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
+Shape = tuple[int, int, int]  # (B, kv heads, head dim) of a buffer the step may make
+
+
+def _zeros(shape: Shape, positions: int) -> mx.array:
+    batch, heads, dim = shape
+    return mx.zeros((batch, heads, positions, dim), mx.float32)
+
+
+def _append(cache: Any, shape: Shape, positions: int) -> None:
+    """`positions` zero positions after the buffers (new buffers where there are none)."""
+    if cache.keys is None:
+        cache.keys, cache.values = _zeros(shape, positions), _zeros(shape, positions)
+        return
+    cache.keys = mx.concatenate([cache.keys, _zeros(shape, positions)], axis=2)
+    cache.values = mx.concatenate([cache.values, _zeros(shape, positions)], axis=2)
+
+
+def _linear_step(mask: Any, cache: Any, tokens: int, shape: Shape | None) -> CacheStep | None:
     plain = type(cache) is KVCache
     index, positions = (cache.offset, None) if plain else (cache._idx, cache.offset)
-    if index + tokens > cache.keys.shape[2]:
-        return None  # too small: the cache's own update grows it
     layer_mask = step_mask(mask, tokens, index + tokens, plain)
     if layer_mask is False:
         return None
+    if cache.keys is None or index + tokens > cache.keys.shape[2]:
+        if shape is None:
+            return None  # too small: the cache's own update grows it
+        if cache.keys is not None and index % cache.step != 0:  # as KVCache's update
+            cache.keys, cache.values = cache.keys[..., :index, :], cache.values[..., :index, :]
+        _append(cache, shape, (cache.step + tokens - 1) // cache.step * cache.step)
     return CacheStep(index, positions, layer_mask)
 
 
-def _ring_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
+def _ring_written(cache: Any) -> tuple[bool, int]:
+    """(a batch ring, tokens written so far), or (_, -1): mlx-lm's special cases (rows
+    right-padded until `finalize`, a ring that keeps its first tokens)."""
     batch = type(cache) is BatchRotatingKVCache
-    pending = cache._lengths is not None if batch else cache.keep != 0  # mlx-lm's special cases
-    if tokens != 1 or pending:
+    pending = cache._lengths is not None if batch else cache.keep != 0
+    return batch, -1 if pending else (cache._offset if batch else cache.offset)
+
+
+def _ring_step(mask: Any, cache: Any, shape: Shape | None) -> CacheStep | None:
+    batch, written = _ring_written(cache)
+    if written < 0:
         return None
-    size, written = cache.keys.shape[2], cache._offset if batch else cache.offset
-    if size > cache.max_size or (written >= size and size < cache.max_size):
-        return None  # the cache's own update trims or grows the buffer first
+    size = 0 if cache.keys is None else cache.keys.shape[2]
+    if written >= size and size < cache.max_size:  # mlx-lm's _update_in_place grows it
+        if shape is None:
+            return None
+        _append(cache, shape, min(cache.step, cache.max_size - written))
+        cache._idx, size = written, cache.keys.shape[2]
+    if size > cache.max_size:
+        return None  # the cache's own update trims the buffer first
     seen = min(written + 1, size)
     layer_mask = step_mask(mask, 1, seen, not batch)
     if layer_mask is False:
@@ -82,6 +129,24 @@ def _ring_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
         cache.left_padding = cache.left_padding - 1
     positions = cache.offset if batch else mx.array([cache.offset], mx.int32)
     return CacheStep(cache._idx, positions, layer_mask, seen)
+
+
+def _ring_prompt_step(mask: Any, cache: Any, tokens: int, shape: Shape) -> CacheStep | None:
+    """Several tokens on a ring that has not wrapped, all within the window: a linear
+    buffer (mlx-lm's mask is its causal one, with the rows' left padding)."""
+    batch, written = _ring_written(cache)
+    linear = not (batch and cache.rotated) and cache._idx == written
+    if written < 0 or not linear or written + tokens > cache.max_size:
+        return None
+    layer_mask = step_mask(mask, tokens, written + tokens, not batch)
+    if layer_mask is False:
+        return None
+    size = 0 if cache.keys is None else cache.keys.shape[2]
+    if size < written + tokens:  # grown in mlx-lm's steps, never past the window
+        steps = (written + tokens - size + cache.step - 1) // cache.step
+        _append(cache, shape, min(steps * cache.step, cache.max_size - size))
+    positions = cache.offset if batch else mx.array([cache.offset], mx.int32)
+    return CacheStep(written, positions, layer_mask)
 
 
 def advance(cache: Any, tokens: int) -> None:

@@ -149,6 +149,18 @@ struct RopeTables {
   }
 };
 
+// The tables of this layer's RoPE: one set per RoPE kept, so that Gemma's layers, which
+// alternate two bases (local and global), do not recompute every position at each switch.
+RopeTables& rope_tables(const LayerShape& s) {
+  thread_local std::array<RopeTables, 2> sets;
+  thread_local size_t next = 0;
+  for (auto& set : sets) {
+    if (set.dims == s.rope_dims && set.base == s.rope_base && set.scale == s.rope_scale) return set;
+  }
+  next = (next + 1) % sets.size();
+  return sets[next];
+}
+
 // One head: optional RMSNorm (weight w), then optional RoPE.
 void head_out(const float* in, float* out, const LayerShape& s, const float* w,
               const float* rope) {
@@ -172,7 +184,7 @@ void head_out(const float* in, float* out, const LayerShape& s, const float* w,
 void heads(const Job& j, const float* qkv, float* q) {
   const auto& s = j.s;
   const int D = s.head_dim, width = (s.q_heads + 2 * s.kv_heads) * D;
-  thread_local RopeTables rope;
+  RopeTables& rope = rope_tables(s);
   for (int b = 0; b < j.B; ++b) {
     const int first = j.positions ? j.positions[j.n_positions == 1 ? 0 : b] : j.index;
     for (int l = 0; l < j.L; ++l) {
@@ -516,8 +528,9 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   const int hidden = weights_[0].shape(0);
   if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) < 1 ||
-      x.shape(1) > DECODER_LAYER_MAX_TOKENS || x.shape(2) != hidden) {
-    fail("x must be float32 (B, L, hidden), L = 1.." + std::to_string(DECODER_LAYER_MAX_TOKENS));
+      x.shape(1) > DECODER_LAYER_MAX_PROMPT_TOKENS || x.shape(2) != hidden) {
+    fail("x must be float32 (B, L, hidden), L = 1.." +
+         std::to_string(DECODER_LAYER_MAX_PROMPT_TOKENS));
   }
   const int B = x.shape(0), L = x.shape(1);
   const mx::Shape cache_shape = {B, shape_.kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0,

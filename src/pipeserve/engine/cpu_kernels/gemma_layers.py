@@ -10,9 +10,12 @@ float32 an `ext.DecoderLayer` (fused_layer.cpp) with Gemma's options: norm weigh
 projections of one quantization and v of another side by side (no weights copied: the
 op holds the projections' own arrays). Decode steps it takes (engine/cpu_kernels/
 cache_steps.py: mlx-lm's KVCache / BatchKVCache of the global layers, and the sliding
-layers' RotatingKVCache / BatchRotatingKVCache ring buffers) run as that one op;
-anything else (prefills, a buffer that must grow, speculative steps on a ring) runs
-mlx-lm's own forward over the very same modules.
+layers' RotatingKVCache / BatchRotatingKVCache ring buffers) run as that one op, and
+so do prompt chunks of up to `ext.DECODER_LAYER_MAX_PROMPT_TOKENS` tokens per row (the
+rings while the prompt fits in the window), the op making the caches' buffers as mlx-lm's
+update would (a short prompt's time was the ~35 ops per layer and the first step's
+buffer growth, not the matmuls); anything else (longer chunks, a ring past its window
+taking several tokens) runs mlx-lm's own forward over the very same modules.
 """
 
 from __future__ import annotations
@@ -40,17 +43,18 @@ class GemmaBlock(gemma3_text.TransformerBlock):
     """mlx-lm's Gemma 3 block (same modules, same parameter names) whose decode steps run
     as one op where `decode_step` allows."""
 
-    def __init__(self, block: gemma3_text.TransformerBlock, decoder: Any, max_tokens: int) -> None:
+    def __init__(self, block: gemma3_text.TransformerBlock, decoder: Any, max_tokens: int,
+                 room: tuple[int, int]) -> None:  # fmt: skip
         nn.Module.__init__(self)
         for name, value in block.items():  # the child modules: parameter names unchanged
             self[name] = value
         for name, value in vars(block).items():  # plain attributes (sizes)
             if not name.startswith("_"):
                 setattr(self, name, value)
-        self._decoder, self._max_tokens = decoder, max_tokens
+        self._decoder, self._max_tokens, self._room = decoder, max_tokens, room
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        step = decode_step(x, mask, cache, self._max_tokens)
+        step = decode_step(x, mask, cache, self._max_tokens, self._room)
         if step is not None:
             return one_op_step(self._decoder, x, cache, step)
         out: mx.array = super().__call__(x, mask, cache)
@@ -104,7 +108,9 @@ def use_gemma_layers(model: nn.Module, ext: Any) -> int:
             continue
         decoder = gemma_decoder(block, ext)
         if decoder is not None:
-            twin = GemmaBlock(block, decoder, ext.DECODER_LAYER_MAX_TOKENS)
+            attention = block.self_attn
+            room = (attention.n_kv_heads, attention.head_dim)
+            twin = GemmaBlock(block, decoder, ext.DECODER_LAYER_MAX_PROMPT_TOKENS, room)
             model.update_modules(tree_unflatten([(name, twin)]))
             changed += 1
     return changed

@@ -121,6 +121,10 @@ struct LayerShape {
 // Most new tokens per row a DecoderLayer step takes (a decode step: 1; a speculative
 // verification: its width); prefills take the per-op path.
 constexpr int DECODER_LAYER_MAX_TOKENS = 16;
+// Most new tokens per row the op itself takes: a short prompt chunk as one op per layer
+// (Gemma's prompt path, gemma_layers.py); the rows of its matmuls stay on affine_qmm's
+// integer path (up to 64 rows).
+constexpr int DECODER_LAYER_MAX_PROMPT_TOKENS = 64;
 
 // A llama- or Gemma-style decoder layer whose decode step of L = 1..16 tokens per row is
 // ONE op (fused_layer.cpp): rms_norm -> qkv -> heads (+ per-head norm) + RoPE -> the L new

@@ -34,11 +34,15 @@ def load_shard(model_dir: Path, options: EngineOptions, group: Any) -> Any:
     """This rank's model, evaluated; call on the engine thread (MLX arrays and streams)."""
     from mlx_lm.utils import load_model
 
+    from pipeserve.engine.weights.variants import model_classes
+
     sharding = options.sharding
     assert sharding is not None
     started = time.monotonic()
     partial = (model_dir / PARTIAL_MARKER).exists()
-    model, config = load_model(model_dir, lazy=True, strict=not partial)
+    model, config = load_model(
+        model_dir, lazy=True, strict=not partial, get_model_classes=model_classes
+    )
     problems = support.sharding_problems(config, sharding.strategy, group.size(), sharding.split)
     if problems:
         raise ValueError("; ".join(problems))

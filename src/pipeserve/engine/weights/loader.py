@@ -113,8 +113,9 @@ def load_model(
     from mlx_lm.utils import load_model as mlx_load_model
 
     from pipeserve.engine.cpu_kernels import transposed
+    from pipeserve.engine.weights.variants import model_classes
 
-    model, _ = mlx_load_model(model_dir)
+    model, _ = mlx_load_model(model_dir, get_model_classes=model_classes)
     if adapters:
         from pipeserve.engine.mlx.lora import attach_adapters
 

@@ -138,6 +138,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             "final_logit_softcapping": ("final_logit_softcapping", 30.0),
             **_GEMMA_CONFIG,
         },
+        # local and global layers alternate (engine/weights/variants/gemma2.py)
+        constants={"sliding_window_pattern": 2},
         norms_plus_one=True,
         head_dim_keys=("query_pre_attn_scalar",),
         own_window_pattern=True,
