@@ -56,7 +56,7 @@ def convert(path: Path, out: Path) -> None:
     if arch.encoder:
         from pipeserve.engine.weights.gguf.encoder import convert_encoder
 
-        convert_encoder(file, gguf_tensors(path), out)
+        convert_encoder(file.meta, file.architecture_name, gguf_tensors(path), out)
         return
     meta, types = file.meta, file.types
     names = {gguf: mlx_name(gguf, arch) for gguf in types if gguf not in CONFIG_TENSORS}

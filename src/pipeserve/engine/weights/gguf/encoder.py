@@ -23,9 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipeserve.engine.weights.gguf.files import GgufError
-from pipeserve.engine.weights.gguf.inspect import GgufFile
 
-ENCODER_ARCHITECTURES = ("bert", "nomic-bert")
 _GLOBAL = {
     "token_embd": "embeddings.word_embeddings",
     "position_embd": "embeddings.position_embeddings",
@@ -49,10 +47,6 @@ _LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value"
             "attention.output.dense", "intermediate.dense", "intermediate.gate", "output.dense")  # fmt: skip
 # llama.cpp's pooling_type numbers -> sentence-transformers' pooling mode
 _POOLING = {1: "pooling_mode_mean_tokens", 2: "pooling_mode_cls_token", 3: "pooling_mode_lasttoken"}
-
-
-def is_encoder(file: GgufFile) -> bool:
-    return file.architecture_name in ENCODER_ARCHITECTURES
 
 
 def bert_name(gguf_name: str) -> str:
@@ -126,18 +120,18 @@ def encoder_weights(tensors: list[Any]) -> Iterator[tuple[str, Any]]:
             yield f"{linear}.bias", mx.zeros((shape[0],), mx.float32)
 
 
-def convert_encoder(file: GgufFile, tensors: list[Any], out: Path) -> None:
-    """Write the BERT folder of encoder GGUF `file` into the existing folder `out`."""
+def convert_encoder(meta: dict[str, Any], arch: str, tensors: list[Any], out: Path) -> None:
+    """Write the BERT folder of an encoder GGUF (its metadata, architecture name and
+    gguf-py tensors) into the existing folder `out`."""
     from pipeserve.engine.weights.gguf.shards import write_shards
     from pipeserve.engine.weights.gguf.wordpiece import build_wordpiece, wordpiece_config
 
-    meta = file.meta
     for tensor in tensors:
         bert_name(tensor.name)  # every name known before a weight is written
     types = next((t for t in tensors if t.name == "token_types.weight"), None)
     type_count = int(types.shape[1]) if types is not None and len(types.shape) > 1 else 1
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    config = encoder_config(meta, file.architecture_name, len(tokens), type_count)
+    config = encoder_config(meta, arch, len(tokens), type_count)
     write_shards(out, encoder_weights(tensors))
     build_wordpiece(meta).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", wordpiece_config(meta))
