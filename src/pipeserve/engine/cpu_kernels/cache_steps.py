@@ -8,6 +8,10 @@ attends to. `advance` then moves the cache's offsets as its own `update_and_fetc
 
 - `KVCache` / `BatchKVCache` (left-padded rows): 1..max_tokens tokens written at the
   cache's index, each attending to the positions before it.
+- `QuantizedKVCache` (mlx-lm's, and engine/kv's `QuantizedRowCache`) /
+  `BatchQuantizedKVCache` (`options.kv_cache`): as KVCache / BatchKVCache; the op
+  (`DecoderLayer.quantized`) quantizes the new rows into the cache's (words, scales,
+  biases) triples and reads the codes in its attention. float32 scales only.
 - `RotatingKVCache` / `BatchRotatingKVCache` (a sliding window, e.g. Gemma 3's local
   layers): one token, written where mlx-lm's `_update_in_place` writes it (wrapping to
   the buffer's start once it is full), attending to every position the cache returns;
@@ -16,6 +20,7 @@ attends to. `advance` then moves the cache's offsets as its own `update_and_fetc
 Anything else takes the cache's own update (the layer's per-op path): no buffer yet, a
 buffer that must grow or be trimmed first (the step after that takes the op again),
 several tokens on a ring, a ring that keeps its first tokens, float16 caches.
+A step's `quantized` says which of the op's two calls takes it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from pipeserve.engine.kv.quantized import BatchQuantizedKVCache, QuantizedRowCache
+
+ONE_ROW_QUANTIZED = (QuantizedKVCache, QuantizedRowCache)
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,7 @@ class CacheStep:
     positions: mx.array | None  # RoPE positions of each row's first new token (None: index)
     mask: mx.array | None  # the mask as the layer op takes it
     seen: int = -1  # a ring buffer: the positions 0..seen - 1 attended (-1: index + l + 1)
+    quantized: bool = False  # the cache holds (words, scales, biases): DecoderLayer.quantized
 
 
 def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int) -> CacheStep | None:
@@ -41,9 +57,14 @@ def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int) -> CacheSte
     tokens = x.shape[1]
     if not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
         return None
-    if getattr(cache, "keys", None) is None or cache.keys.dtype != mx.float32:
+    keys = getattr(cache, "keys", None)
+    if keys is None:
         return None
     kind = type(cache)
+    if kind in ONE_ROW_QUANTIZED or kind is BatchQuantizedKVCache:
+        return _quantized_step(mask, cache, tokens)
+    if keys.dtype != mx.float32:
+        return None
     if kind is KVCache or kind is BatchKVCache:
         return _linear_step(mask, cache, tokens)
     if kind is RotatingKVCache or kind is BatchRotatingKVCache:
@@ -60,6 +81,20 @@ def _linear_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
     if layer_mask is False:
         return None
     return CacheStep(index, positions, layer_mask)
+
+
+def _quantized_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
+    keys, values = cache.keys, cache.values
+    if any(part.dtype != mx.float32 for part in (*keys[1:], *values[1:])):
+        return None  # float16 scales: the cache's own update
+    plain = type(cache) is not BatchQuantizedKVCache
+    index, positions = (cache.offset, None) if plain else (cache._idx, cache.offset)
+    if index + tokens > keys[0].shape[2]:
+        return None
+    layer_mask = step_mask(mask, tokens, index + tokens, plain)
+    if layer_mask is False:
+        return None
+    return CacheStep(index, positions, layer_mask, quantized=True)
 
 
 def _ring_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
@@ -87,7 +122,7 @@ def _ring_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
 def advance(cache: Any, tokens: int) -> None:
     """The offsets after `tokens` new tokens, as the cache's own update moves them."""
     kind = type(cache)
-    if kind is KVCache:
+    if kind is KVCache or kind in ONE_ROW_QUANTIZED:
         cache.offset += tokens
         return
     if kind is RotatingKVCache:
