@@ -2,7 +2,8 @@
 SmolLM2-135M (or any model source with --source), in one process.
 
     python benchmarks/kv_bench.py [--rounds 3] [--tokens 64] [--streams 8]
-        [--context 1024] [--budget-mib 64] [--group-size 64] [--check-tokens 64]
+        [--context 1024] [--contexts 256,1024,2048] [--budget-mib 64] [--group-size 64]
+        [--check-tokens 64] [--speed-only]
 
 Three engines of the same model: float KV (float32 on the CPU), 8 bits and 4 bits
 (--group-size). Reported:
@@ -17,9 +18,11 @@ Three engines of the same model: float KV (float32 on the CPU), 8 bits and 4 bit
    request (exactly sized) over its tokens, as the engine holds it.
 3. What fits a fixed KV budget (--budget-mib): the longest context of one stream, and
    how many streams of --context tokens, from the measured bytes per token.
-4. Decode speed, alternating the engines' order each round: one stream after a
-   --context-token prompt (decode tok/s from its first to last token), and --streams
-   concurrent streams on short prompts (aggregate tok/s). Prefix cache off (no hits).
+4. Decode speed, alternating the engines' order each round: one stream after a prompt
+   of each of --contexts tokens (decode tok/s from its first to last token), and
+   --streams concurrent streams on short prompts (aggregate tok/s). Prefix cache off (no
+   hits). Each engine's layer steps on the CPU kernels' one-op path (fused_layers'
+   ONE_OP_STEPS: float or quantized cache) are counted, to show which path decoded.
 Say the machine's load (printed) with the numbers; compare ratios within one run.
 """
 
@@ -229,28 +232,40 @@ def multi(runtime: Any, prompts: list[list[int]], tokens: int) -> float:
 
 
 def speed(engines: dict[str, Any], args: argparse.Namespace) -> None:
+    from pipeserve.engine.cpu_kernels.fused_layers import ONE_OP_STEPS
+
     tokenizer = engines["float"].tokenizer
     story = " ".join(REFERENCE_PROMPTS) + " "
-    results: dict[str, dict[str, list[float]]] = {n: {"long": [], "multi": []} for n in engines}
+    contexts = [int(c) for c in args.contexts.split(",")]
+    kinds = [f"@{c}" for c in contexts] + ["multi"]
+    results: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in engines}
+    steps: dict[str, dict[str, int]] = {n: {"float": 0, "quantized": 0} for n in engines}
     names = list(engines)
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             runtime = engines[name]
             head = f"Round {r} {name}. "  # distinct prompts each run
-            long = chat(tokenizer, head + story * 200)[: args.context - args.tokens]
+            text = chat(tokenizer, head + story * 200)
             short = [chat(tokenizer, f"{head}Stream {i}: {REFERENCE_PROMPTS[i % 8]}")
                      for i in range(args.streams)]  # fmt: skip
-            results[name]["long"].append(single(runtime, long, args.tokens))
+            before = dict(ONE_OP_STEPS)
+            for c in contexts:
+                results[name][f"@{c}"].append(single(runtime, text[: c - args.tokens], args.tokens))
             results[name]["multi"].append(multi(runtime, short, args.tokens))
+            for kind in steps[name]:
+                steps[name][kind] += ONE_OP_STEPS[kind] - before.get(kind, 0)
     print(f"\n4. decode tok/s, median of {args.rounds} alternating rounds (per round values)")
     base = {k: statistics.median(v) for k, v in results["float"].items()}
     for name in names:
-        long, agg = results[name]["long"], results[name]["multi"]
-        print(f"   {name}: one stream at ~{args.context} context {statistics.median(long):.1f}"
-              f" ({statistics.median(long) / base['long']:.2f}x) {fmt(long)};"
-              f" {args.streams} streams {statistics.median(agg):.1f}"
-              f" ({statistics.median(agg) / base['multi']:.2f}x) {fmt(agg)}")  # fmt: skip
+        print(f"   {name} (one-op layer steps: {steps[name]['float']} float cache,"
+              f" {steps[name]['quantized']} quantized cache):")  # fmt: skip
+        for kind in kinds:
+            values = results[name][kind]
+            label = f"one stream at ~{kind[1:]} context" if kind != "multi" else (
+                f"{args.streams} streams (aggregate)")  # fmt: skip
+            median = statistics.median(values)
+            print(f"     {label}: {median:.1f} ({median / base[kind]:.2f}x) {fmt(values)}")
 
 
 def fmt(values: list[float]) -> str:
@@ -264,6 +279,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--contexts", default="256,1024,2048", help="decode speed contexts")
+    parser.add_argument("--speed-only", action="store_true", help="part 4 only")
     parser.add_argument("--budget-mib", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--check-tokens", type=int, default=64)
@@ -273,11 +290,12 @@ def main() -> None:
     print(f"model {source}; kv group size {args.group_size}; load {os.getloadavg()}")
     engines = {name: build(source, sha, bits, args) for name, bits in MODES}
     try:
-        answers = agreement(engines, args.check_tokens)
-        forced_agreement(engines, answers, args.check_tokens, args)
-        per_token = bytes_per_token(engines, args)
-        prefix_entry_bytes(source, sha, args)
-        budget(per_token, args)
+        if not args.speed_only:
+            answers = agreement(engines, args.check_tokens)
+            forced_agreement(engines, answers, args.check_tokens, args)
+            per_token = bytes_per_token(engines, args)
+            prefix_entry_bytes(source, sha, args)
+            budget(per_token, args)
         if not args.skip_speed:
             speed(engines, args)
     finally:
