@@ -6,7 +6,8 @@ layer) on the same cache, at 8 and 4 bits, at contexts on both sides of the kern
 16-position blocks and of the cache's 256-position growth, one row and a left-padded
 batch; whole models decode the same greedy tokens either way, and the engine with
 `kv_cache: {bits: 8}` on SmolLM2 takes the op (counted) and answers as the per-op path
-does, from a prefix-cache hit too."""
+does, from a prefix-cache hit too, and speculation verifying on the op gives plain
+decoding's tokens."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.utils import load_tokenizer
 
 from pipeserve.engine.base import ModelRuntime
 from pipeserve.engine.cpu_kernels import fused_layers
@@ -248,3 +250,18 @@ def test_smollm2_prefix_cache_hit_on_quantized_rows(smollm2_pair):
     assert steps_taken() > before
     reference = collect(fallback.engine.submit(job(prompt, max_tokens=16)))
     assert again.ids == first.ids == reference.ids
+
+
+def test_smollm2_speculation_verifies_on_the_op(smollm2: tuple[Path, Path]) -> None:
+    """Prompt-lookup speculation over an 8-bit cache (verifications of up to 5 tokens per
+    row through the op, rejected positions trimmed / rolled): the tokens of plain decoding."""
+    from tests.engine.kv.test_quantized import CODE, run_scheduler
+
+    folder = smollm2[1]
+    tokenizer = load_tokenizer(folder)
+    code = list(tokenizer.encode(CODE, add_special_tokens=False))
+    prompts = [code, code[5:], list(tokenizer.encode("Hello")), code[2:]]
+    before = steps_taken()
+    speculated = run_scheduler(folder, prompts, True)
+    assert steps_taken() > before
+    assert speculated == run_scheduler(folder, prompts, False)
