@@ -10,7 +10,8 @@ Three engines of the same model: float KV (float32 on the CPU), 8 bits and 4 bit
 
 1. Agreement: each reference prompt (the SmolLM2 reference test's four and cpu_bench's
    four, chat-templated), greedy, --check-tokens tokens with no stop, all prompts in one
-   batch per engine: how many leading tokens each quantized engine shares with float.
+   batch per engine: how many leading tokens each quantized engine shares with float;
+   then teacher-forced on float's answers, as one prompt and one decode step at a time.
 2. KV bytes per token, from the arrays: a --context-token prompt through the model with
    each engine's own per-layer caches (mlx-lm's KVCache; pipeserve's quantized row
    caches), their `nbytes` over the positions they hold (--context a multiple of 256, the
@@ -120,10 +121,12 @@ def agreement(engines: dict[str, Any], tokens: int) -> list[list[int]]:
 
 def forced_agreement(engines: dict[str, Any], sequences: list[list[int]], tokens: int,
                      args: argparse.Namespace) -> None:  # fmt: skip
-    """Teacher-forced: each float answer fed whole through the model with float and with
+    """Teacher-forced: each float answer fed through the model with float and with
     quantized caches; how often the quantized caches' next-token argmax is float's, and
     how far the logits move (greedy runs diverge at the first near-tie and never meet
-    again; this counts every position)."""
+    again; this counts every position). Twice: the answer as one prompt (MLX's attention
+    over the cache), and its tokens one decode step at a time (the CPU kernels' one-op
+    layer where it applies)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -133,25 +136,34 @@ def forced_agreement(engines: dict[str, Any], sequences: list[list[int]], tokens
 
     model = load_model(engines["float"].model_dir, "auto", True)
 
-    def logits(seq: list[int], bits: int | None) -> mx.array:
+    def logits(seq: list[int], bits: int | None, stepwise: bool) -> mx.array:
         options = None if bits is None else KvCacheOptions(bits=bits, group_size=args.group_size)
         caches = RowCaches(model, options)() or make_prompt_cache(model)
-        out = model(mx.array([seq]), cache=caches)[0, -tokens - 1 : -1]
-        mx.eval(out)
-        return out
+        if not stepwise:
+            out = model(mx.array([seq]), cache=caches)[0, -tokens - 1 : -1]
+            mx.eval(out)
+            return out
+        mx.eval(model(mx.array([seq[: -tokens - 1]]), cache=caches))
+        rows = []
+        for token in seq[-tokens - 1 : -1]:
+            rows.append(model(mx.array([[token]]), cache=caches)[0, -1])
+            mx.eval(rows[-1])
+        return mx.stack(rows)
 
     print(f"   teacher-forced on float's answers ({len(sequences)} x {tokens} positions):")
-    reference = [logits(seq, None) for seq in sequences]
-    for name, bits in MODES[1:]:
-        same = total = 0
-        worst = 0.0
-        for seq, ref in zip(sequences, reference):
-            got = logits(seq, bits)
-            same += int((mx.argmax(got, -1) == mx.argmax(ref, -1)).sum().item())
-            total += ref.shape[0]
-            worst = max(worst, mx.abs(got - ref).max().item())
-        print(f"     {name}: next token = float's at {same}/{total} positions"
-              f" ({same / total:.1%}); largest logit change {worst:.2f}")  # fmt: skip
+    for stepwise in (False, True):
+        print("     as one prompt:" if not stepwise else "     one decode step per token:")
+        reference = [logits(seq, None, stepwise) for seq in sequences]
+        for name, bits in MODES[1:]:
+            same = total = 0
+            worst = 0.0
+            for seq, ref in zip(sequences, reference):
+                got = logits(seq, bits, stepwise)
+                same += int((mx.argmax(got, -1) == mx.argmax(ref, -1)).sum().item())
+                total += ref.shape[0]
+                worst = max(worst, mx.abs(got - ref).max().item())
+            print(f"       {name}: next token = float's at {same}/{total} positions"
+                  f" ({same / total:.1%}); largest logit change {worst:.2f}")  # fmt: skip
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

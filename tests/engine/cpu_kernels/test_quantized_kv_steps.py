@@ -7,7 +7,8 @@ layer) on the same cache, at 8 and 4 bits, at contexts on both sides of the kern
 batch; whole models decode the same greedy tokens either way, and the engine with
 `kv_cache: {bits: 8}` on SmolLM2 takes the op (counted) and answers as the per-op path
 does, from a prefix-cache hit too, and speculation verifying on the op gives plain
-decoding's tokens."""
+decoding's tokens. Gemma 3's global layers (quantized) take the op beside its float
+sliding-window rings."""
 
 from __future__ import annotations
 
@@ -265,3 +266,29 @@ def test_smollm2_speculation_verifies_on_the_op(smollm2: tuple[Path, Path]) -> N
     speculated = run_scheduler(folder, prompts, True)
     assert steps_taken() > before
     assert speculated == run_scheduler(folder, prompts, False)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gemma3_global_layers_take_the_op_on_a_quantized_cache(ext, bits):
+    """Gemma 3 as RowCaches keeps it: the sliding layers' rings float, the global
+    layers' caches quantized; every global layer's decode step on the op (its norms
+    after o / down, GeGLU), the logits the per-op path's."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from tests.engine.cpu_kernels import test_gemma_layers as gemma
+
+    per_op, one_op = gemma.twins(ext)
+
+    def caches(model: nn.Module) -> list[Any]:
+        return [
+            QuantizedKVCache(GROUP, bits) if type(c) is KVCache else c
+            for c in make_prompt_cache(model)
+        ]
+
+    prompt = mx.array([[(7 * i + 3) % 96 for i in range(11)]])
+    want = gemma.decode(per_op, caches(per_op), prompt, 10)
+    before = steps_taken()
+    got = gemma.decode(one_op, caches(one_op), prompt, 10)
+    assert steps_taken() - before == 2 * 10  # two global layers, every step
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
