@@ -221,7 +221,7 @@ def answers(runtime: ModelRuntime, prompts: list[list[int]]) -> list[list[int]]:
     return [collect(stream).ids for stream in streams]
 
 
-def test_smollm2_8_bit_cache_takes_the_op_and_answers_as_mlx_sdpa(smollm2_pair):
+def test_smollm2_8_bit_cache_takes_the_op_and_answers_as_mlx_sdpa(ext, smollm2_pair):
     """Greedy, 24 tokens, four prompts in one batch: the op path (counted) gives the
     per-op path's tokens on at least three prompts whole and 12+ leading tokens on the
     fourth. Not all four: a quantized cache is discontinuous in its input (a key that
@@ -230,10 +230,11 @@ def test_smollm2_8_bit_cache_takes_the_op_and_answers_as_mlx_sdpa(smollm2_pair):
     move by 2^-22; "List three prime numbers." meets a 0.09 top-2 gap at token 14."""
     fused, fallback = smollm2_pair
     prompts = [chat_ids(fused, p) for p in PROMPTS]
-    before = steps_taken()
+    before, copied = steps_taken(), ext.cache_copy_bytes()
     got = answers(fused, prompts)
     taken = steps_taken() - before
     assert taken >= 30 * 20  # one call per layer (30) per batch step: most of the 23+ steps
+    assert ext.cache_copy_bytes() == copied  # the batch's buffers written in place
     before = steps_taken()
     want = answers(fallback, prompts)
     assert steps_taken() == before  # the reference never took the op
