@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models import qwen3
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.utils import load_tokenizer
 
@@ -53,11 +54,13 @@ def steps_taken() -> int:
     return ONE_OP_STEPS["quantized"]
 
 
-def assert_same_rows(a: tuple[mx.array, ...], b: tuple[mx.array, ...], bits: int, end: int) -> None:
+def assert_same_rows(
+    a: tuple[mx.array, ...], b: tuple[mx.array, ...], group: int, bits: int, end: int
+) -> None:
     """The positions both caches hold dequantize within one code of each other (the
     layer's two paths compute the new keys in different float order: a scale may move
     by an ulp, a code by one)."""
-    x, y = (mx.dequantize(*(p[..., :end, :] for p in parts), GROUP, bits) for parts in (a, b))
+    x, y = (mx.dequantize(*(p[..., :end, :] for p in parts), group, bits) for parts in (a, b))
     step = mx.maximum(mx.abs(a[1][..., :end, :]), mx.abs(b[1][..., :end, :])).max()
     assert mx.abs(x - y).max().item() <= 1.01 * step.item()
     same = mx.mean(a[0][..., :end, :] == b[0][..., :end, :]).item()
@@ -100,8 +103,9 @@ def compare_layer(per_op: nn.Module, one_op: nn.Module, caches: list[Any], x: mx
     want_delta, got_delta = np.array(want - x), np.array(got - x)
     assert np.abs(got_delta - want_delta).max() < 1e-4 * np.abs(want_delta).max()
     end = caches[0].offset if type(caches[0]) is QuantizedKVCache else caches[0]._idx
-    assert_same_rows(caches[0].keys, caches[1].keys, caches[0].bits, end)
-    assert_same_rows(caches[0].values, caches[1].values, caches[0].bits, end)
+    group, bits = caches[0].group_size, caches[0].bits
+    assert_same_rows(caches[0].keys, caches[1].keys, group, bits, end)
+    assert_same_rows(caches[0].values, caches[1].values, group, bits, end)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -293,3 +297,31 @@ def test_gemma3_global_layers_take_the_op_on_a_quantized_cache(ext, bits):
     assert steps_taken() - before == 2 * 10  # two global layers, every step
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def wide_qwen3(head_dim: int) -> Any:
+    def build() -> nn.Module:
+        args = qwen3.ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
+                               intermediate_size=192, num_attention_heads=4,
+                               num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=96,
+                               max_position_embeddings=512, rope_theta=1e6, head_dim=head_dim,
+                               tie_word_embeddings=True)  # fmt: skip
+        return qwen3.Model(args)
+
+    return build
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 32), (64, 64), (128, 128), (128, 32)])
+def test_other_head_and_group_sizes(ext, bits, head_dim, group):
+    """Heads of 64 and 128 in groups of 32, 64 and 128 (1 to 4 groups per head): one
+    layer's 2-token step equals the per-op path's, as above."""
+    per_op, one_op = twins(wide_qwen3(head_dim), ext, True, per_op_steps=True)
+    caches = []
+    for _ in range(2):
+        cache = QuantizedKVCache(group, bits)
+        keys = random_rows((1, 2, 37, head_dim), 3)
+        cache.update_and_fetch(keys, random_rows((1, 2, 37, head_dim), 4))
+        caches.append(cache)
+    x = random_rows((1, 2, 128), 9)
+    compare_layer(per_op.layers[0], one_op.layers[0], caches, x, "causal")
