@@ -2,14 +2,16 @@
 SmolLM2-135M (or any model source with --source), in one process.
 
     python benchmarks/kv_bench.py [--rounds 3] [--tokens 64] [--streams 8]
-        [--context 1024] [--budget-mib 64] [--group-size 64] [--check-tokens 64]
+        [--context 1024] [--contexts 256,1024,2048] [--budget-mib 64] [--group-size 64]
+        [--check-tokens 64] [--speed-only]
 
 Three engines of the same model: float KV (float32 on the CPU), 8 bits and 4 bits
 (--group-size). Reported:
 
 1. Agreement: each reference prompt (the SmolLM2 reference test's four and cpu_bench's
    four, chat-templated), greedy, --check-tokens tokens with no stop, all prompts in one
-   batch per engine: how many leading tokens each quantized engine shares with float.
+   batch per engine: how many leading tokens each quantized engine shares with float;
+   then teacher-forced on float's answers, as one prompt and one decode step at a time.
 2. KV bytes per token, from the arrays: a --context-token prompt through the model with
    each engine's own per-layer caches (mlx-lm's KVCache; pipeserve's quantized row
    caches), their `nbytes` over the positions they hold (--context a multiple of 256, the
@@ -17,9 +19,11 @@ Three engines of the same model: float KV (float32 on the CPU), 8 bits and 4 bit
    request (exactly sized) over its tokens, as the engine holds it.
 3. What fits a fixed KV budget (--budget-mib): the longest context of one stream, and
    how many streams of --context tokens, from the measured bytes per token.
-4. Decode speed, alternating the engines' order each round: one stream after a
-   --context-token prompt (decode tok/s from its first to last token), and --streams
-   concurrent streams on short prompts (aggregate tok/s). Prefix cache off (no hits).
+4. Decode speed, alternating the engines' order each round: one stream after a prompt
+   of each of --contexts tokens (decode tok/s from its first to last token), and
+   --streams concurrent streams on short prompts (aggregate tok/s from submission,
+   prefills included, and the batch's decode rate alone). Prefix cache off (no hits). Each engine's layer steps on the CPU kernels' one-op path (fused_layers'
+   ONE_OP_STEPS: float or quantized cache) are counted, to show which path decoded.
 Say the machine's load (printed) with the numbers; compare ratios within one run.
 """
 
@@ -117,10 +121,12 @@ def agreement(engines: dict[str, Any], tokens: int) -> list[list[int]]:
 
 def forced_agreement(engines: dict[str, Any], sequences: list[list[int]], tokens: int,
                      args: argparse.Namespace) -> None:  # fmt: skip
-    """Teacher-forced: each float answer fed whole through the model with float and with
+    """Teacher-forced: each float answer fed through the model with float and with
     quantized caches; how often the quantized caches' next-token argmax is float's, and
     how far the logits move (greedy runs diverge at the first near-tie and never meet
-    again; this counts every position)."""
+    again; this counts every position). Twice: the answer as one prompt (MLX's attention
+    over the cache), and its tokens one decode step at a time (the CPU kernels' one-op
+    layer where it applies)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -130,25 +136,34 @@ def forced_agreement(engines: dict[str, Any], sequences: list[list[int]], tokens
 
     model = load_model(engines["float"].model_dir, "auto", True)
 
-    def logits(seq: list[int], bits: int | None) -> mx.array:
+    def logits(seq: list[int], bits: int | None, stepwise: bool) -> mx.array:
         options = None if bits is None else KvCacheOptions(bits=bits, group_size=args.group_size)
         caches = RowCaches(model, options)() or make_prompt_cache(model)
-        out = model(mx.array([seq]), cache=caches)[0, -tokens - 1 : -1]
-        mx.eval(out)
-        return out
+        if not stepwise:
+            out = model(mx.array([seq]), cache=caches)[0, -tokens - 1 : -1]
+            mx.eval(out)
+            return out
+        mx.eval(model(mx.array([seq[: -tokens - 1]]), cache=caches))
+        rows = []
+        for token in seq[-tokens - 1 : -1]:
+            rows.append(model(mx.array([[token]]), cache=caches)[0, -1])
+            mx.eval(rows[-1])
+        return mx.stack(rows)
 
     print(f"   teacher-forced on float's answers ({len(sequences)} x {tokens} positions):")
-    reference = [logits(seq, None) for seq in sequences]
-    for name, bits in MODES[1:]:
-        same = total = 0
-        worst = 0.0
-        for seq, ref in zip(sequences, reference):
-            got = logits(seq, bits)
-            same += int((mx.argmax(got, -1) == mx.argmax(ref, -1)).sum().item())
-            total += ref.shape[0]
-            worst = max(worst, mx.abs(got - ref).max().item())
-        print(f"     {name}: next token = float's at {same}/{total} positions"
-              f" ({same / total:.1%}); largest logit change {worst:.2f}")  # fmt: skip
+    for stepwise in (False, True):
+        print("     as one prompt:" if not stepwise else "     one decode step per token:")
+        reference = [logits(seq, None, stepwise) for seq in sequences]
+        for name, bits in MODES[1:]:
+            same = total = 0
+            worst = 0.0
+            for seq, ref in zip(sequences, reference):
+                got = logits(seq, bits, stepwise)
+                same += int((mx.argmax(got, -1) == mx.argmax(ref, -1)).sum().item())
+                total += ref.shape[0]
+                worst = max(worst, mx.abs(got - ref).max().item())
+            print(f"       {name}: next token = float's at {same}/{total} positions"
+                  f" ({same / total:.1%}); largest logit change {worst:.2f}")  # fmt: skip
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -221,36 +236,58 @@ def single(runtime: Any, ids: list[int], tokens: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def multi(runtime: Any, prompts: list[list[int]], tokens: int) -> float:
+def multi(runtime: Any, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """(aggregate tok/s from submission, prefills included; the batch's decode tok/s:
+    the first stream's first-to-last token rate x the streams, which decode in step)."""
+    from pipeserve.events import TokenText
+
     start = time.perf_counter()
     streams = [runtime.engine.submit(job(ids, tokens)) for ids in prompts]
-    count = sum(len(token_ids(s)) for s in streams)
-    return count / (time.perf_counter() - start)
+    stamps = [time.perf_counter() for e in streams[0] if isinstance(e, TokenText)]
+    count = len(stamps) + sum(len(token_ids(s)) for s in streams[1:])
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) * len(prompts)
+    return count / (time.perf_counter() - start), decode
 
 
 def speed(engines: dict[str, Any], args: argparse.Namespace) -> None:
+    from pipeserve.engine.cpu_kernels.fused_layers import ONE_OP_STEPS
+
     tokenizer = engines["float"].tokenizer
     story = " ".join(REFERENCE_PROMPTS) + " "
-    results: dict[str, dict[str, list[float]]] = {n: {"long": [], "multi": []} for n in engines}
+    contexts = [int(c) for c in args.contexts.split(",")]
+    kinds = [f"@{c}" for c in contexts] + ["multi", "batch"]
+    results: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in engines}
+    steps: dict[str, dict[str, int]] = {n: {"float": 0, "quantized": 0} for n in engines}
     names = list(engines)
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             runtime = engines[name]
             head = f"Round {r} {name}. "  # distinct prompts each run
-            long = chat(tokenizer, head + story * 200)[: args.context - args.tokens]
+            text = chat(tokenizer, head + story * 200)
             short = [chat(tokenizer, f"{head}Stream {i}: {REFERENCE_PROMPTS[i % 8]}")
                      for i in range(args.streams)]  # fmt: skip
-            results[name]["long"].append(single(runtime, long, args.tokens))
-            results[name]["multi"].append(multi(runtime, short, args.tokens))
+            before = dict(ONE_OP_STEPS)
+            for c in contexts:
+                results[name][f"@{c}"].append(single(runtime, text[: c - args.tokens], args.tokens))
+            total, decode = multi(runtime, short, args.tokens)
+            results[name]["multi"].append(total)
+            results[name]["batch"].append(decode)
+            for kind in steps[name]:
+                steps[name][kind] += ONE_OP_STEPS[kind] - before.get(kind, 0)
     print(f"\n4. decode tok/s, median of {args.rounds} alternating rounds (per round values)")
     base = {k: statistics.median(v) for k, v in results["float"].items()}
     for name in names:
-        long, agg = results[name]["long"], results[name]["multi"]
-        print(f"   {name}: one stream at ~{args.context} context {statistics.median(long):.1f}"
-              f" ({statistics.median(long) / base['long']:.2f}x) {fmt(long)};"
-              f" {args.streams} streams {statistics.median(agg):.1f}"
-              f" ({statistics.median(agg) / base['multi']:.2f}x) {fmt(agg)}")  # fmt: skip
+        print(f"   {name} (one-op layer steps: {steps[name]['float']} float cache,"
+              f" {steps[name]['quantized']} quantized cache):")  # fmt: skip
+        for kind in kinds:
+            values = results[name][kind]
+            label = {
+                "multi": f"{args.streams} streams (aggregate, prefills included)",
+                "batch": f"{args.streams} streams (the batch's decode steps only)",
+            }.get(kind, f"one stream at ~{kind[1:]} context")
+            median = statistics.median(values)
+            print(f"     {label}: {median:.1f} ({median / base[kind]:.2f}x) {fmt(values)}")
 
 
 def fmt(values: list[float]) -> str:
@@ -264,6 +301,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--contexts", default="256,1024,2048", help="decode speed contexts")
+    parser.add_argument("--speed-only", action="store_true", help="part 4 only")
     parser.add_argument("--budget-mib", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--check-tokens", type=int, default=64)
@@ -273,11 +312,12 @@ def main() -> None:
     print(f"model {source}; kv group size {args.group_size}; load {os.getloadavg()}")
     engines = {name: build(source, sha, bits, args) for name, bits in MODES}
     try:
-        answers = agreement(engines, args.check_tokens)
-        forced_agreement(engines, answers, args.check_tokens, args)
-        per_token = bytes_per_token(engines, args)
-        prefix_entry_bytes(source, sha, args)
-        budget(per_token, args)
+        if not args.speed_only:
+            answers = agreement(engines, args.check_tokens)
+            forced_agreement(engines, answers, args.check_tokens, args)
+            per_token = bytes_per_token(engines, args)
+            prefix_entry_bytes(source, sha, args)
+            budget(per_token, args)
         if not args.skip_speed:
             speed(engines, args)
     finally:

@@ -71,7 +71,12 @@ NB_MODULE(_pipeserve_cpu, m) {
            "index"_a, "positions"_a = nb::none(), "mask"_a = nb::none(), "seen"_a = -1,
            nb::kw_only(), "stream"_a = nb::none(),
            "(out, keys, values): the step's output and the cache buffers with index..index + L - 1"
-           " written (seen >= 1: one token at index, attending to positions 0..seen - 1).");
+           " written (seen >= 1: one token at index, attending to positions 0..seen - 1).")
+      .def("quantized", &pipeserve::DecoderLayer::quantized_step, "x"_a, "keys"_a, "values"_a,
+           "group_size"_a, "bits"_a, "index"_a, "positions"_a = nb::none(),
+           "mask"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+           "The step over a quantized cache: keys / values (words, scales, biases) as"
+           " mx.quantize makes them; (out, keys, values) with index..index + L - 1 written.");
   m.attr("DECODER_LAYER_MAX_TOKENS") = pipeserve::DECODER_LAYER_MAX_TOKENS;
   m.attr("DECODER_LAYER_MAX_PROMPT_TOKENS") = pipeserve::DECODER_LAYER_MAX_PROMPT_TOKENS;
   m.def("f32_matmul", &pipeserve::f32_matmul, "x"_a, "w"_a, "transposed"_a,

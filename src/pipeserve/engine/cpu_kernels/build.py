@@ -31,6 +31,8 @@ SOURCE_FILES = (
     "vector_math.h",
     "attention.h",
     "attention.cpp",
+    "attention_quantized.h",
+    "attention_quantized.cpp",
     "affine_qmm.cpp",
     "prefill_gemm.cpp",
     "fused.cpp",

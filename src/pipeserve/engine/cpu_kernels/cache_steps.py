@@ -17,6 +17,13 @@ attends to. `advance` then moves the cache's offsets as its own `update_and_fetc
   mlx-lm's `_update_concat` leaves it, so they are written at the cache's index with
   mlx-lm's mask.
 
+- `QuantizedKVCache` (mlx-lm's, and engine/kv's `QuantizedRowCache`) /
+  `BatchQuantizedKVCache` (`options.kv_cache`): as KVCache / BatchKVCache for decode
+  steps in a buffer with room (prompts and growth: the cache's own update); the op
+  (`DecoderLayer.quantized`) quantizes the new rows into the cache's (words, scales,
+  biases) triples and reads the codes in its attention. float32 scales only.
+  A step's `quantized` says which of the op's two calls takes it.
+
 `room` (kv heads, head dim): the caller lets the step make room first, as the cache's own
 update would (a prompt's first buffer, a buffer that must grow: mlx-lm's zeros appended
 in its steps of 256 positions), so that prompts and the step after them take the op too.
@@ -32,7 +39,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from pipeserve.engine.kv.quantized import BatchQuantizedKVCache, QuantizedRowCache
+
+ONE_ROW_QUANTIZED = (QuantizedKVCache, QuantizedRowCache)
+# A quantized cache takes the op for decode steps and speculative checks (the widths its
+# tests cover, ext.DECODER_LAYER_MAX_TOKENS); prompt chunks take MLX's quantized SDPA.
+QUANTIZED_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -41,6 +61,7 @@ class CacheStep:
     positions: mx.array | None  # RoPE positions of each row's first new token (None: index)
     mask: mx.array | None  # the mask as the layer op takes it
     seen: int = -1  # a ring buffer: the positions 0..seen - 1 attended (-1: index + l + 1)
+    quantized: bool = False  # the cache holds (words, scales, biases): DecoderLayer.quantized
 
 
 def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int,
@@ -49,10 +70,16 @@ def decode_step(x: mx.array, mask: Any, cache: Any, max_tokens: int,
     buffer's wrap, and with `room` (kv heads, head dim) a buffer's growth, are applied
     here (as mlx-lm's update would): call the op after it."""
     tokens, kind = x.shape[1], type(cache)
+    if not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
+        return None
+    if kind in ONE_ROW_QUANTIZED or kind is BatchQuantizedKVCache:
+        if cache.keys is None or tokens > QUANTIZED_MAX_TOKENS:
+            return None
+        return _quantized_step(mask, cache, tokens)
     linear = kind is KVCache or kind is BatchKVCache
     ring = kind is RotatingKVCache or kind is BatchRotatingKVCache
-    if not (linear or ring) or not 1 <= tokens <= max_tokens or x.dtype != mx.float32:
-        return None  # other caches (quantized ones hold tuples) take their own update
+    if not (linear or ring):
+        return None  # other caches take their own update
     if (cache.keys is None and room is None) or (
         cache.keys is not None and cache.keys.dtype != mx.float32
     ):
@@ -95,6 +122,20 @@ def _linear_step(mask: Any, cache: Any, tokens: int, shape: Shape | None) -> Cac
             cache.keys, cache.values = cache.keys[..., :index, :], cache.values[..., :index, :]
         _append(cache, shape, (cache.step + tokens - 1) // cache.step * cache.step)
     return CacheStep(index, positions, layer_mask)
+
+
+def _quantized_step(mask: Any, cache: Any, tokens: int) -> CacheStep | None:
+    keys, values = cache.keys, cache.values
+    if any(part.dtype != mx.float32 for part in (*keys[1:], *values[1:])):
+        return None  # float16 scales: the cache's own update
+    plain = type(cache) is not BatchQuantizedKVCache
+    index, positions = (cache.offset, None) if plain else (cache._idx, cache.offset)
+    if index + tokens > keys[0].shape[2]:
+        return None
+    layer_mask = step_mask(mask, tokens, index + tokens, plain)
+    if layer_mask is False:
+        return None
+    return CacheStep(index, positions, layer_mask, quantized=True)
 
 
 def _ring_written(cache: Any) -> tuple[bool, int]:
@@ -152,7 +193,7 @@ def _ring_prompt_step(mask: Any, cache: Any, tokens: int, shape: Shape) -> Cache
 def advance(cache: Any, tokens: int) -> None:
     """The offsets after `tokens` new tokens, as the cache's own update moves them."""
     kind = type(cache)
-    if kind is KVCache:
+    if kind is KVCache or kind in ONE_ROW_QUANTIZED:
         cache.offset += tokens
         return
     if kind is RotatingKVCache:

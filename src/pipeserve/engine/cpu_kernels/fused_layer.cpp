@@ -29,6 +29,7 @@
 #include "mlx/transforms.h"
 
 #include "attention.h"
+#include "attention_quantized.h"
 #include "kernels.h"
 #include "strided.h"
 
@@ -59,6 +60,15 @@ struct StageView {
   int N = 0;
 };
 
+// A quantized cache's buffers (MLX's affine layout, attention_quantized.h): the words
+// of keys / values (B, Hk, capacity, D * bits / 32) and their scales / biases (B, Hk,
+// capacity, D / group_size). bits 0: the cache is float32 (Job's keys / values).
+struct QuantizedCache {
+  uint32_t *k_words = nullptr, *v_words = nullptr;
+  float *k_scales = nullptr, *k_biases = nullptr, *v_scales = nullptr, *v_biases = nullptr;
+  int group_size = 0, bits = 0;
+};
+
 // Everything the dispatched job reads and writes, as raw pointers.
 struct Job {
   LayerShape s;
@@ -76,6 +86,7 @@ struct Job {
   const float *attn_out_norm, *mlp_out_norm;  // null: none (Gemma's norms after o / down)
   StageView proj[4];
   float *keys, *values, *out;  // keys / values: (B, Hk, capacity, D), contiguous
+  QuantizedCache quant;  // bits > 0: the cache is quantized (keys / values unused)
 };
 
 void project(const ProjectionView& p, const float* x, int M, float* out) {
@@ -179,6 +190,33 @@ void head_out(const float* in, float* out, const LayerShape& s, const float* w,
   }
 }
 
+// A new key (normalised, rotated) and value quantized into cache position `at` (of all
+// rows' positions), as mx.quantize would.
+void write_quantized(const Job& j, size_t at, const float* k, const float* v,
+                     const float* table) {
+  const auto& c = j.quant;
+  const int D = j.s.head_dim, words = D * c.bits / 32, groups = D / c.group_size;
+  thread_local std::vector<float> key;
+  key.resize(D);
+  head_out(k, key.data(), j.s, j.k_norm, table);
+  quantize_row(key.data(), D, c.group_size, c.bits, c.k_words + at * words,
+               c.k_scales + at * groups, c.k_biases + at * groups);
+  quantize_row(v, D, c.group_size, c.bits, c.v_words + at * words, c.v_scales + at * groups,
+               c.v_biases + at * groups);
+}
+
+// Row b's kv head kh of a quantized cache (positions 0..capacity - 1).
+QuantizedHead quantized_head(const Job& j, int b, int kh) {
+  const auto& c = j.quant;
+  const int D = j.s.head_dim, words = D * c.bits / 32, groups = D / c.group_size;
+  const size_t first = (static_cast<size_t>(b) * j.s.kv_heads + kh) * j.capacity;
+  return {{c.k_words + first * words, c.k_scales + first * groups, c.k_biases + first * groups,
+           words, groups},
+          {c.v_words + first * words, c.v_scales + first * groups, c.v_biases + first * groups,
+           words, groups},
+          D, c.group_size, c.bits};
+}
+
 // qkv rows (B * L) -> rotated q (B * L, Hq, D), and row b's token l's key / value written
 // into the cache at index + l, rotated at the row's position + l.
 void heads(const Job& j, const float* qkv, float* q) {
@@ -195,10 +233,15 @@ void heads(const Job& j, const float* qkv, float* q) {
         head_out(row + h * D, q + (m * s.q_heads + h) * D, s, j.q_norm, table);
       }
       for (int h = 0; h < s.kv_heads; ++h) {
-        const size_t at =
-            ((static_cast<size_t>(b) * s.kv_heads + h) * j.capacity + j.index + l) * D;
-        head_out(row + (s.q_heads + h) * D, j.keys + at, s, j.k_norm, table);
-        head_out(row + (s.q_heads + s.kv_heads + h) * D, j.values + at, s, nullptr, nullptr);
+        const size_t at = (static_cast<size_t>(b) * s.kv_heads + h) * j.capacity + j.index + l;
+        const float* k = row + (s.q_heads + h) * D;
+        const float* v = row + (s.q_heads + s.kv_heads + h) * D;
+        if (j.quant.bits > 0) {
+          write_quantized(j, at, k, v, table);
+        } else {
+          head_out(k, j.keys + at * D, s, j.k_norm, table);
+          head_out(v, j.values + at * D, s, nullptr, nullptr);
+        }
       }
     }
   }
@@ -218,6 +261,10 @@ void attend(const Job& j, const float* q, int b, int l, int h, float* out) {
     mask.base = j.bool_mask ? static_cast<const void*>(static_cast<const bool*>(j.mask) + at)
                             : static_cast<const void*>(static_cast<const float*>(j.mask) + at);
     mask.step = j.mask_s;
+  }
+  if (j.quant.bits > 0) {
+    attend_query_quantized(quantized_head(j, b, kh), q, j.index + l + 1, s.attn_scale, mask, out);
+    return;
   }
   const HeadKeysValues head{j.keys + base, j.values + base, D, D, D};
   attend_query(head, q, j.seen > 0 ? j.seen : j.index + l + 1, s.attn_scale, mask, out);
@@ -277,18 +324,20 @@ void run(const Job& j) {
 }
 
 // The cache buffer the op writes: the input's own where it may be donated, else a
-// fresh buffer (filled by the job from `source`, any strides).
+// fresh buffer (filled by the job from `source`, any strides). 4-byte elements (float32
+// values, or a quantized cache's uint32 words, scales and biases), copied as bits.
 struct CacheCopy {
-  const float* source = nullptr;  // null: donated, nothing to copy
+  const uint32_t* source = nullptr;  // null: donated, nothing to copy
+  uint32_t* dest = nullptr;
   std::vector<int64_t> rows;
   int64_t step = 1;
   int width = 0;
 
-  void run(float* dest) const {
+  void run() const {
     if (source == nullptr) return;
     for (size_t r = 0; r < rows.size(); ++r) {
-      const float* in = source + rows[r];
-      float* o = dest + r * width;
+      const uint32_t* in = source + rows[r];
+      uint32_t* o = dest + r * width;
       for (int i = 0; i < width; ++i) o[i] = in[i * step];
     }
   }
@@ -301,14 +350,17 @@ CacheCopy take_cache(const mx::array& in, mx::array& out) {
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
   count_cache_copy(static_cast<int64_t>(out.nbytes()));
-  return {in.data<float>(), row_offsets(in), in.strides().back(), in.shape(-1)};
+  return {in.data<uint32_t>(), out.data<uint32_t>(), row_offsets(in), in.strides().back(),
+          in.shape(-1)};
 }
 
 class DecodeLayer : public mx::Primitive {
  public:
   DecodeLayer(mx::Stream stream, const std::vector<std::vector<Projection>>& stages,
-              std::array<bool, 4> norms, LayerShape shape, int index, int seen)
-      : mx::Primitive(stream), norms_(norms), shape_(shape), index_(index), seen_(seen) {
+              std::array<bool, 4> norms, LayerShape shape, int index, int seen,
+              int group_size = 0, int bits = 0)
+      : mx::Primitive(stream), norms_(norms), shape_(shape), index_(index), seen_(seen),
+        group_size_(group_size), bits_(bits) {
     for (const auto& stage : stages) {
       kinds_.emplace_back();
       for (const auto& p : stage) kinds_.back().push_back({p.group_size, p.bits, p.bias.has_value()});
@@ -320,14 +372,16 @@ class DecodeLayer : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-    release_sibling_inputs(inputs, outputs);
-    CacheCopy keys = take_cache(inputs[KEYS], outputs[1]);
-    CacheCopy values = take_cache(inputs[VALUES], outputs[2]);
+    const std::vector<int> caches = cache_inputs(inputs.size());
+    release_sibling_inputs(inputs, outputs, caches);
+    std::vector<CacheCopy> copies;
+    for (size_t c = 0; c < caches.size(); ++c) {
+      copies.push_back(take_cache(inputs[caches[c]], outputs[1 + c]));
+    }
     for (auto& out : outputs) encoder.set_output_array(out);
     Job job = describe(inputs, outputs);
-    encoder.dispatch([job = std::move(job), keys = std::move(keys), values = std::move(values)]() {
-      keys.run(job.keys);
-      values.run(job.values);
+    encoder.dispatch([job = std::move(job), copies = std::move(copies)]() {
+      for (const auto& copy : copies) copy.run();
       run(job);
     });
   }
@@ -348,16 +402,27 @@ class DecodeLayer : public mx::Primitive {
   // outputs' copies are dropped here: MLX clears every sibling's inputs once the op is
   // evaluated anyway (array::detach). Not for tracers (compile, transforms).
   static void release_sibling_inputs(const std::vector<mx::array>& inputs,
-                                     std::vector<mx::array>& outputs) {
+                                     std::vector<mx::array>& outputs,
+                                     const std::vector<int>& caches) {
     for (auto& out : outputs) {
       if (out.is_tracer()) return;
     }
     for (auto& out : outputs) {
       auto& held = out.inputs();
       if (&held == &inputs || held.size() != inputs.size()) continue;
-      held[KEYS] = inputs[X];
-      held[VALUES] = inputs[X];
+      for (int c : caches) held[c] = inputs[X];
     }
+  }
+
+  // The inputs holding the cache, in the order of outputs 1..: keys and values (a
+  // quantized cache: their words), then a quantized cache's scales and biases (the last
+  // four inputs: keys' scales, biases, values' scales, biases).
+  std::vector<int> cache_inputs(size_t n_inputs) const {
+    std::vector<int> caches = {KEYS, VALUES};
+    if (bits_ > 0) {
+      for (int i = 4; i >= 1; --i) caches.push_back(static_cast<int>(n_inputs) - i);
+    }
+    return caches;
   }
 
   struct Kind {
@@ -410,15 +475,22 @@ class DecodeLayer : public mx::Primitive {
         j.proj[p].N += v.N;
       }
     }
-    j.keys = outputs[1].data<float>();
-    j.values = outputs[2].data<float>();
     j.out = outputs[0].data<float>();
+    if (bits_ == 0) {
+      j.keys = outputs[1].data<float>();
+      j.values = outputs[2].data<float>();
+      return j;
+    }
+    j.quant = {outputs[1].data<uint32_t>(), outputs[2].data<uint32_t>(), outputs[3].data<float>(),
+               outputs[4].data<float>(), outputs[5].data<float>(), outputs[6].data<float>(),
+               group_size_, bits_};
     return j;
   }
 
   std::array<bool, 4> norms_;  // q_norm, k_norm, attn_out_norm, mlp_out_norm present
   LayerShape shape_;
   int index_, seen_;
+  int group_size_, bits_;  // a quantized cache's; bits 0: float32
   std::vector<std::vector<Kind>> kinds_;  // per stage, per part
 };
 
@@ -515,6 +587,16 @@ DecoderLayer::DecoderLayer(
   stages_ = std::move(stages);
 }
 
+void DecoderLayer::check_x(const mx::array& x, mx::StreamOrDevice s) const {
+  if (mx::to_stream(s).device != mx::Device::cpu) fail("runs on the CPU only");
+  const int hidden = weights_[0].shape(0);
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) < 1 ||
+      x.shape(1) > DECODER_LAYER_MAX_PROMPT_TOKENS || x.shape(2) != hidden) {
+    fail("x must be float32 (B, L, hidden), L = 1.." +
+         std::to_string(DECODER_LAYER_MAX_PROMPT_TOKENS));
+  }
+}
+
 std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
     const mx::array& x,
     const mx::array& keys,
@@ -524,15 +606,8 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
     const std::optional<mx::array>& mask,
     int seen,
     mx::StreamOrDevice s) const {
-  auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
-  const int hidden = weights_[0].shape(0);
-  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(1) < 1 ||
-      x.shape(1) > DECODER_LAYER_MAX_PROMPT_TOKENS || x.shape(2) != hidden) {
-    fail("x must be float32 (B, L, hidden), L = 1.." +
-         std::to_string(DECODER_LAYER_MAX_PROMPT_TOKENS));
-  }
-  const int B = x.shape(0), L = x.shape(1);
+  check_x(x, s);
+  const int B = x.shape(0);
   const mx::Shape cache_shape = {B, shape_.kv_heads, keys.ndim() == 4 ? keys.shape(2) : 0,
                                  shape_.head_dim};
   for (const auto* a : {&keys, &values}) {
@@ -540,15 +615,68 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
       fail("keys and values must be float32 (B, kv_heads, capacity, head_dim)");
     }
   }
-  if (index < 0 || index + L > cache_shape[2]) {
+  auto outs = step(x, {keys, values}, index, positions, mask, seen, 0, 0, s);
+  return {outs[0], outs[1], outs[2]};
+}
+
+std::tuple<mx::array, QuantizedParts, QuantizedParts> DecoderLayer::quantized_step(
+    const mx::array& x,
+    const QuantizedParts& keys,
+    const QuantizedParts& values,
+    int group_size,
+    int bits,
+    int index,
+    const std::optional<mx::array>& positions,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s) const {
+  check_x(x, s);
+  const int B = x.shape(0), D = shape_.head_dim;
+  if (!quantized_shape_ok(D, group_size, bits)) {
+    fail("a quantized cache: bits 4 or 8, group_size 32, 64 or 128 dividing the head size");
+  }
+  const auto& words = std::get<0>(keys);
+  const int capacity = words.ndim() == 4 ? words.shape(2) : 0;
+  const mx::Shape words_shape = {B, shape_.kv_heads, capacity, D * bits / 32};
+  const mx::Shape groups_shape = {B, shape_.kv_heads, capacity, D / group_size};
+  for (const auto* parts : {&keys, &values}) {
+    const auto& [w, scales, biases] = *parts;
+    if (w.dtype() != mx::uint32 || w.shape() != words_shape || scales.dtype() != mx::float32 ||
+        scales.shape() != groups_shape || biases.dtype() != mx::float32 ||
+        biases.shape() != groups_shape) {
+      fail("quantized keys and values: uint32 words (B, kv_heads, capacity, head_dim * bits"
+           " / 32), float32 scales and biases (B, kv_heads, capacity, head_dim / group_size)");
+    }
+  }
+  const std::vector<mx::array> caches = {
+      std::get<0>(keys), std::get<0>(values), std::get<1>(keys),
+      std::get<2>(keys), std::get<1>(values), std::get<2>(values)};
+  auto outs = step(x, caches, index, positions, mask, -1, group_size, bits, s);
+  return {outs[0], {outs[1], outs[3], outs[4]}, {outs[2], outs[5], outs[6]}};
+}
+
+// The op over caches (keys, values[, keys' scales, biases, values' scales, biases]) of
+// capacity caches[0].shape(2): its outputs (out, then the caches written).
+std::vector<mx::array> DecoderLayer::step(
+    const mx::array& x,
+    const std::vector<mx::array>& caches,
+    int index,
+    const std::optional<mx::array>& positions,
+    const std::optional<mx::array>& mask,
+    int seen,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) const {
+  auto stream = mx::to_stream(s);
+  const int B = x.shape(0), L = x.shape(1), capacity = caches[0].shape(2);
+  if (index < 0 || index + L > capacity) {
     fail("index..index + L - 1 must be within the cache's capacity");
   }
-  if (seen >= 0 && (L != 1 || seen <= index || seen > cache_shape[2])) {
+  if (seen >= 0 && (L != 1 || seen <= index || seen > capacity)) {
     fail("seen: one token, written at index < seen <= capacity");
   }
   const int keys_seen = seen >= 0 ? seen : index + L;
   // empty (evaluated, so no op) where there are no per-row positions / no mask
-  std::vector<mx::array> inputs = {x, keys, values, none_, none_};
+  std::vector<mx::array> inputs = {x, caches[0], caches[1], none_, none_};
   if (positions) {
     if (positions->size() != 1 && positions->size() != static_cast<size_t>(B)) {
       fail("positions must hold 1 or B values");
@@ -566,14 +694,20 @@ std::tuple<mx::array, mx::array, mx::array> DecoderLayer::operator()(
     inputs[MASK] = *mask;
   }
   inputs.insert(inputs.end(), weights_.begin(), weights_.end());
-  auto outs = mx::array::make_arrays(
-      {x.shape(), cache_shape, cache_shape}, {mx::float32, mx::float32, mx::float32},
+  inputs.insert(inputs.end(), caches.begin() + 2, caches.end());
+  std::vector<mx::Shape> shapes = {x.shape()};
+  std::vector<mx::Dtype> dtypes = {mx::float32};
+  for (const auto& c : caches) {
+    shapes.push_back(c.shape());
+    dtypes.push_back(c.dtype());
+  }
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes,
       std::make_shared<DecodeLayer>(
           stream, stages_,
           std::array<bool, 4>{q_norm_, k_norm_, attn_out_norm_, mlp_out_norm_}, shape_, index,
-          seen),
+          seen, group_size, bits),
       inputs);
-  return {outs[0], outs[1], outs[2]};
 }
 
 }  // namespace pipeserve

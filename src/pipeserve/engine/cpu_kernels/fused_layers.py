@@ -20,7 +20,10 @@ and, where all four projections are kernel layers, runs each decode step of up t
 verification's W; mlx-lm's KVCache or left-padded BatchKVCache with room for them) as
 ONE op, `ext.DecoderLayer` (fused_layer.cpp): the same stages in C++, the new keys and
 values written into the cache's buffers, which the op takes and returns (MLX's
-functional semantics; the buffer is reused where nothing else holds it). Prefills, a
+functional semantics; the buffer is reused where nothing else holds it). A quantized
+cache (`options.kv_cache`: mlx-lm's QuantizedKVCache, engine/kv's BatchQuantizedKVCache)
+takes the op too (`DecoderLayer.quantized`): the new rows quantized in the op, the
+attention reading the codes (attention_quantized.cpp). Prefills, a
 full cache buffer, other caches and masks, and float32 projections take the ops above.
 
 The fused projections concatenate the rows of the weights (MLX's affine layout: the
@@ -33,6 +36,7 @@ get here (their loader does not call it).
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from typing import Any
 
 import mlx.core as mx
@@ -50,6 +54,9 @@ from pipeserve.engine.cpu_kernels.layers import (
 )
 
 _mlx_base: Any = importlib.import_module("mlx_lm.models.base")
+# Layer steps the one-op path took, by cache kind ("float", "quantized"): tests and
+# benchmarks read it to see which path a decode step took.
+ONE_OP_STEPS: Counter[str] = Counter()
 FAMILIES = ("llama", "qwen2", "qwen3")  # mlx-lm modules whose layers are reproduced here
 
 
@@ -200,10 +207,18 @@ class FusedBlock(nn.Module):
 
 def one_op_step(decoder: Any, x: mx.array, cache: Any, step: CacheStep) -> mx.array:
     """One layer's decode step through its `ext.DecoderLayer`: the cache's buffers
-    replaced by the op's outputs, its offsets advanced as its own update would."""
-    out, cache.keys, cache.values = decoder(
-        x, cache.keys, cache.values, step.index, step.positions, step.mask, step.seen
-    )
+    replaced by the op's outputs (a quantized cache: its triples), its offsets advanced
+    as its own update would."""
+    ONE_OP_STEPS["quantized" if step.quantized else "float"] += 1
+    if step.quantized:
+        out, cache.keys, cache.values = decoder.quantized(
+            x, tuple(cache.keys), tuple(cache.values), cache.group_size, cache.bits,
+            step.index, step.positions, step.mask,
+        )  # fmt: skip
+    else:
+        out, cache.keys, cache.values = decoder(
+            x, cache.keys, cache.values, step.index, step.positions, step.mask, step.seen
+        )
     advance(cache, x.shape[1])
     result: mx.array = out
     return result

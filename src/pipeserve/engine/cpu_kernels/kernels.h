@@ -118,6 +118,9 @@ struct LayerShape {
   bool gelu = false;  // the gate's activation: tanh-approximated GELU (Gemma), else SiLU
 };
 
+// A quantized KV buffer as MLX keeps it: (uint32 words, scales, biases).
+using QuantizedParts = std::tuple<mx::array, mx::array, mx::array>;
+
 // Most new tokens per row a DecoderLayer step takes (a decode step: 1; a speculative
 // verification: its width); prefills take the per-op path.
 constexpr int DECODER_LAYER_MAX_TOKENS = 16;
@@ -164,7 +167,28 @@ class DecoderLayer {
       int seen = -1,
       mx::StreamOrDevice s = {}) const;
 
+  // The same step over a quantized cache (`options.kv_cache`; attention_quantized.cpp):
+  // keys / values each MLX's affine triple (uint32 words (B, Hk, capacity, D * bits / 32),
+  // float32 scales and biases (B, Hk, capacity, D / group_size)), the new rows quantized
+  // as mx.quantize does, attention read from the codes. Returns (out, keys, values).
+  std::tuple<mx::array, QuantizedParts, QuantizedParts> quantized_step(
+      const mx::array& x,
+      const QuantizedParts& keys,
+      const QuantizedParts& values,
+      int group_size,
+      int bits,
+      int index,
+      const std::optional<mx::array>& positions,
+      const std::optional<mx::array>& mask,
+      mx::StreamOrDevice s = {}) const;
+
  private:
+  void check_x(const mx::array& x, mx::StreamOrDevice s) const;
+  std::vector<mx::array> step(const mx::array& x, const std::vector<mx::array>& caches,
+                              int index, const std::optional<mx::array>& positions,
+                              const std::optional<mx::array>& mask, int seen, int group_size,
+                              int bits, mx::StreamOrDevice s) const;
+
   mx::array none_;  // an empty input: no positions / no mask
   std::vector<mx::array> weights_;  // norms, then each projection's w, scales, biases, bias
   std::vector<std::vector<Projection>> stages_;

@@ -12,9 +12,10 @@ trim, filter, extend, extract (a `QuantizedRowCache`), merge (of row caches), ro
 
 A row's cache outside the batch (a prefix-cache entry, a prompt group's copy, a new
 row's empty cache) is a `QuantizedRowCache`: mlx-lm's QuantizedKVCache that merges
-into a batch. The CPU kernels' fused decoder-layer op and attention op take float32
-buffers only: with a quantized cache each layer runs its per-op path and mlx-lm's
-quantized attention (docs/cpu-kernels.md).
+into a batch. On the CPU kernels, a fused layer's decode steps over either cache are one
+op that writes and reads the triples directly (`DecoderLayer.quantized`,
+cpu_kernels/cache_steps.py); prompts and other layers use mlx-lm's quantized attention
+over the same rows (docs/cpu-kernels.md "Quantized KV cache").
 """
 
 from __future__ import annotations
