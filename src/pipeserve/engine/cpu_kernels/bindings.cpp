@@ -107,4 +107,7 @@ NB_MODULE(_pipeserve_cpu, m) {
   m.def("set_prefill_gemm", &pipeserve::set_prefill_gemm, "on"_a,
         "Switches the int8 prompt-chunk GEMM on or off (off: the float path).");
   m.def("prefill_gemm_enabled", &pipeserve::prefill_gemm_enabled);
+  m.def("set_prefill_int8", &pipeserve::set_prefill_int8, "on"_a,
+        "Rounds prompt-chunk x to int8 per run of 32 instead of int16 (faster, coarser).");
+  m.def("prefill_int8", &pipeserve::prefill_int8);
 }

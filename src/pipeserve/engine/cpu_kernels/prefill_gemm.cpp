@@ -34,10 +34,13 @@ namespace pipeserve {
 
 namespace {
 std::atomic<bool> enabled{true};
+std::atomic<bool> int8_x{false};
 }  // namespace
 
 void set_prefill_gemm(bool on) { enabled.store(on); }
 bool prefill_gemm_enabled() { return enabled.load(); }
+void set_prefill_int8(bool on) { int8_x.store(on); }
+bool prefill_int8() { return int8_x.load(); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
@@ -47,20 +50,51 @@ bool prefill_gemm_built() { return true; }
 namespace {
 
 constexpr int NB = 32;  // weight rows (output columns) per block: two vectors of 16
-constexpr int MT = 6;  // rows of x per tile
+constexpr int MT = 6;  // rows of x per tile (int8 x)
+constexpr int MT_SPLIT = 4;  // with int16 x (two int8 halves): 24 accumulators
 
-constexpr int RUN = 32;  // values of x per int8 scale
+constexpr int RUN = 32;  // values of x per activation scale
+
+// How x is rounded: to int16 per run (the default: 2^-15 of the run's largest magnitude,
+// as the decode paths round it), split into two int8 halves v = 256 hi + lo that go
+// through vpdpbusd each (twice the instructions of int8); or to int8 per run
+// (llama.cpp's Q8_0 activations; PIPESERVE_PREFILL_GEMM=int8).
+constexpr float INT16_LEVELS = 32639.0f;  // 127 * 257: hi in [-127, 127], lo in [-128, 127]
+constexpr float INT8_LEVELS = 127.0f;
 
 struct Int8X {
-  std::vector<int8_t> q;  // (M, K)
+  std::vector<int8_t> q;  // (M, K): hi halves (int16) or the values (int8)
+  std::vector<int8_t> lo;  // (M, K): lo halves (int16 only)
   std::vector<float> scale;  // (M, K / RUN)
   std::vector<float> sum;  // (M, G): sums of the rounded x per weight group
 };
 
-// Rounds x to int8 per run of 32; false when x holds a NaN or an infinity.
+// One run of 32 values rounded: stores q (and lo), returns the sum of the rounded values.
+template <bool SPLIT>
+int32_t round_run(const float* v, __m512 inv, int8_t* q, int8_t* lo) {
+  __m512i total = _mm512_setzero_si512();
+  for (int k = 0; k < RUN; k += 16) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv));
+    total = _mm512_add_epi32(total, r);
+    if constexpr (SPLIT) {
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(128)), 8);
+      const __m512i low = _mm512_sub_epi32(r, _mm512_slli_epi32(hi, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(low));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(r));
+    }
+  }
+  return _mm512_reduce_add_epi32(total);
+}
+
+// Rounds x per run of 32; false when x holds a NaN or an infinity.
+template <bool SPLIT>
 bool quantize_rows(const float* x, int M, int K, int group_size, Int8X& qx) {
   const int G = K / group_size, runs = K / RUN;
+  const float levels = SPLIT ? INT16_LEVELS : INT8_LEVELS;
   qx.q.resize(static_cast<size_t>(M) * K);
+  qx.lo.resize(SPLIT ? static_cast<size_t>(M) * K : 0);
   qx.scale.resize(static_cast<size_t>(M) * runs);
   qx.sum.assign(static_cast<size_t>(M) * G, 0.0f);
   std::atomic<bool> finite{true};
@@ -68,7 +102,8 @@ bool quantize_rows(const float* x, int M, int K, int group_size, Int8X& qx) {
     __mmask16 bad = 0;
     for (int m = chunk * 16; m < std::min(M, chunk * 16 + 16); ++m) {
       for (int c = 0; c < runs; ++c) {
-        const float* v = x + static_cast<size_t>(m) * K + static_cast<size_t>(c) * RUN;
+        const size_t at = static_cast<size_t>(m) * K + static_cast<size_t>(c) * RUN;
+        const float* v = x + at;
         __m512 peak = _mm512_setzero_ps();
         for (int k = 0; k < RUN; k += 16) {
           const __m512 a = _mm512_loadu_ps(v + k);
@@ -76,18 +111,11 @@ bool quantize_rows(const float* x, int M, int K, int group_size, Int8X& qx) {
           peak = _mm512_max_ps(peak, _mm512_abs_ps(a));
         }
         const float amax = _mm512_reduce_max_ps(peak);
-        const float d = amax / 127.0f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        int8_t* out = qx.q.data() + static_cast<size_t>(m) * K + static_cast<size_t>(c) * RUN;
-        __m512i total = _mm512_setzero_si512();
-        for (int k = 0; k < RUN; k += 16) {
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv));
-          total = _mm512_add_epi32(total, q);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(q));
-        }
+        const float d = amax / levels;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+        const int32_t total = round_run<SPLIT>(v, inv, qx.q.data() + at, SPLIT ? qx.lo.data() + at : nullptr);
         qx.scale[static_cast<size_t>(m) * runs + c] = d;
-        qx.sum[static_cast<size_t>(m) * G + c * RUN / group_size] +=
-            d * static_cast<float>(_mm512_reduce_add_epi32(total));
+        qx.sum[static_cast<size_t>(m) * G + c * RUN / group_size] += d * static_cast<float>(total);
       }
     }
     if (bad) finite.store(false);
@@ -172,7 +200,7 @@ void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
 }
 
 // Rows m0 .. m0 + R - 1 of x against the block: out columns n0 .. n0 + NB - 1.
-template <int R>
+template <int R, bool SPLIT>
 void tile(const QmmRows& a, const Int8X& qx, const Block& blk, int m0, int n0) {
   const int G = a.K / a.group_size, runs = a.K / RUN, per_group = a.group_size / RUN;
   constexpr int steps = RUN / 4;
@@ -180,12 +208,20 @@ void tile(const QmmRows& a, const Int8X& qx, const Block& blk, int m0, int n0) {
   PIPESERVE_UNROLL
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const int8_t* xrow[R];
-  for (int i = 0; i < R; ++i) xrow[i] = qx.q.data() + static_cast<size_t>(m0 + i) * a.K;
+  const int8_t* xlow[R];
+  for (int i = 0; i < R; ++i) {
+    xrow[i] = qx.q.data() + static_cast<size_t>(m0 + i) * a.K;
+    xlow[i] = SPLIT ? qx.lo.data() + static_cast<size_t>(m0 + i) * a.K : nullptr;
+  }
   for (int c = 0; c < runs; ++c) {
     const int g = c / per_group;
-    __m512i dot[R][2];
+    __m512i dot[R][2], low[SPLIT ? R : 1][2];
     PIPESERVE_UNROLL
     for (int i = 0; i < R; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+    if constexpr (SPLIT) {
+      PIPESERVE_UNROLL
+      for (int i = 0; i < R; ++i) low[i][0] = low[i][1] = _mm512_setzero_si512();
+    }
     const uint32_t* wp = blk.words + static_cast<size_t>(c) * steps * NB;
     const int kx = c * RUN;
     PIPESERVE_UNROLL
@@ -199,6 +235,19 @@ void tile(const QmmRows& a, const Int8X& qx, const Block& blk, int m0, int n0) {
         const __m512i xb = _mm512_set1_epi32(four);
         dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], w0, xb);
         dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], w1, xb);
+        if constexpr (SPLIT) {
+          std::memcpy(&four, xlow[i] + kx + 4 * s, 4);
+          const __m512i xl = _mm512_set1_epi32(four);
+          low[i][0] = _mm512_dpbusd_epi32(low[i][0], w0, xl);
+          low[i][1] = _mm512_dpbusd_epi32(low[i][1], w1, xl);
+        }
+      }
+    }
+    if constexpr (SPLIT) {  // 256 hi + lo: |sum| <= 32 * 32639 * 255 < 2^31
+      PIPESERVE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        dot[i][0] = _mm512_add_epi32(_mm512_slli_epi32(dot[i][0], 8), low[i][0]);
+        dot[i][1] = _mm512_add_epi32(_mm512_slli_epi32(dot[i][1], 8), low[i][1]);
       }
     }
     const __m512 s0 = _mm512_load_ps(blk.scales + g * NB), s1 = _mm512_load_ps(blk.scales + g * NB + 16);
@@ -230,15 +279,17 @@ void tile(const QmmRows& a, const Int8X& qx, const Block& blk, int m0, int n0) {
   }
 }
 
+template <bool SPLIT>
 void rows_past_block(const QmmRows& a, const Int8X& qx, const Block& blk, int n0) {
+  constexpr int T = SPLIT ? MT_SPLIT : MT;
   int m = 0;
-  for (; m + MT <= a.M; m += MT) tile<MT>(a, qx, blk, m, n0);
+  for (; m + T <= a.M; m += T) tile<T, SPLIT>(a, qx, blk, m, n0);
   switch (a.M - m) {
-    case 5: return tile<5>(a, qx, blk, m, n0);
-    case 4: return tile<4>(a, qx, blk, m, n0);
-    case 3: return tile<3>(a, qx, blk, m, n0);
-    case 2: return tile<2>(a, qx, blk, m, n0);
-    case 1: return tile<1>(a, qx, blk, m, n0);
+    case 5: return tile<5, SPLIT>(a, qx, blk, m, n0);
+    case 4: return tile<4, SPLIT>(a, qx, blk, m, n0);
+    case 3: return tile<3, SPLIT>(a, qx, blk, m, n0);
+    case 2: return tile<2, SPLIT>(a, qx, blk, m, n0);
+    case 1: return tile<1, SPLIT>(a, qx, blk, m, n0);
     default: return;
   }
 }
@@ -259,7 +310,7 @@ uint8_t* block_scratch(size_t bytes) {
   return static_cast<uint8_t*>(memory.get());
 }
 
-template <int BITS, typename S>
+template <int BITS, typename S, bool SPLIT>
 void run_blocks(const QmmRows& a, const Int8X& qx) {
   const int G = a.K / a.group_size;
   const int blocks = (a.N + NB - 1) / NB;
@@ -271,17 +322,29 @@ void run_blocks(const QmmRows& a, const Int8X& qx) {
               reinterpret_cast<float*>(mem + word_bytes + scale_bytes)};
     uint8_t* row = mem + word_bytes + 2 * scale_bytes;
     unpack_block<BITS, S>(a, b * NB, blk, row);
-    rows_past_block(a, qx, blk, b * NB);
+    rows_past_block<SPLIT>(a, qx, blk, b * NB);
   });
 }
 
-template <typename S>
+template <typename S, bool SPLIT>
 void run_bits(const QmmRows& a, const Int8X& qx) {
   switch (a.bits) {
-    case 4: return run_blocks<4, S>(a, qx);
-    case 5: return run_blocks<5, S>(a, qx);
-    default: return run_blocks<8, S>(a, qx);
+    case 4: return run_blocks<4, S, SPLIT>(a, qx);
+    case 5: return run_blocks<5, S, SPLIT>(a, qx);
+    default: return run_blocks<8, S, SPLIT>(a, qx);
   }
+}
+
+template <bool SPLIT>
+bool multiply(const QmmRows& a) {
+  thread_local Int8X qx;
+  if (!quantize_rows<SPLIT>(a.x, a.M, a.K, a.group_size, qx)) return false;
+  if (a.half_scales) {
+    run_bits<uint16_t, SPLIT>(a, qx);
+  } else {
+    run_bits<float, SPLIT>(a, qx);
+  }
+  return true;
 }
 
 }  // namespace
@@ -290,14 +353,7 @@ bool prefill_qmm(const QmmRows& a) {
   if (!enabled.load(std::memory_order_relaxed)) return false;
   if (a.group_size % 32 != 0 || a.K % a.group_size != 0) return false;
   if (a.bits != 4 && a.bits != 5 && a.bits != 8) return false;
-  thread_local Int8X qx;
-  if (!quantize_rows(a.x, a.M, a.K, a.group_size, qx)) return false;
-  if (a.half_scales) {
-    run_bits<uint16_t>(a, qx);
-  } else {
-    run_bits<float>(a, qx);
-  }
-  return true;
+  return int8_x.load(std::memory_order_relaxed) ? multiply<false>(a) : multiply<true>(a);
 }
 
 #else
