@@ -33,6 +33,9 @@ ENV_THREADS = "PIPESERVE_CPU_THREADS"  # threads the kernels split rows over
 # (docs/cpu-kernels.md).
 ENV_PREFILL_GEMM = "PIPESERVE_PREFILL_GEMM"
 PREFILL_MODES = ("int16", "int8", "off")
+# "off": prompt chunks' attention per query row (attention.cpp) instead of the blocked
+# kernel (prefill_attention.cpp).
+ENV_PREFILL_ATTENTION = "PIPESERVE_PREFILL_ATTENTION"
 BITS = (4, 5, 8)
 SELF_TEST_TOLERANCE = 1e-4  # relative to the output's scale; float32 sums differ ~1e-6
 # Prompt chunks (prefill_gemm.cpp) round x to int8 per group, as llama.cpp does: ~5e-3 of
@@ -45,7 +48,7 @@ _loaded: dict[str, ModuleType | None] = {}
 
 
 def forced_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+    return _off(os.environ.get(ENV_SWITCH, ""))
 
 
 def kernels() -> ModuleType | None:
@@ -81,7 +84,7 @@ def _load() -> ModuleType | None:
 def prefill_gemm_mode() -> str:
     """PIPESERVE_PREFILL_GEMM as one of PREFILL_MODES: unset or on means int16."""
     value = os.environ.get(ENV_PREFILL_GEMM, "").strip().lower()
-    if value in ("0", "off", "false", "no"):
+    if _off(value):
         return "off"
     return "int8" if value == "int8" else "int16"
 
@@ -95,6 +98,11 @@ def apply_prefill_mode(ext: Any) -> None:
     mode = prefill_gemm_mode()
     ext.set_prefill_gemm(mode != "off")
     ext.set_prefill_int8(mode == "int8")
+    ext.set_prefill_attention(not _off(os.environ.get(ENV_PREFILL_ATTENTION, "")))
+
+
+def _off(value: str) -> bool:
+    return value.strip().lower() in ("0", "off", "false", "no")
 
 
 def thread_count() -> int:

@@ -15,6 +15,7 @@
 #include "mlx/primitives.h"
 
 #include "attention.h"
+#include "prefill_attention.h"
 #include "kernels.h"
 #include "strided.h"
 
@@ -196,8 +197,19 @@ struct SdpaJob {
     attend_query(kv, qr, seen, scale, mask, o);
   }
 
+  // A prompt chunk without a mask array: the blocked kernel (prefill_attention.cpp).
+  bool blocked() const {
+    const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
+    if (kind != 0 || qs[3] != 1 || ks[3] != 1 || vs[3] != 1) return false;
+    const int64_t ob = merged ? int64_t{L} * Hq * D : int64_t{Hq} * L * D;
+    return prefill_attention({qp, kp, vp, op, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0],
+                              vs[1], vs[2], ob, merged ? D : int64_t{L} * D,
+                              merged ? int64_t{Hq} * D : D, B, Hq, Hk, L, S, D, scale, causal});
+  }
+
   void run() const {
     const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
+    if (blocked()) return;
     const int group = Hq / Hk;
     const int64_t work = static_cast<int64_t>(B) * Hq * L * S * D;
     for_each_query_run(B, Hk, L * group, work, [&](int b, int kh, int first, int last) {
