@@ -143,16 +143,35 @@ struct Task {
   int group() const { return a.Hq / a.Hk; }
   int limit(int l) const { return a.causal ? std::min(a.S, a.S - a.L + l + 1) : a.S; }
 
+  // Key blocks outer, the task's tiles inner: a block's keys and values are read from
+  // memory once per task and serve all its rows from cache.
   template <int V>
   void run() const {
-    const int rows = (last - first) * group();
-    thread_local Tile t;
-    for (int r0 = 0; r0 < rows; r0 += MR) tile<V>(t, r0, std::min(MR, rows - r0));
+    const int rows = (last - first) * group(), tiles = (rows + MR - 1) / MR;
+    thread_local std::vector<Tile> state;
+    if (static_cast<int>(state.size()) < tiles) state.resize(tiles);
+    std::vector<int> tops(tiles);
+    int top = 0;
+    for (int i = 0; i < tiles; ++i) {
+      tops[i] = start(state[i], i * MR, std::min(MR, rows - i * MR));
+      top = std::max(top, tops[i]);
+    }
+    const float* values = a.v + b * a.v_b + kh * a.v_h;
+    for (int kb = 0; kb < top; kb += KB) {
+      for (int i = 0; i < tiles; ++i) {
+        if (kb >= tops[i]) continue;
+        Tile& t = state[i];
+        block_scores<V>(t, kt + kb, stride);
+        for (int r = 0; r < MR; ++r) softmax_step(t, r, kb);
+        block_values<V>(t, values + kb * a.v_s, a.v_s, std::min(KB, tops[i] - kb));
+      }
+    }
+    for (int i = 0; i < tiles; ++i) finish(state[i], i * MR, std::min(MR, rows - i * MR));
   }
 
-  // Row r of the task: position first + r / group, head kh * group + r % group.
-  template <int V>
-  void tile(Tile& t, int r0, int count) const {
+  // Row r of the task: position first + r / group, head kh * group + r % group. Loads a
+  // tile's rows; returns how many keys the furthest of them sees.
+  int start(Tile& t, int r0, int count) const {
     const int g = group();
     int top = 0;
     for (int i = 0; i < MR; ++i) {
@@ -170,12 +189,11 @@ struct Task {
       t.limit[i] = limit(l);
       top = std::max(top, t.limit[i]);
     }
-    const float* values = a.v + b * a.v_b + kh * a.v_h;
-    for (int kb = 0; kb < top; kb += KB) {
-      block_scores<V>(t, kt + kb, stride);
-      for (int i = 0; i < MR; ++i) softmax_step(t, i, kb);
-      block_values<V>(t, values + kb * a.v_s, a.v_s, std::min(KB, top - kb));
-    }
+    return top;
+  }
+
+  void finish(const Tile& t, int r0, int count) const {
+    const int g = group();
     for (int i = 0; i < count; ++i) {
       const int r = r0 + i, l = first + r / g, h = kh * g + r % g;
       float* out = a.out + b * a.out_b + h * a.out_h + l * a.out_l;
