@@ -103,3 +103,30 @@ def test_non_finite_x_and_the_switch_take_the_float_path(gemm):
     got = np.array(gemm.affine_qmm(x, w, scales, biases, 32, 4))
     assert not np.isfinite(got[3]).any()
     assert np.abs(got[4] - float_path[4]).max() <= 1e-5 * np.abs(float_path).max()
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "bits", "group_size"),
+                         [(65, 352, 45, 4, 32), (200, 320, 70, 8, 64), (131, 352, 45, 5, 32)])  # fmt: skip
+def test_amx_tiles_give_the_vector_paths_bits(ext, rows, k, n, bits, group_size):
+    """Where AMX is available the int16 GEMM runs on tiles: the same integer sums, joined
+    and scaled by the same operations, so the very bits of the AVX512-VNNI path."""
+    if not ext.prefill_gemm_built():
+        pytest.skip("the prefill GEMM needs an AVX512-VNNI build (float path here)")
+    ext.set_prefill_gemm(True)
+    ext.set_prefill_int8(False)
+    ext.set_prefill_amx(True)
+    try:
+        if not ext.prefill_amx():
+            pytest.skip("no AMX tiles on this CPU (or the kernel refuses them)")
+        for scale_dtype in ("float16", "float32"):
+            w, scales, biases = quantized(n, k, group_size, bits, scale_dtype, rows)
+            x = mx.random.normal((rows, k), key=mx.random.key(k))
+            tiles = ext.affine_qmm(x, w, scales, biases, group_size, bits)
+            mx.eval(tiles)  # the switch is read when the op runs
+            ext.set_prefill_amx(False)
+            vectors = ext.affine_qmm(x, w, scales, biases, group_size, bits)
+            mx.eval(vectors)
+            ext.set_prefill_amx(True)
+            assert mx.array_equal(tiles, vectors), scale_dtype
+    finally:
+        cpu_kernels.apply_prefill_mode(ext)

@@ -36,6 +36,9 @@ PREFILL_MODES = ("int16", "int8", "off")
 # "off": prompt chunks' attention per query row (attention.cpp) instead of the blocked
 # kernel (prefill_attention.cpp).
 ENV_PREFILL_ATTENTION = "PIPESERVE_PREFILL_ATTENTION"
+# "off": the int16 prompt GEMM on AVX512-VNNI even where AMX tiles are available (the same
+# numbers to the bit; AMX is faster).
+ENV_PREFILL_AMX = "PIPESERVE_PREFILL_AMX"
 BITS = (4, 5, 8)
 SELF_TEST_TOLERANCE = 1e-4  # relative to the output's scale; float32 sums differ ~1e-6
 # Prompt chunks (prefill_gemm.cpp) round x to int8 per group, as llama.cpp does: ~5e-3 of
@@ -99,6 +102,7 @@ def apply_prefill_mode(ext: Any) -> None:
     ext.set_prefill_gemm(mode != "off")
     ext.set_prefill_int8(mode == "int8")
     ext.set_prefill_attention(not _off(os.environ.get(ENV_PREFILL_ATTENTION, "")))
+    ext.set_prefill_amx(not _off(os.environ.get(ENV_PREFILL_AMX, "")))
 
 
 def _off(value: str) -> bool:

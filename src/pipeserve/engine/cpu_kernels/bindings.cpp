@@ -111,6 +111,9 @@ NB_MODULE(_pipeserve_cpu, m) {
   m.def("set_prefill_int8", &pipeserve::set_prefill_int8, "on"_a,
         "Rounds prompt-chunk x to int8 per run of 32 instead of int16 (faster, coarser).");
   m.def("prefill_int8", &pipeserve::prefill_int8);
+  m.def("set_prefill_amx", &pipeserve::set_prefill_amx, "on"_a,
+        "Lets the int16 prompt GEMM use AMX tiles where the CPU allows (else AVX512-VNNI).");
+  m.def("prefill_amx", &pipeserve::prefill_amx, "Whether the prompt GEMM uses AMX tiles.");
   m.def("set_prefill_attention", &pipeserve::set_prefill_attention, "on"_a,
         "Switches the blocked attention for prompt chunks (prefill_attention.cpp) on or off.");
   m.def("prefill_attention_enabled", &pipeserve::prefill_attention_enabled);

@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <vector>
 
 #include "kernels.h"
@@ -170,23 +172,15 @@ struct Block {
   float* biases;  // (G, NB)
 };
 
-// Rows n0 .. n0 + NB - 1 into the block buffer (rows past N: zeros).
+// Rows n0 .. n0 + NB - 1's scales and biases into the block (rows past N: zeros).
 template <int BITS, typename S>
-void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
+void block_scales(const QmmRows& a, int n0, Block blk) {
   const int G = a.K / a.group_size;
-  const size_t row_bytes = static_cast<size_t>(a.K) * BITS / 8;
   const S* scales = static_cast<const S*>(a.scales);
   const S* biases = static_cast<const S*>(a.biases);  // null: symmetric (Q8_0, Q4_0, Q5_0)
   const float zero = -static_cast<float>(1 << (BITS - 1));  // a symmetric bias per unit of scale
   for (int j = 0; j < NB; ++j) {
     const int n = n0 + j;
-    if (n < a.N) {
-      unpack_row<BITS>(static_cast<const uint8_t*>(a.w) + n * row_bytes, a.K, row);
-    } else {
-      std::memset(row, 0, a.K);
-    }
-    const uint32_t* r = reinterpret_cast<const uint32_t*>(row);
-    for (int k4 = 0; k4 < a.K / 4; ++k4) blk.words[static_cast<size_t>(k4) * NB + j] = r[k4];
     for (int g = 0; g < G; ++g) {
       const size_t at = static_cast<size_t>(n) * G + g;
       blk.scales[g * NB + j] = n < a.N ? to_f32(scales[at]) : 0.0f;
@@ -197,6 +191,28 @@ void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
       }
     }
   }
+}
+
+// Weight row n (one byte a value) into row; zeros past N.
+template <int BITS>
+void weight_row(const QmmRows& a, int n, uint8_t* row) {
+  const size_t row_bytes = static_cast<size_t>(a.K) * BITS / 8;
+  if (n < a.N) {
+    unpack_row<BITS>(static_cast<const uint8_t*>(a.w) + n * row_bytes, a.K, row);
+  } else {
+    std::memset(row, 0, a.K);
+  }
+}
+
+// Rows n0 .. n0 + NB - 1 into the block buffer (rows past N: zeros).
+template <int BITS, typename S>
+void unpack_block(const QmmRows& a, int n0, Block blk, uint8_t* row) {
+  for (int j = 0; j < NB; ++j) {
+    weight_row<BITS>(a, n0 + j, row);
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(row);
+    for (int k4 = 0; k4 < a.K / 4; ++k4) blk.words[static_cast<size_t>(k4) * NB + j] = r[k4];
+  }
+  block_scales<BITS, S>(a, n0, blk);
 }
 
 // Rows m0 .. m0 + R - 1 of x against the block: out columns n0 .. n0 + NB - 1.
@@ -326,6 +342,150 @@ void run_blocks(const QmmRows& a, const Int8X& qx) {
   });
 }
 
+// AMX tiles (where the kernel lets this process use them): the same integer products, 16
+// weight rows x 16 rows of x x one run of 32 per tile instruction, for the int16 x. A block
+// of 32 weight rows is unpacked row by row ([32][K] bytes: the A tiles, 16 rows x 32
+// bytes); x is laid out per 16 rows and run as B tiles ([8][16 rows][4 bytes], hi and lo
+// halves apart), its scales and group sums per 16 rows as vectors. Each run's int32 tiles
+// (hi and lo, two halves of the block) are stored and joined, converted and scaled with the
+// very operations of the vector path (fma(float(256 hi + lo), scale x xscale, acc), the
+// bias term per group), so the outputs are the same to the bit.
+#define PIPESERVE_AMX __attribute__((target("amx-tile,amx-int8")))
+
+std::atomic<bool> amx_on{true};
+
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct AmxX {
+  std::vector<int8_t> hi, lo;  // (M / 16, runs, 8, 16, 4)
+  std::vector<float> scale;  // (M / 16, runs, 16)
+  std::vector<float> sum;  // (M / 16, G, 16)
+};
+
+void amx_layout(const QmmRows& a, const Int8X& qx, AmxX& t) {
+  const int runs = a.K / RUN, G = a.K / a.group_size, blocks = (a.M + 15) / 16;
+  t.hi.assign(static_cast<size_t>(blocks) * 16 * a.K, 0);
+  t.lo.assign(t.hi.size(), 0);
+  t.scale.assign(static_cast<size_t>(blocks) * runs * 16, 0.0f);
+  t.sum.assign(static_cast<size_t>(blocks) * G * 16, 0.0f);
+  AmxX* out = &t;
+  parallel_for(blocks, [&](int mb) {
+    for (int m = 0; m < std::min(16, a.M - mb * 16); ++m) {
+      const size_t row = static_cast<size_t>(mb * 16 + m);
+      for (int c = 0; c < runs; ++c) {
+        for (int k4 = 0; k4 < RUN / 4; ++k4) {
+          const size_t to = ((static_cast<size_t>(mb) * runs + c) * 8 + k4) * 64 + m * 4;
+          const size_t from = row * a.K + c * RUN + k4 * 4;
+          std::memcpy(out->hi.data() + to, qx.q.data() + from, 4);
+          std::memcpy(out->lo.data() + to, qx.lo.data() + from, 4);
+        }
+        out->scale[(static_cast<size_t>(mb) * runs + c) * 16 + m] = qx.scale[row * runs + c];
+      }
+      for (int g = 0; g < G; ++g) out->sum[(static_cast<size_t>(mb) * G + g) * 16 + m] = qx.sum[row * G + g];
+    }
+  });
+}
+
+struct TileConfig {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+PIPESERVE_AMX void amx_configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = RUN;  // weights: 16 rows x 32 bytes
+  for (int t : {2, 3}) c.rows[t] = RUN / 4, c.colsb[t] = 64;  // x: 8 x (16 rows x 4 bytes)
+  for (int t = 4; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;  // 16 x 16 int32
+  _tile_loadconfig(&c);
+}
+
+// Rows mb * 16 .. + 15 of x against the block's 32 weight rows (rows: [32][K] bytes).
+PIPESERVE_AMX void amx_tile(const QmmRows& a, const AmxX& x, const Block& blk, const uint8_t* rows,
+                            int mb, int n0) {
+  const int runs = a.K / RUN, G = a.K / a.group_size, per_group = a.group_size / RUN;
+  alignas(64) int32_t c[4][16][16];  // hi n 0-15, lo n 0-15, hi n 16-31, lo n 16-31
+  alignas(64) float acc[NB][16];  // [output column][row of x]
+  for (auto& v : acc) _mm512_store_ps(v, _mm512_setzero_ps());
+  for (int r = 0; r < runs; ++r) {
+    const int g = r / per_group;
+    const size_t xb = (static_cast<size_t>(mb) * runs + r) * 8 * 64;
+    _tile_loadd(0, rows + r * RUN, a.K);
+    _tile_loadd(1, rows + static_cast<size_t>(16) * a.K + r * RUN, a.K);
+    _tile_loadd(2, x.hi.data() + xb, 64);
+    _tile_loadd(3, x.lo.data() + xb, 64);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_dpbusd(4, 0, 2);
+    _tile_dpbusd(5, 0, 3);
+    _tile_dpbusd(6, 1, 2);
+    _tile_dpbusd(7, 1, 3);
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    _tile_stored(6, c[2], 64);
+    _tile_stored(7, c[3], 64);
+    const __m512 xs = _mm512_loadu_ps(x.scale.data() + (static_cast<size_t>(mb) * runs + r) * 16);
+    for (int n = 0; n < NB; ++n) {
+      const int half = n / 16, j = n % 16;
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * half][j]), 8),
+                                           _mm512_load_si512(c[2 * half + 1][j]));
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(blk.scales[g * NB + n]), xs);
+      _mm512_store_ps(acc[n], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, _mm512_load_ps(acc[n])));
+    }
+    if ((r + 1) % per_group == 0) {
+      const __m512 xsum = _mm512_loadu_ps(x.sum.data() + (static_cast<size_t>(mb) * G + g) * 16);
+      for (int n = 0; n < NB; ++n) {
+        const __m512 b = _mm512_set1_ps(blk.biases[g * NB + n]);
+        _mm512_store_ps(acc[n], _mm512_fmadd_ps(b, xsum, _mm512_load_ps(acc[n])));
+      }
+    }
+  }
+  const int valid = std::min(NB, a.N - n0);
+  for (int m = 0; m < std::min(16, a.M - mb * 16); ++m) {
+    float* out = a.out + static_cast<size_t>(mb * 16 + m) * a.N + n0;
+    for (int n = 0; n < valid; ++n) out[n] = acc[n][m];
+  }
+}
+
+template <int BITS, typename S>
+PIPESERVE_AMX void amx_block(const QmmRows& a, const AmxX& x, int b) {
+  const int G = a.K / a.group_size;
+  const size_t row_bytes = static_cast<size_t>(a.K) * NB;
+  const size_t scale_bytes = static_cast<size_t>(G) * NB * sizeof(float);
+  uint8_t* mem = block_scratch(row_bytes + 2 * scale_bytes + 64);
+  Block blk{nullptr, reinterpret_cast<float*>(mem + row_bytes),
+            reinterpret_cast<float*>(mem + row_bytes + scale_bytes)};
+  for (int j = 0; j < NB; ++j) weight_row<BITS>(a, b * NB + j, mem + static_cast<size_t>(j) * a.K);
+  block_scales<BITS, S>(a, b * NB, blk);
+  amx_configure();
+  for (int mb = 0; mb < (a.M + 15) / 16; ++mb) amx_tile(a, x, blk, mem, mb, b * NB);
+  _tile_release();
+}
+
+template <int BITS, typename S>
+void amx_blocks(const QmmRows& a, const AmxX& x) {
+  parallel_for((a.N + NB - 1) / NB, [&](int b) { amx_block<BITS, S>(a, x, b); });
+}
+
+template <typename S>
+void amx_bits(const QmmRows& a, const AmxX& x) {
+  switch (a.bits) {
+    case 4: return amx_blocks<4, S>(a, x);
+    case 5: return amx_blocks<5, S>(a, x);
+    default: return amx_blocks<8, S>(a, x);
+  }
+}
+
 template <typename S, bool SPLIT>
 void run_bits(const QmmRows& a, const Int8X& qx) {
   switch (a.bits) {
@@ -339,6 +499,16 @@ template <bool SPLIT>
 bool multiply(const QmmRows& a) {
   thread_local Int8X qx;
   if (!quantize_rows<SPLIT>(a.x, a.M, a.K, a.group_size, qx)) return false;
+  if (SPLIT && amx_on.load(std::memory_order_relaxed) && amx_permitted()) {
+    thread_local AmxX x;
+    amx_layout(a, qx, x);
+    if (a.half_scales) {
+      amx_bits<uint16_t>(a, x);
+    } else {
+      amx_bits<float>(a, x);
+    }
+    return true;
+  }
   if (a.half_scales) {
     run_bits<uint16_t, SPLIT>(a, qx);
   } else {
@@ -348,6 +518,9 @@ bool multiply(const QmmRows& a) {
 }
 
 }  // namespace
+
+void set_prefill_amx(bool on) { amx_on.store(on); }
+bool prefill_amx() { return amx_on.load() && amx_permitted(); }
 
 bool prefill_qmm(const QmmRows& a) {
   if (!enabled.load(std::memory_order_relaxed)) return false;
@@ -360,6 +533,8 @@ bool prefill_qmm(const QmmRows& a) {
 
 bool prefill_gemm_built() { return false; }
 bool prefill_qmm(const QmmRows&) { return false; }
+void set_prefill_amx(bool) {}
+bool prefill_amx() { return false; }
 
 #endif
 
