@@ -408,52 +408,51 @@ PIPESERVE_AMX void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// Rows mb * 16 .. + 15 of x against the block's 32 weight rows (rows: [32][K] bytes).
+// Rows mb * 16 .. + 15 of x against half h of the block's weight rows (16 rows; rows:
+// [32][K] bytes); the 16 outputs per weight row accumulate in registers over the runs.
 PIPESERVE_AMX void amx_tile(const QmmRows& a, const AmxX& x, const Block& blk, const uint8_t* rows,
-                            int mb, int n0) {
+                            int mb, int n0, int h) {
   const int runs = a.K / RUN, G = a.K / a.group_size, per_group = a.group_size / RUN;
-  alignas(64) int32_t c[4][16][16];  // hi n 0-15, lo n 0-15, hi n 16-31, lo n 16-31
-  alignas(64) float acc[NB][16];  // [output column][row of x]
-  for (auto& v : acc) _mm512_store_ps(v, _mm512_setzero_ps());
+  alignas(64) int32_t c[2][16][16];  // hi, lo: [weight row][row of x]
+  __m512 acc[16];  // [weight row]: lanes are rows of x
+  PIPESERVE_UNROLL
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  const uint8_t* w = rows + static_cast<size_t>(16 * h) * a.K;
+  const float* scales = blk.scales + 16 * h;
+  const float* biases = blk.biases + 16 * h;
   for (int r = 0; r < runs; ++r) {
     const int g = r / per_group;
     const size_t xb = (static_cast<size_t>(mb) * runs + r) * 8 * 64;
-    _tile_loadd(0, rows + r * RUN, a.K);
-    _tile_loadd(1, rows + static_cast<size_t>(16) * a.K + r * RUN, a.K);
+    _tile_loadd(0, w + r * RUN, a.K);
     _tile_loadd(2, x.hi.data() + xb, 64);
     _tile_loadd(3, x.lo.data() + xb, 64);
     _tile_zero(4);
     _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
     _tile_dpbusd(4, 0, 2);
     _tile_dpbusd(5, 0, 3);
-    _tile_dpbusd(6, 1, 2);
-    _tile_dpbusd(7, 1, 3);
     _tile_stored(4, c[0], 64);
     _tile_stored(5, c[1], 64);
-    _tile_stored(6, c[2], 64);
-    _tile_stored(7, c[3], 64);
     const __m512 xs = _mm512_loadu_ps(x.scale.data() + (static_cast<size_t>(mb) * runs + r) * 16);
-    for (int n = 0; n < NB; ++n) {
-      const int half = n / 16, j = n % 16;
-      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * half][j]), 8),
-                                           _mm512_load_si512(c[2 * half + 1][j]));
-      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(blk.scales[g * NB + n]), xs);
-      _mm512_store_ps(acc[n], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, _mm512_load_ps(acc[n])));
+    PIPESERVE_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[0][j]), 8),
+                                           _mm512_load_si512(c[1][j]));
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scales[g * NB + j]), xs);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[j]);
     }
     if ((r + 1) % per_group == 0) {
       const __m512 xsum = _mm512_loadu_ps(x.sum.data() + (static_cast<size_t>(mb) * G + g) * 16);
-      for (int n = 0; n < NB; ++n) {
-        const __m512 b = _mm512_set1_ps(blk.biases[g * NB + n]);
-        _mm512_store_ps(acc[n], _mm512_fmadd_ps(b, xsum, _mm512_load_ps(acc[n])));
-      }
+      PIPESERVE_UNROLL
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(biases[g * NB + j]), xsum, acc[j]);
     }
   }
-  const int valid = std::min(NB, a.N - n0);
+  alignas(64) float done[16][16];
+  PIPESERVE_UNROLL
+  for (int j = 0; j < 16; ++j) _mm512_store_ps(done[j], acc[j]);
+  const int valid = std::min(16, a.N - n0 - 16 * h);
   for (int m = 0; m < std::min(16, a.M - mb * 16); ++m) {
-    float* out = a.out + static_cast<size_t>(mb * 16 + m) * a.N + n0;
-    for (int n = 0; n < valid; ++n) out[n] = acc[n][m];
+    float* out = a.out + static_cast<size_t>(mb * 16 + m) * a.N + n0 + 16 * h;
+    for (int j = 0; j < valid; ++j) out[j] = done[j][m];
   }
 }
 
@@ -468,7 +467,10 @@ PIPESERVE_AMX void amx_block(const QmmRows& a, const AmxX& x, int b) {
   for (int j = 0; j < NB; ++j) weight_row<BITS>(a, b * NB + j, mem + static_cast<size_t>(j) * a.K);
   block_scales<BITS, S>(a, b * NB, blk);
   amx_configure();
-  for (int mb = 0; mb < (a.M + 15) / 16; ++mb) amx_tile(a, x, blk, mem, mb, b * NB);
+  for (int mb = 0; mb < (a.M + 15) / 16; ++mb) {
+    amx_tile(a, x, blk, mem, mb, b * NB, 0);
+    if (a.N - b * NB > 16) amx_tile(a, x, blk, mem, mb, b * NB, 1);
+  }
   _tile_release();
 }
 
