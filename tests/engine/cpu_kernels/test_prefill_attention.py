@@ -1,9 +1,10 @@
 """The blocked attention for prompt chunks (engine/cpu_kernels/prefill_attention.cpp: 32 or
-more query positions, causal or unmasked) against MLX's own scaled_dot_product_attention:
+more query positions, causal, unmasked or a boolean mask) against MLX's own
+scaled_dot_product_attention:
 grouped-query heads (groups 1, 3, 7), head sizes 32 / 64 / 128, a fresh prompt and a chunk
 after cached keys, keys sliced from a larger cache buffer, merged heads; a row's numbers
-the same to the bit whatever the other rows of its chunk; the switch takes the per-row
-path (attention.cpp)."""
+the same to the bit whatever the other rows of its chunk and with or without left padding;
+the switch takes the per-row path (attention.cpp)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ def test_the_switch_takes_the_per_row_path(blocked):
     assert not mx.array_equal(on, off)  # another order of sums
     for got in (on, off):
         assert mx.abs(got - want).max().item() <= TOLERANCE * top
+
+
+def padded(a: mx.array, padding: int, seed: int) -> mx.array:
+    junk = mx.random.normal((*a.shape[:2], padding, a.shape[3]), key=mx.random.key(seed)) * 100
+    return mx.concatenate([junk, a], axis=2)
+
+
+@pytest.mark.parametrize("padding", [1, 5, 40])
+def test_a_left_padded_batch_row_keeps_its_numbers(blocked, padding):
+    """A batch left-pads its shorter rows (the engine's boolean mask: causal and padding):
+    a row's numbers are the same to the bit as without the padding, the padded positions'
+    own rows are zeros (they see nothing), and all of it agrees with MLX's SDPA."""
+    q, k, v = qkv(1, 9, 3, 64, 64, 64, padding)
+    plain = blocked.sdpa(q, k, v, 0.125, None, False, True)
+    qp, kp, vp = padded(q, padding, 1), padded(k, padding, 2), padded(v, padding, 3)
+    total = 64 + padding
+    seen = np.tril(np.ones((total, total), bool)) & (np.arange(total) >= padding)[None, :]
+    mask = mx.array(seen).reshape(1, 1, total, total)
+    got = blocked.sdpa(qp, kp, vp, 0.125, mask, False, False)
+    assert mx.array_equal(got[:, :, padding:], plain)
+    assert not mx.any(got[:, :, :padding]).item()
+    want = mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=0.125, mask=mask)
+    top = mx.abs(want[:, :, padding:]).max().item()
+    assert mx.abs(got[:, :, padding:] - want[:, :, padding:]).max().item() <= TOLERANCE * top
+
+
+def test_a_boolean_mask_of_any_shape_matches_mlx_sdpa(blocked):
+    q, k, v = qkv(2, 8, 2, 40, 100, 64, 12)
+    mask = mx.random.uniform(shape=(2, 8, 40, 100), key=mx.random.key(3)) > 0.3
+    got = blocked.sdpa(q, k, v, 0.125, mask, True, False)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    want = want.transpose(0, 2, 1, 3).reshape(2, 40, -1)
+    assert mx.abs(got - want).max().item() <= TOLERANCE * mx.abs(want).max().item()

@@ -47,7 +47,9 @@ struct Tile {
   alignas(64) float o[MR][MAX_D];
   alignas(64) float s[MR][KB];
   float m[MR], l[MR], alpha[MR];
-  int limit[MR];
+  int first[MR], limit[MR];  // the keys a row sees: first .. limit - 1 (and its mask's)
+  const bool* mask[MR];  // the row's mask at key 0 (null: none)
+  int64_t mask_step;
 };
 
 // s (MR x KB) = q . keys[kb .. kb + KB) from the transposed keys (kt: D rows of `stride`).
@@ -72,18 +74,29 @@ void block_scores(Tile& t, const float* kt, int64_t stride) {
   }
 }
 
-// Row i's online-softmax step over the block at kb: s becomes the weights (0 past the
-// row's limit), alpha the factor its output so far is rescaled by.
+// Row i's online-softmax step over the block at kb: s becomes the weights (0 for keys the
+// row does not see), alpha the factor its output so far is rescaled by.
 void softmax_step(Tile& t, int i, int kb) {
   float* s = t.s[i];
-  const int visible = t.limit[i] - kb;
-  if (visible <= 0) {  // nothing of this block: the row stays exactly as it is
+  const int from = std::max(0, t.first[i] - kb), to = std::min(KB, t.limit[i] - kb);
+  if (to <= from) {  // nothing of this block: the row stays exactly as it is
     std::fill(s, s + KB, 0.0f);
     t.alpha[i] = 1.0f;
     return;
   }
-  for (int j = visible; j < KB; ++j) s[j] = -INFINITY;
+  for (int j = 0; j < from; ++j) s[j] = -INFINITY;
+  for (int j = to; j < KB; ++j) s[j] = -INFINITY;
+  if (const bool* m = t.mask[i]) {
+    for (int j = from; j < to; ++j) {
+      if (!m[(kb + j) * t.mask_step]) s[j] = -INFINITY;
+    }
+  }
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_load_ps(s), _mm512_load_ps(s + 16)));
+  if (top == -INFINITY) {  // every key of the block masked
+    std::fill(s, s + KB, 0.0f);
+    t.alpha[i] = 1.0f;
+    return;
+  }
   const float m = std::max(t.m[i], top);
   for (int j = 0; j < KB; ++j) s[j] = fast_exp(s[j] - m);  // vectorised
   const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_load_ps(s), _mm512_load_ps(s + 16)));
@@ -144,20 +157,21 @@ struct Task {
   int limit(int l) const { return a.causal ? std::min(a.S, a.S - a.L + l + 1) : a.S; }
 
   // Key blocks outer, the task's tiles inner: a block's keys and values are read from
-  // memory once per task and serve all its rows from cache.
+  // memory once per task and serve all its rows from cache. Blocks start at the first
+  // key any of the task's rows sees.
   template <int V>
   void run() const {
     const int rows = (last - first) * group(), tiles = (rows + MR - 1) / MR;
     thread_local std::vector<Tile> state;
     if (static_cast<int>(state.size()) < tiles) state.resize(tiles);
     std::vector<int> tops(tiles);
-    int top = 0;
+    int top = 0, base = a.S;
     for (int i = 0; i < tiles; ++i) {
-      tops[i] = start(state[i], i * MR, std::min(MR, rows - i * MR));
+      tops[i] = start(state[i], i * MR, std::min(MR, rows - i * MR), base);
       top = std::max(top, tops[i]);
     }
     const float* values = a.v + b * a.v_b + kh * a.v_h;
-    for (int kb = 0; kb < top; kb += KB) {
+    for (int kb = base; kb < top; kb += KB) {
       for (int i = 0; i < tiles; ++i) {
         if (kb >= tops[i]) continue;
         Tile& t = state[i];
@@ -170,24 +184,38 @@ struct Task {
   }
 
   // Row r of the task: position first + r / group, head kh * group + r % group. Loads a
-  // tile's rows; returns how many keys the furthest of them sees.
-  int start(Tile& t, int r0, int count) const {
+  // tile's rows and the keys each sees (base: the least first key so far); returns one
+  // past the last key any of them sees.
+  int start(Tile& t, int r0, int count, int& base) const {
     const int g = group();
     int top = 0;
+    t.mask_step = a.m_s;
     for (int i = 0; i < MR; ++i) {
       t.m[i] = -INFINITY;
       t.l[i] = 0.0f;
+      t.mask[i] = nullptr;
       std::fill(t.o[i], t.o[i] + MAX_D, 0.0f);
+      t.first[i] = t.limit[i] = 0;
       if (i >= count) {  // padding: sees nothing
         std::fill(t.q[i], t.q[i] + MAX_D, 0.0f);
-        t.limit[i] = 0;
         continue;
       }
       const int r = r0 + i, l = first + r / g, h = kh * g + r % g;
       const float* q = a.q + b * a.q_b + h * a.q_h + l * a.q_l;
       for (int d = 0; d < a.D; ++d) t.q[i][d] = q[d] * a.scale;
-      t.limit[i] = limit(l);
-      top = std::max(top, t.limit[i]);
+      int lo = 0, hi = limit(l);
+      if (a.mask != nullptr) {
+        const bool* m = a.mask + b * a.m_b + h * a.m_h + l * a.m_l;
+        while (lo < hi && !m[lo * a.m_s]) ++lo;
+        while (hi > lo && !m[(hi - 1) * a.m_s]) --hi;
+        t.mask[i] = m;
+      }
+      t.first[i] = lo;
+      t.limit[i] = hi;
+      if (hi > lo) {
+        base = std::min(base, lo);
+        top = std::max(top, hi);
+      }
     }
     return top;
   }
@@ -197,7 +225,7 @@ struct Task {
     for (int i = 0; i < count; ++i) {
       const int r = r0 + i, l = first + r / g, h = kh * g + r % g;
       float* out = a.out + b * a.out_b + h * a.out_h + l * a.out_l;
-      const float inv = 1.0f / t.l[i];
+      const float inv = t.l[i] > 0.0f ? 1.0f / t.l[i] : 0.0f;  // nothing seen: zeros, as sdpa
       for (int d = 0; d < a.D; ++d) out[d] = t.o[i][d] * inv;
     }
   }
@@ -232,7 +260,7 @@ bool prefill_attention(const PrefillAttention& a) {
   }
   const int per = positions_per_task(a.Hq / a.Hk);
   const int runs = (a.L + per - 1) / per, pairs = a.B * a.Hk;
-  const int64_t stride = (a.S + KB - 1) / KB * KB;
+  const int64_t stride = (a.S + KB - 1) / KB * KB + KB;  // blocks may start anywhere
   const size_t head = static_cast<size_t>(a.D) * stride;
   thread_local std::vector<float> buffer;  // the calling thread's: workers get its address
   buffer.resize(head * pairs);

@@ -1,6 +1,6 @@
 // Blocked attention for prompt chunks (prefill_attention.cpp): many query rows against
 // one key / value head at a time, flash-style (online softmax over blocks of 32 keys),
-// causal or unmasked, grouped-query heads sharing their keys.
+// causal, unmasked or with a boolean mask, grouped-query heads sharing their keys.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,11 @@ struct PrefillAttention {
   int B, Hq, Hk, L, S, D;
   float scale;
   bool causal;  // query row l sees keys up to position S - L + l
+  // A boolean mask (false hides a key; null: none): (b, h, l, s) at
+  // mask + b * m_b + h * m_h + l * m_l + s * m_s. Key blocks start at the first key a
+  // task's rows see, so left padding leaves a row's numbers as they are without it.
+  const bool* mask = nullptr;
+  int64_t m_b = 0, m_h = 0, m_l = 0, m_s = 0;
 };
 
 // Fewer query positions than this take attend_query's path (decode steps, speculative
