@@ -143,15 +143,16 @@ class PipeserveWorker:
         self.gguf = gguf
 
     def info(self) -> dict[str, Any]:
-        from pipeserve.engine.cpu_kernels import ENV_PREFILL_GEMM, kernels, prefill_gemm_on
+        from pipeserve.engine.cpu_kernels import ENV_PREFILL_GEMM, kernels, prefill_gemm_mode
 
         ext = kernels()
         if ext is None:
             return {"system": "CPU kernels off (float32 path)"}
+        mode = prefill_gemm_mode()
         gemm = (
-            "int8 VNNI prefill GEMM"
-            if ext.prefill_gemm_built() and prefill_gemm_on()
-            else f"float prefill path ({ENV_PREFILL_GEMM}=on for the int8 GEMM)"
+            f"VNNI prefill GEMM, {mode} x ({ENV_PREFILL_GEMM})"
+            if ext.prefill_gemm_built() and mode != "off"
+            else f"float prefill path ({ENV_PREFILL_GEMM}={mode})"
         )
         return {"system": f"CPU kernels {ext.simd()}, {gemm}, {ext.threads()} threads"}
 

@@ -188,18 +188,19 @@ LONG_PROMPT = (
 
 
 def test_long_prompt_greedy_tokens_match_numpy_reference(smollm2: tuple[Path, Path]) -> None:
-    """Prefill through the prompt GEMM (int8 activations, as llama.cpp's): the 20 greedy
-    tokens are still the float32 numpy reference's own choices (the GEMM is opt-in:
-    switched on here)."""
-    from pipeserve.engine.cpu_kernels import kernels, prefill_gemm_on
+    """Prefill through the prompt GEMM (x rounded to int16 per run of 32, the default): the
+    20 greedy tokens are still the float32 numpy reference's own choices. (The batched
+    prefill of test_greedy_tokens_match_numpy_reference, 74-148 rows, takes it too.)"""
+    from pipeserve.engine.cpu_kernels import apply_prefill_mode, kernels
 
     ext = kernels()
     if ext is None or not ext.prefill_gemm_built():
-        pytest.skip("the int8 prompt GEMM needs the CPU kernels on an AVX512-VNNI CPU")
+        pytest.skip("the prompt GEMM needs the CPU kernels on an AVX512-VNNI CPU")
     gguf, _folder = smollm2
     entry = ModelEntry(name="smollm2", source=str(gguf), pipeline="chatml",
                        options=EngineOptions(dtype="auto"))  # fmt: skip
     ext.set_prefill_gemm(True)
+    ext.set_prefill_int8(False)
     runtime = build_runtime(entry)
     try:
         prompt = runtime.tokenizer.apply_chat_template(
@@ -208,7 +209,7 @@ def test_long_prompt_greedy_tokens_match_numpy_reference(smollm2: tuple[Path, Pa
         ids = collect(runtime.engine.submit(job(prompt, GREEDY_TOKENS))).ids
     finally:
         runtime.engine.close()
-        ext.set_prefill_gemm(prefill_gemm_on())
+        apply_prefill_mode(ext)
     assert len(prompt) > 200
     agree, logits = NumpyLlama(gguf).greedy_agrees(list(prompt), ids)
     assert agree == GREEDY_TOKENS, (runtime.tokenizer.decode(ids), agree)

@@ -27,11 +27,18 @@ log = logging.getLogger("pipeserve.engine")
 
 ENV_SWITCH = "PIPESERVE_CPU_KERNELS"  # "off" forces the float32 path
 ENV_THREADS = "PIPESERVE_CPU_THREADS"  # threads the kernels split rows over
-# "on": prompt chunks through the int8 GEMM (prefill_gemm.cpp). Off by default: its int8
-# activations moved SmolLM2's first greedy token on a batched prefill (0.088 of the top
-# logit over 30 layers; each product within 0.6 %), where a single row of the same prompt
-# kept it; opt in where prompt speed matters more (docs/cpu-kernels.md).
+# Prompt chunks through the integer GEMM (prefill_gemm.cpp), x rounded to int16 per run of
+# 32 (on by default); "int8": x rounded to int8 as llama.cpp's Q8_0 (faster, but it moved
+# SmolLM2's first greedy token on a batched prefill); "off": the float path
+# (docs/cpu-kernels.md).
 ENV_PREFILL_GEMM = "PIPESERVE_PREFILL_GEMM"
+PREFILL_MODES = ("int16", "int8", "off")
+# "off": prompt chunks' attention per query row (attention.cpp) instead of the blocked
+# kernel (prefill_attention.cpp).
+ENV_PREFILL_ATTENTION = "PIPESERVE_PREFILL_ATTENTION"
+# "off": the int16 prompt GEMM on AVX512-VNNI even where AMX tiles are available (the same
+# numbers to the bit; AMX is faster).
+ENV_PREFILL_AMX = "PIPESERVE_PREFILL_AMX"
 BITS = (4, 5, 8)
 SELF_TEST_TOLERANCE = 1e-4  # relative to the output's scale; float32 sums differ ~1e-6
 # Prompt chunks (prefill_gemm.cpp) round x to int8 per group, as llama.cpp does: ~5e-3 of
@@ -44,7 +51,7 @@ _loaded: dict[str, ModuleType | None] = {}
 
 
 def forced_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+    return _off(os.environ.get(ENV_SWITCH, ""))
 
 
 def kernels() -> ModuleType | None:
@@ -69,7 +76,7 @@ def _load() -> ModuleType | None:
         ext = import_module(built_module(pipeserve_home()))
         ext.set_threads(thread_count())
         self_test(ext)
-        ext.set_prefill_gemm(prefill_gemm_on())
+        apply_prefill_mode(ext)
     except (BuildError, OSError, ImportError, AssertionError, ValueError) as exc:
         log.warning("CPU kernels unavailable (%s): quantized weights run as float32", exc)
         return None
@@ -77,8 +84,29 @@ def _load() -> ModuleType | None:
     return ext
 
 
+def prefill_gemm_mode() -> str:
+    """PIPESERVE_PREFILL_GEMM as one of PREFILL_MODES: unset or on means int16."""
+    value = os.environ.get(ENV_PREFILL_GEMM, "").strip().lower()
+    if _off(value):
+        return "off"
+    return "int8" if value == "int8" else "int16"
+
+
 def prefill_gemm_on() -> bool:
-    return os.environ.get(ENV_PREFILL_GEMM, "").strip().lower() in ("1", "on", "true", "yes")
+    return prefill_gemm_mode() != "off"
+
+
+def apply_prefill_mode(ext: Any) -> None:
+    """The environment's prompt-GEMM mode set on the extension (tests restore it so)."""
+    mode = prefill_gemm_mode()
+    ext.set_prefill_gemm(mode != "off")
+    ext.set_prefill_int8(mode == "int8")
+    ext.set_prefill_attention(not _off(os.environ.get(ENV_PREFILL_ATTENTION, "")))
+    ext.set_prefill_amx(not _off(os.environ.get(ENV_PREFILL_AMX, "")))
+
+
+def _off(value: str) -> bool:
+    return value.strip().lower() in ("0", "off", "false", "no")
 
 
 def thread_count() -> int:

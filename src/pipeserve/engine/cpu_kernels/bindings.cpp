@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "kernels.h"
+#include "prefill_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -116,4 +117,13 @@ NB_MODULE(_pipeserve_cpu, m) {
   m.def("set_prefill_gemm", &pipeserve::set_prefill_gemm, "on"_a,
         "Switches the int8 prompt-chunk GEMM on or off (off: the float path).");
   m.def("prefill_gemm_enabled", &pipeserve::prefill_gemm_enabled);
+  m.def("set_prefill_int8", &pipeserve::set_prefill_int8, "on"_a,
+        "Rounds prompt-chunk x to int8 per run of 32 instead of int16 (faster, coarser).");
+  m.def("prefill_int8", &pipeserve::prefill_int8);
+  m.def("set_prefill_amx", &pipeserve::set_prefill_amx, "on"_a,
+        "Lets the int16 prompt GEMM use AMX tiles where the CPU allows (else AVX512-VNNI).");
+  m.def("prefill_amx", &pipeserve::prefill_amx, "Whether the prompt GEMM uses AMX tiles.");
+  m.def("set_prefill_attention", &pipeserve::set_prefill_attention, "on"_a,
+        "Switches the blocked attention for prompt chunks (prefill_attention.cpp) on or off.");
+  m.def("prefill_attention_enabled", &pipeserve::prefill_attention_enabled);
 }

@@ -35,6 +35,8 @@ SOURCE_FILES = (
     "attention_quantized.cpp",
     "affine_qmm.cpp",
     "prefill_gemm.cpp",
+    "prefill_attention.h",
+    "prefill_attention.cpp",
     "fused.cpp",
     "fused_step.cpp",
     "fused_layer.cpp",

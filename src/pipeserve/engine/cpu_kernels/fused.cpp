@@ -15,6 +15,7 @@
 #include "mlx/primitives.h"
 
 #include "attention.h"
+#include "prefill_attention.h"
 #include "kernels.h"
 #include "strided.h"
 
@@ -196,8 +197,24 @@ struct SdpaJob {
     attend_query(kv, qr, seen, scale, mask, o);
   }
 
+  // A prompt chunk (no mask or a boolean one): the blocked kernel (prefill_attention.cpp).
+  bool blocked() const {
+    const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
+    if (kind == 2 || qs[3] != 1 || ks[3] != 1 || vs[3] != 1) return false;
+    const int64_t ob = merged ? int64_t{L} * Hq * D : int64_t{Hq} * L * D;
+    PrefillAttention a{qp, kp, vp, op, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0],
+                       vs[1], vs[2], ob, merged ? D : int64_t{L} * D,
+                       merged ? int64_t{Hq} * D : D, B, Hq, Hk, L, S, D, scale, causal};
+    if (kind == 1) {
+      a.mask = static_cast<const bool*>(mp);
+      a.m_b = ms[0], a.m_h = ms[1], a.m_l = ms[2], a.m_s = ms[3];
+    }
+    return prefill_attention(a);
+  }
+
   void run() const {
     const int B = shape[0], Hq = shape[1], L = shape[2], D = shape[3];
+    if (blocked()) return;
     const int group = Hq / Hk;
     const int64_t work = static_cast<int64_t>(B) * Hq * L * S * D;
     for_each_query_run(B, Hk, L * group, work, [&](int b, int kh, int first, int last) {

@@ -47,6 +47,12 @@ bool prefill_qmm(const QmmRows& args);
 bool prefill_gemm_built();
 void set_prefill_gemm(bool on);
 bool prefill_gemm_enabled();
+// x rounded to int8 per run (llama.cpp's Q8_0) instead of the default int16.
+void set_prefill_int8(bool on);
+bool prefill_int8();
+// AMX tiles for the int16 x where this CPU and kernel allow them (else AVX512-VNNI).
+void set_prefill_amx(bool on);
+bool prefill_amx();
 
 // mx.fast.rms_norm as one CPU op, float32 (fused.cpp).
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
