@@ -53,19 +53,6 @@ float sum_of(const float* v, int n) {
   return total;
 }
 
-void apply_mask(const QueryMask& mask, int seen, float* scores) {
-  if (mask.base == nullptr) return;
-  if (mask.is_bool) {
-    const bool* m = static_cast<const bool*>(mask.base);
-    for (int p = 0; p < seen; ++p) {
-      if (!m[p * mask.step]) scores[p] = -INFINITY;
-    }
-  } else {
-    const float* m = static_cast<const float*>(mask.base);
-    for (int p = 0; p < seen; ++p) scores[p] += m[p * mask.step];
-  }
-}
-
 // Plain loops: any head size, any build.
 void scores_plain(const HeadKeysValues& h, const float* q, int seen, float scale, float* out) {
   for (int p = 0; p < seen; ++p) out[p] = dot(q, 1, h.keys + p * h.key_step, 1, h.dim) * scale;
@@ -167,6 +154,19 @@ std::pair<ScoresFn, ValuesFn> kernels_for(int dim) {
 }
 
 }  // namespace
+
+void apply_mask(const QueryMask& mask, int seen, float* scores) {
+  if (mask.base == nullptr) return;
+  if (mask.is_bool) {
+    const bool* m = static_cast<const bool*>(mask.base);
+    for (int p = 0; p < seen; ++p) {
+      if (!m[p * mask.step]) scores[p] = -INFINITY;
+    }
+  } else {
+    const float* m = static_cast<const float*>(mask.base);
+    for (int p = 0; p < seen; ++p) scores[p] += m[p * mask.step];
+  }
+}
 
 void attend_query(const HeadKeysValues& head, const float* q, int seen, float scale,
                   const QueryMask& mask, float* out) {

@@ -30,6 +30,10 @@ struct QueryMask {
   bool is_bool = false;
 };
 
+// scores[p] for p < seen with the mask applied (boolean: -inf where hidden; additive:
+// added); shared by the float and the quantized attention.
+void apply_mask(const QueryMask& mask, int seen, float* scores);
+
 // out (dim) = softmax(scale * q . key[p] + mask[p] over p < seen) . value[p]; zeros where
 // every position is masked (like MLX's sdpa).
 void attend_query(const HeadKeysValues& head, const float* q, int seen, float scale,

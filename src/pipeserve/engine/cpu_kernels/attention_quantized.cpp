@@ -185,19 +185,6 @@ std::pair<ScoresFn, ValuesFn> kernels_for(int bits, int group_size) {
   return bits == 8 ? kernels_of_bits<8>(group_size) : kernels_of_bits<4>(group_size);
 }
 
-void apply_mask(const QueryMask& mask, int seen, float* scores) {
-  if (mask.base == nullptr) return;
-  if (mask.is_bool) {
-    const bool* m = static_cast<const bool*>(mask.base);
-    for (int p = 0; p < seen; ++p) {
-      if (!m[p * mask.step]) scores[p] = -INFINITY;
-    }
-  } else {
-    const float* m = static_cast<const float*>(mask.base);
-    for (int p = 0; p < seen; ++p) scores[p] += m[p * mask.step];
-  }
-}
-
 // The sum of v[0..n) in 16 running sums, v[i] into sum i % 16 (as attention.cpp).
 float sum_of(const float* v, int n) {
   float part[16] = {};

@@ -95,14 +95,6 @@ inline void tile(const float* a, int64_t lda, const Linear& w, int p, float* c, 
   }
 }
 
-template <int R>
-void tail_tile(const float* a, int64_t lda, const Linear& w, int p, float* c, int64_t ldc,
-               int rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile<R>(a, lda, w, p, c, ldc);
-    tail_tile<R - 1>(a, lda, w, p, c, ldc, rows);
-  }
-}
 #else
 constexpr int MR = 4;
 
@@ -120,6 +112,9 @@ void tile(const float* a, int64_t lda, const Linear& w, int p, float* c, int64_t
   }
 }
 
+#endif
+
+// A tile of fewer than MR rows (the last rows of a matrix).
 template <int R>
 void tail_tile(const float* a, int64_t lda, const Linear& w, int p, float* c, int64_t ldc,
                int rows) {
@@ -128,7 +123,6 @@ void tail_tile(const float* a, int64_t lda, const Linear& w, int p, float* c, in
     tail_tile<R - 1>(a, lda, w, p, c, ldc, rows);
   }
 }
-#endif
 
 // erf(x) on [-4, 4] as x * P(x^2) / Q(x^2) (Eigen's float erf), clamped outside.
 inline float gelu(float v) {

@@ -122,12 +122,11 @@ def encoder_weights(tensors: list[Any]) -> Iterator[tuple[str, Any]]:
 
 def convert_encoder(meta: dict[str, Any], arch: str, tensors: list[Any], out: Path) -> None:
     """Write the BERT folder of an encoder GGUF (its metadata, architecture name and
-    gguf-py tensors) into the existing folder `out`."""
+    gguf-py tensors) into the existing folder `out`; its tensor names were checked with
+    the file (inspect.check_convertible)."""
     from pipeserve.engine.weights.gguf.shards import write_shards
     from pipeserve.engine.weights.gguf.wordpiece import build_wordpiece, wordpiece_config
 
-    for tensor in tensors:
-        bert_name(tensor.name)  # every name known before a weight is written
     types = next((t for t in tensors if t.name == "token_types.weight"), None)
     type_count = int(types.shape[1]) if types is not None and len(types.shape) > 1 else 1
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -136,13 +135,12 @@ def convert_encoder(meta: dict[str, Any], arch: str, tensors: list[Any], out: Pa
     build_wordpiece(meta).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", wordpiece_config(meta))
     _write_json(out / "config.json", config)
-    _write_pooling(out, meta, config["hidden_size"])
+    _write_pooling(out, meta, arch, config["hidden_size"])
 
 
-def _write_pooling(out: Path, meta: dict[str, Any], width: int) -> None:
+def _write_pooling(out: Path, meta: dict[str, Any], arch: str, width: int) -> None:
     """sentence-transformers' modules.json and 1_Pooling/config.json from the file's
     pooling type (mean when it names none, as llama.cpp's bert graph does)."""
-    arch = str(meta.get("general.architecture"))
     key = _POOLING.get(int(meta.get(f"{arch}.pooling_type", 1)))
     if key is None:
         raise GgufError(f"{arch}.pooling_type {meta.get(f'{arch}.pooling_type')} is not supported")
