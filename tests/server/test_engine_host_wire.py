@@ -194,8 +194,8 @@ def test_a_process_without_the_secret_gets_no_proof_and_no_service(
     assert set(challenge) == {"v", "nonce", "proof"}  # the proof is an HMAC, not the secret
     assert SECRET not in json.dumps(challenge)
     conn.send_json({"proof": "cd" * 32})
-    conn.send_bytes(encode_request(("submit", 1, key, job(1), None)))
-    with pytest.raises(ChannelClosed):
+    with pytest.raises(ChannelClosed):  # the host may close before the submit is even sent
+        conn.send_bytes(encode_request(("submit", 1, key, job(1), None)))
         conn.recv_bytes(timeout=30)
     conn.close()
     still_serves(path, key)
