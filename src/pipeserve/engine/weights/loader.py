@@ -86,11 +86,16 @@ def forget_preloaded_tokenizers() -> None:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """mlx-lm's TokenizerWrapper (HF tokenizer + streaming detokenizer)."""
+    """mlx-lm's TokenizerWrapper (HF tokenizer + streaming detokenizer), without the
+    Python tables transformers built it from (engine/weights/tokenizer_tables.py)."""
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
+    from pipeserve.engine.weights.tokenizer_tables import release_construction_tables
+
     config = read_config(model_dir)
-    return mlx_load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = mlx_load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    release_construction_tables(tokenizer)
+    return tokenizer
 
 
 def load_model(
