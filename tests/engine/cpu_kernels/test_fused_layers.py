@@ -11,13 +11,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from pipeserve.engine.cpu_kernels.fused_layers import (
     FusedAttention,
     FusedBlock,
     FusedMLP,
+    SideBySide,
     use_fused_layers,
 )
 from pipeserve.engine.cpu_kernels.layers import KernelLinear, use_fused_ops, use_kernels
@@ -140,20 +141,25 @@ def tiny_qwen3() -> nn.Module:
     return qwen3.Model(args)
 
 
+def quantize_4bit(model: nn.Module) -> None:
+    nn.quantize(model, group_size=32, bits=4)
+
+
 def twins(build: Any, ext: Any, quantize: bool, one_op_steps: bool = True,
-          per_op_steps: bool = False) -> tuple[nn.Module, nn.Module]:  # fmt: skip
+          per_op_steps: bool = False, quantizer: Any = quantize_4bit,
+          ) -> tuple[nn.Module, nn.Module]:  # fmt: skip
     """Two copies of one random model: the kernel / one-op layout (fused too, decode steps
     per op, if `per_op_steps`), and that plus fusion."""
     mx.random.seed(11)
     reference = build()
     if quantize:
-        nn.quantize(reference, group_size=32, bits=4)
+        quantizer(reference)
     weights = reference.parameters()
     models = []
     for _ in range(2):
         model = build()
         if quantize:
-            nn.quantize(model, group_size=32, bits=4)
+            quantizer(model)
         model.update(weights)
         if quantize:
             use_kernels(model, ext)
@@ -358,3 +364,60 @@ def test_verify_steps_on_a_padded_batch_then_trimmed(ext):
     assert results[1][1:] == results[0][1:] == ([7, 10], 10)
     for got, want in zip(results[1][0], results[0][0], strict=True):
         assert close(got, want)
+
+
+def tiny_qwen2() -> nn.Module:
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-6, vocab_size=96, rope_theta=1e6,
+                           tie_word_embeddings=False)  # fmt: skip
+    return qwen2.Model(args)
+
+
+# A Q4_K_M file's kinds: q / k / o / gate / up Q5_0 (5 bits, symmetric), v Q8_0 (8 bits,
+# symmetric), down Q6_K (re-quantized: 8 bits with biases), the output Q8_0.
+Q4_K_M_BITS = {"v_proj": 8, "down_proj": 8, "lm_head": 8, "embed_tokens": 8}
+ASYMMETRIC = ("down_proj",)
+
+
+def quantize_like_q4_k_m(model: nn.Module) -> None:
+    """Each layer at its Q4_K_M width, the symmetric kinds' biases -2^(bits - 1) x their
+    scales (as the GGUF converter writes Q5_0 / Q8_0 blocks)."""
+
+    def params(path: str, module: nn.Module) -> dict[str, int] | bool:
+        if not hasattr(module, "to_quantized"):
+            return False
+        return {"group_size": 32, "bits": Q4_K_M_BITS.get(path.split(".")[-1], 5)}
+
+    nn.quantize(model, class_predicate=params)
+    for path, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear) and path.split(".")[-1] not in ASYMMETRIC:
+            scales = module.scales.astype(mx.float16)
+            module.scales, module.biases = scales, scales * -(2 ** (module.bits - 1))
+
+
+def test_mixed_kinds_take_the_one_op_step(ext):
+    """Q4_K_M's mixed projections (q / k 5-bit, v 8-bit: not stackable) run as a stage of
+    several parts, in the per-op path and in the layer op alike; the symmetric ones hold no
+    biases (the kernel computes them from the scales). Against mlx-lm's own forward with
+    MLX's quantized layers and against the per-op path."""
+    mx.random.seed(11)  # the weights twins draws
+    reference = tiny_qwen2()
+    quantize_like_q4_k_m(reference)
+    per_op, one_op = twins(tiny_qwen2, ext, True, per_op_steps=True,
+                           quantizer=quantize_like_q4_k_m)  # fmt: skip
+    for model in (per_op, one_op):
+        attention = model.layers[0].self_attn
+        assert type(attention) is FusedAttention and type(attention.qkv_proj) is SideBySide
+        q, k, v = attention.qkv_proj.parts
+        assert (q.bits, v.bits) == (5, 8) and q.biases.size == v.biases.size == 0
+        assert model.layers[0].mlp.down_proj.biases.size > 0  # not symmetric: kept
+        assert model.lm_head.biases.size == 0
+    counters = counted(one_op)
+    prompt = mx.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 70, 12]])
+    want = decode(reference, make_prompt_cache(reference), prompt, 6)
+    per_op_logits = decode(per_op, make_prompt_cache(per_op), prompt, 6)
+    got = decode(one_op, make_prompt_cache(one_op), prompt, 6)
+    assert [c.calls for c in counters] == [6, 6]
+    assert close(got, per_op_logits)
+    assert close(got, want)

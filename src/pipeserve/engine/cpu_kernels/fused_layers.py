@@ -82,10 +82,39 @@ def fusable(layers: list[nn.Module]) -> bool:
     if not all(type(layer) is KernelLinear for layer in layers):
         return False
     return all(
-        (layer.bits, layer.group_size, layer.scales.dtype)
-        == (first.bits, first.group_size, first.scales.dtype)
+        (layer.bits, layer.group_size, layer.scales.dtype, layer.biases.size == 0)
+        == (first.bits, first.group_size, first.scales.dtype, first.biases.size == 0)
         for layer in layers
     )
+
+
+def side_by_side(layers: list[nn.Module]) -> bool:
+    """Kernel projections of several kinds (a Q4_K_M file's q / k Q5_0 and v Q8_0):
+    not stackable, but `ext.DecoderLayer` takes them as one stage of several parts."""
+    return all(type(layer) is KernelLinear for layer in layers)
+
+
+class SideBySide(nn.Module):
+    """Projections of one input whose outputs lie side by side (their own arrays, nothing
+    copied): what `stacked` computes where the rows cannot be stacked."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([part(x) for part in self.parts], axis=-1)
+
+
+def joined(layers: list[nn.Module]) -> nn.Module:
+    """`stacked` where the rows stack, else `SideBySide` (call `fusable` or
+    `side_by_side` first)."""
+    return stacked(layers) if fusable(layers) else SideBySide(layers)
+
+
+def stage_parts(projection: nn.Module) -> list[nn.Module]:
+    """A stage's projections as `ext.DecoderLayer` takes them."""
+    return list(projection.parts) if type(projection) is SideBySide else [projection]
 
 
 def stacked(layers: list[nn.Module]) -> nn.Module:
@@ -100,7 +129,7 @@ def stacked(layers: list[nn.Module]) -> nn.Module:
         return linear
     first: Any = layers[0]
     scales = mx.concatenate([layer.scales for layer in layers])
-    biases = mx.concatenate([layer.biases for layer in layers])
+    biases = mx.concatenate([layer.biases for layer in layers])  # symmetric: all empty
     return KernelLinear.of_arrays(weight, scales, biases, bias, first.group_size, first.bits,
                                   first._ext)  # fmt: skip
 
@@ -112,7 +141,7 @@ def _float32_norm(norm: Any) -> bool:
 class FusedAttention(nn.Module):
     def __init__(self, attention: Any, ext: Any) -> None:
         super().__init__()
-        self.qkv_proj = stacked([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.qkv_proj = joined([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
         self.n_heads, self.n_kv_heads = attention.n_heads, attention.n_kv_heads
         self.scale, self.rope = attention.scale, attention.rope
@@ -123,12 +152,13 @@ class FusedAttention(nn.Module):
     @staticmethod
     def applies(attention: Any) -> bool:
         norms = [attention[n] for n in ("q_norm", "k_norm") if n in attention]
+        projections = [attention.q_proj, attention.k_proj, attention.v_proj]
         return (
             type(attention) in ATTENTIONS
             and type(attention.rope) is KernelRoPE
             and attention.rope.base is not None
             and all(_float32_norm(norm) for norm in norms)
-            and fusable([attention.q_proj, attention.k_proj, attention.v_proj])
+            and (fusable(projections) or side_by_side(projections))
         )
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -157,13 +187,14 @@ class FusedAttention(nn.Module):
 class FusedMLP(nn.Module):
     def __init__(self, mlp: Any, ext: Any) -> None:
         super().__init__()
-        self.gate_up_proj = stacked([mlp.gate_proj, mlp.up_proj])
+        self.gate_up_proj = joined([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self._ext = ext
 
     @staticmethod
     def applies(mlp: Any) -> bool:
-        return type(mlp) in MLPS and fusable([mlp.gate_proj, mlp.up_proj])
+        projections = [mlp.gate_proj, mlp.up_proj]
+        return type(mlp) in MLPS and (fusable(projections) or side_by_side(projections))
 
     def __call__(self, x: mx.array) -> mx.array:
         out: mx.array = self.down_proj(self._ext.swiglu(self.gate_up_proj(x)))
@@ -235,17 +266,21 @@ def decoder_layer(block: FusedBlock, ext: Any) -> Any:
     attention, mlp = block.self_attn, block.mlp
     if type(attention) is not FusedAttention or type(mlp) is not FusedMLP:
         return None
-    projections = [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    stages = [stage_parts(p) for p in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+                                        mlp.down_proj)]  # fmt: skip
     norms = (block.input_layernorm, block.post_attention_layernorm)
-    if not all(type(p) is KernelLinear for p in projections) or norms[0].eps != norms[1].eps:
+    if not all(type(p) is KernelLinear for parts in stages for p in parts):
+        return None
+    if norms[0].eps != norms[1].eps:
         return None
     q_norm, k_norm = (attention.q_norm, attention.k_norm) if "q_norm" in attention else (None, None)
     rope, heads = attention.rope, attention.n_heads + 2 * attention.n_kv_heads
+    qkv_rows = sum(p.weight.shape[0] for p in stages[0])
     try:
         return ext.DecoderLayer(
-            [[projection_args(p)] for p in projections],
+            [[projection_args(p) for p in parts] for parts in stages],
             norms[0].weight, norms[1].weight, q_norm and q_norm.weight, k_norm and k_norm.weight,
-            attention.n_heads, attention.n_kv_heads, attention.qkv_proj.weight.shape[0] // heads,
+            attention.n_heads, attention.n_kv_heads, qkv_rows // heads,
             rope.dims, rope.traditional, rope.base, rope.scale, attention.scale, norms[0].eps,
             q_norm.eps if q_norm else 1e-6,
         )  # fmt: skip
