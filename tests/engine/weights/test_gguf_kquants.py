@@ -19,7 +19,7 @@ from pipeserve.engine.runtime import build_runtime
 from pipeserve.engine.weights.gguf import ensure_converted
 from pipeserve.engine.weights.gguf.architectures import ARCHITECTURES
 from pipeserve.engine.weights.gguf.convert import mlx_name
-from pipeserve.engine.weights.gguf.tensors import GROUP_SIZE, REQUANT_BITS
+from pipeserve.engine.weights.gguf.tensors import GROUP_SIZE, REQUANT_BITS, q6_k_symmetric
 from pipeserve.engine.weights.loader import load_model, load_tokenizer
 from tests.engine.helpers import collect, job
 from tests.engine.weights.gguf_fixtures import K_QUANT, write_tiny_gguf
@@ -88,6 +88,43 @@ def test_converted_weights_match_the_gguf_values(tmp_path: Path) -> None:
             bound = bound + step
         assert (error <= bound).all(), (tensor.name, float((error - bound).max()))
     assert seen == set(WIDTHS)
+
+
+def random_q6_k_blocks(count: int, seed: int) -> np.ndarray:
+    """Valid Q6_K blocks: random 6-bit codes, signed 8-bit scales, small positive d."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (count, 210), dtype=np.uint8)
+    blocks[:, 192:208] = rng.integers(-127, 128, (count, 16)).astype(np.int8).view(np.uint8)
+    d = rng.uniform(1e-4, 1e-3, count).astype(np.float16)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(count, 2)
+    return blocks
+
+
+def test_q6_k_is_requantized_to_symmetric_8_bits() -> None:
+    """Per 32 weights the step is a quarter of the larger sub-block's |d x sc|: that
+    sub-block's weights exact but for the step's float16 rounding, the other's within half a
+    step (one where the integer clips at 127), the bias -128 x the step, and a smaller
+    error than MLX's own 8-bit re-quantization (which also keeps a bias per group)."""
+    import mlx.core as mx
+
+    blocks = random_q6_k_blocks(64, 5)
+    q, step, bias = q6_k_symmetric(blocks)
+    values = dequantize(blocks, T.Q6_K).reshape(-1, 32)
+    assert np.array_equal(step.astype(np.float16).astype(np.float32), step)
+    assert np.array_equal(bias, -128 * step) and (step < 0).any()  # the larger's sign
+    error = np.abs((q.astype(np.float32) - 128) * step[:, None] - values)
+    sub = np.abs(blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1, 2)
+    larger = np.repeat(np.where(sub[:, :1] >= sub[:, 1:], [[1, 0]], [[0, 1]]), 16, axis=1) == 1
+    assert (error[larger] <= 2**-11 * np.abs(values[larger]) + 1e-9).all()
+    size = np.abs(step)[:, None].repeat(32, axis=1)
+    clipped = q == 255  # (or a 127 that was not clipped)
+    assert (error[~clipped] <= size[~clipped] * 0.5 + 1e-9).all()
+    assert (error <= size * (1 + 128 * 2**-11) + 1e-9).all()  # 128 clipped to 127
+    w, scales, biases = mx.quantize(mx.array(values.reshape(-1, 256)), group_size=32, bits=8)
+    scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))
+    as_mlx = mx.dequantize(w, scales, biases, group_size=32, bits=8)
+    mlx_error = np.abs(np.array(as_mlx).reshape(-1, 32) - values)
+    assert np.sqrt((error**2).mean()) < np.sqrt((mlx_error**2).mean())
 
 
 GREEDY_TOKENS = 12

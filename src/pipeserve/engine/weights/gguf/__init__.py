@@ -24,7 +24,7 @@ from pipeserve.engine.weights.memory import release_free_memory
 
 log = logging.getLogger("pipeserve.engine")
 
-CONVERTER_VERSION = 3  # bump when the converter's output changes; old folders are ignored
+CONVERTER_VERSION = 4  # bump when the converter's output changes; old folders are ignored
 
 __all__ = ["GgufError", "check_gguf_file", "ensure_converted", "file_sha256", "is_gguf_source"]
 
