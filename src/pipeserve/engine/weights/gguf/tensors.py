@@ -14,8 +14,9 @@ and refuses the K-quants and Q5_0 / Q5_1).
   sub-blocks' steps d x sc (float16, its sign kept), so that sub-block's integers are
   4 (q - 32), exact but for the step's float16 rounding, and the other's values are
   rounded to that grid (half a step; one step where a 128 clips to 127); the bias is
-  -128 x the scale, which the kernels derive (no biases held or read). Added error on Qwen2.5-Coder-0.5B's twelve Q6_K matrices 0.39-0.45%
-  (`mx.quantize` at 8 bits with biases: 0.48-0.51%, and 1/9 more bytes; at 6 bits 1.9%).
+  -128 x the scale, which the kernels derive (no biases held or read). Added error on
+  Qwen2.5-Coder-0.5B's twelve Q6_K matrices 0.39-0.45% (`mx.quantize` at 8 bits with
+  biases: 0.48-0.51%, and 1/9 more bytes; at 6 bits 1.9%).
 
 Memory stays bounded: one tensor at a time, decoded in row chunks.
 """
