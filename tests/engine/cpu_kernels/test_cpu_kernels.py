@@ -1,6 +1,6 @@
 """The native CPU kernels (engine/cpu_kernels): built here with the system compiler,
 checked against a numpy reference that unpacks MLX's affine layout on its own, for
-every supported bit width, both scale types and batch sizes 1-5, 7, 8, 9 and 64; a
+every supported bit width, both scale types and batch sizes 1-9, 12, 16, 17 and 64; a
 row's result the same to the bit at every batch size of the integer path; the switch
 that forces the float32 path; and the thread pool under concurrent streams with
 SIGSTOP/SIGCONT, and across fork()."""
@@ -63,7 +63,7 @@ def test_kernel_matches_numpy_reference(ext, bits, scale_dtype, group_size):
         biases.astype(getattr(mx, scale_dtype)),
     )
     outliers = mx.array(np.where(np.arange(k) % 17 == 0, 60.0, 1.0), dtype=mx.float32)
-    for batch in (1, 2, 3, 4, 5, 7, 8, 9, 64):
+    for batch in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 64):
         x = mx.random.normal((batch, k), key=mx.random.key(batch))
         if batch == 5:
             x = x * outliers  # a few large activation columns, as real models have
@@ -74,21 +74,34 @@ def test_kernel_matches_numpy_reference(ext, bits, scale_dtype, group_size):
 
 
 @pytest.mark.parametrize("bits", cpu_kernels.BITS)
-def test_a_rows_result_is_the_same_to_the_bit_at_every_batch_size(ext, bits):
+@pytest.mark.parametrize(
+    ("group_size", "k", "scale_dtype", "symmetric"),
+    [(32, 352, "float16", False), (64, 320, "float32", False), (32, 352, "float16", True)],
+)
+def test_a_rows_result_is_the_same_to_the_bit_at_every_batch_size(
+    ext, bits, group_size, k, scale_dtype, symmetric
+):
     """Speculative verification runs a row at W + 1 rows of x that a decode step runs
     alone, and greedy output must not change: every row of the integer path is
     quantized and summed on its own, in one order, whatever the number of rows (odd
-    group count and a tail of weight rows included)."""
-    n, k = 43, 352
-    w, scales, biases = mx.quantize(mx.random.normal((n, k), key=mx.random.key(bits)), 32, bits)
-    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    group count and a tail of weight rows included), through every tiling of the
+    few-row paths (1-3 rows, the pair tiles of 4-16, the buffered tiles above), both
+    scale types, a group size other than 32 and symmetric blocks (no biases)."""
+    n = 43
+    key = mx.random.key(bits)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k), key=key), group_size, bits)
+    scales, biases = (a.astype(getattr(mx, scale_dtype)) for a in (scales, biases))
+    if symmetric:
+        biases = mx.zeros((0,), dtype=scales.dtype)
     x = mx.random.normal((INT_PATH_ROWS, k), key=mx.random.key(7))
     x = x * mx.array(np.where(np.arange(k) % 13 == 0, 50.0, 1.0), dtype=mx.float32)
-    alone = np.stack([np.array(ext.affine_qmm(x[m : m + 1], w, scales, biases, 32, bits))[0]
-                      for m in range(INT_PATH_ROWS)])  # fmt: skip
-    for rows in (2, 3, 4, 5, 8, 9, 16, INT_PATH_ROWS):
-        together = np.array(ext.affine_qmm(x[:rows], w, scales, biases, 32, bits))
-        assert np.array_equal(together, alone[:rows]), rows
+
+    def product(rows: mx.array) -> np.ndarray:
+        return np.array(ext.affine_qmm(rows, w, scales, biases, group_size, bits))
+
+    alone = np.stack([product(x[m : m + 1])[0] for m in range(INT_PATH_ROWS)])
+    for rows in (*range(2, 18), 31, INT_PATH_ROWS):
+        assert np.array_equal(product(x[:rows]), alone[:rows]), rows
     assert not np.array_equal(alone[0], alone[1])
 
 

@@ -811,12 +811,12 @@ inline int super_chunks(const Problem& p, int b) {
   return std::min(4, (p.K - SUPER * b) / 32);
 }
 
-template <int BITS, typename S>
+template <int BITS, typename S, int AHEAD = PREFETCH_ROWS>
 __attribute__((always_inline)) inline void unpack_row(
     const Problem& p, int n, int b, __m512i (&words)[4], __m512& scale) {
   const size_t row_bytes = static_cast<size_t>(p.K) * BITS / 8;
   const uint8_t* wp = p.w + n * row_bytes + static_cast<size_t>(b) * SUPER * BITS / 8;
-  const char* ahead = reinterpret_cast<const char*>(wp + PREFETCH_ROWS * row_bytes);
+  const char* ahead = reinterpret_cast<const char*>(wp + AHEAD * row_bytes);
   _mm_prefetch(ahead, _MM_HINT_T0);
   if constexpr (BITS > 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
   const int chunks = super_chunks(p, b);
@@ -849,7 +849,7 @@ __attribute__((always_inline)) inline void mac_super(const IntX& qx, int m0, int
 
 // The bias term into the accumulators, then the outputs.
 template <typename S, int MT, int NT>
-void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][NT]) {
+__attribute__((always_inline)) inline void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][NT]) {
   const S* biases = static_cast<const S*>(p.biases);
   const S* scales = static_cast<const S*>(p.scales);
   for (int g = 0; g < p.G; g += 16) {
@@ -864,7 +864,22 @@ void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][
       }
     }
   }
-  if constexpr (MT >= 2 && NT == 4) {
+  if constexpr (NT == 2 && MT >= 2 && MT <= 8) {
+    // As below for a tile of up to 8 x 2: output (i, j) at lane 2i + j, so each row's
+    // two outputs are adjacent (lane 4k + t sums v[4t + k]: i = 2k + t / 2, j = t % 2).
+    __m512 v[16];
+    PIPESERVE_UNROLL
+    for (int k = 0; k < 16; ++k) v[k] = _mm512_set1_ps(-0.0f);  // x + -0 == x, exactly
+    PIPESERVE_UNROLL
+    for (int i = 0; i < MT; ++i)
+      PIPESERVE_UNROLL
+      for (int j = 0; j < NT; ++j) v[4 * (2 * (i % 2) + j) + i / 2] = acc[i][j];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce_sixteen(v));
+    for (int i = 0; i < MT; ++i) {
+      std::memcpy(p.out + static_cast<size_t>(m0 + i) * p.N + n0, sums + 2 * i, 2 * sizeof(float));
+    }
+  } else if constexpr (MT >= 2 && NT == 4) {
     // All the tile's outputs at once: 45 shuffles and adds for 16 accumulators instead
     // of 8 per accumulator; lane 4i + j is output (i, j).
     __m512 v[16];
@@ -886,11 +901,11 @@ void finish(const Problem& p, const IntX& qx, int m0, int n0, __m512 (&acc)[MT][
   }
 }
 
-template <typename S, int NT>
+template <typename S, int NT, int AHEAD = PREFETCH_ROWS>
 void prefetch_scales(const Problem& p, int n0) {
   const size_t scale_bytes = static_cast<size_t>(p.G) * sizeof(S);
   for (int j = 0; j < NT; ++j) {
-    const size_t ahead = (static_cast<size_t>(n0) + j + PREFETCH_ROWS) * scale_bytes;
+    const size_t ahead = (static_cast<size_t>(n0) + j + AHEAD) * scale_bytes;
     for (size_t at = 0; at < scale_bytes; at += 64) {
       _mm_prefetch(static_cast<const char*>(p.scales) + ahead + at, _MM_HINT_T0);
       if (p.biases) _mm_prefetch(static_cast<const char*>(p.biases) + ahead + at, _MM_HINT_T0);
@@ -956,6 +971,65 @@ V* scratch(size_t count) {
   return static_cast<V*>(memory.get());
 }
 
+// 4 to 16 rows of x (batched decode, speculative verification): a pair of weight rows
+// unpacked into registers per superblock and used at once by a tile of up to 8 rows of
+// x, the tile's 16 accumulators in registers; above 8 rows two tiles of half the rows,
+// each unpacking again (the pair's weights then come from L1). Against the L1 buffer
+// below (4 weight rows unpacked, stored, then read back once per tile of 4 rows of x),
+// no store and reload of the unpacked words, and the weights are read in row order, the
+// next rows prefetched further ahead: at 8 rows the buffer path stalled on the weights'
+// loads (a 4 x 4 tile's compute hides less memory latency than 8 rows' does). Every
+// output's float operations are those of int_direct's in the same order, so the bits
+// are the same as at 1 row (test_a_rows_result_is_the_same_to_the_bit_at_every_batch_size).
+constexpr int PAIR_MIN_M = 4;
+constexpr int PAIR_MAX_M = 16;
+constexpr int PAIR_TILE = 8;  // rows of x in registers at once
+constexpr int PAIR_PREFETCH_ROWS = 16;
+
+template <int BITS, typename S, int MT, int NT>
+void int_pairs(const Problem& p, const IntX& qx, int m0, int n0) {
+  __m512 acc[MT][NT];
+  PIPESERVE_UNROLL
+  for (int i = 0; i < MT; ++i)
+    PIPESERVE_UNROLL
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  prefetch_scales<S, NT, PAIR_PREFETCH_ROWS>(p, n0);
+  const size_t q_stride = static_cast<size_t>(qx.blocks) * SUPER_WORDS;
+  const size_t s_stride = static_cast<size_t>(qx.blocks) * 16;
+  for (int b = 0; b < qx.blocks; ++b) {
+    __m512i w[NT][4];
+    __m512 ws[NT];
+    PIPESERVE_UNROLL
+    for (int j = 0; j < NT; ++j) unpack_row<BITS, S, PAIR_PREFETCH_ROWS>(p, n0 + j, b, w[j], ws[j]);
+    mac_super<MT, NT>(qx, m0, b, w, ws, acc);
+  }
+  finish<S, MT, NT>(p, qx, m0, n0, acc);
+}
+
+template <int BITS, typename S, int NT>
+void pair_tiles(const Problem& p, const IntX& qx, int n0) {
+  // rows of x in one or two tiles of at most PAIR_TILE, the first the larger
+  const int first = p.M <= PAIR_TILE ? p.M : (p.M + 1) / 2;
+  const auto tile = [&](int rows, int m0) {
+    switch (rows) {
+      case 4:
+        return int_pairs<BITS, S, 4, NT>(p, qx, m0, n0);
+      case 5:
+        return int_pairs<BITS, S, 5, NT>(p, qx, m0, n0);
+      case 6:
+        return int_pairs<BITS, S, 6, NT>(p, qx, m0, n0);
+      case 7:
+        return int_pairs<BITS, S, 7, NT>(p, qx, m0, n0);
+      case 8:
+        return int_pairs<BITS, S, 8, NT>(p, qx, m0, n0);
+      default:
+        return;
+    }
+  };
+  tile(first, 0);
+  if (first < p.M) tile(p.M - first, first);
+}
+
 template <int BITS, typename S, int NT>
 void int_rows(const Problem& p, const IntX& qx, int n0) {
   switch (p.M) {
@@ -1001,6 +1075,11 @@ template <int BITS, typename S>
 void row_range(const Problem& p, int n_begin, int n_end) {
   int n = n_begin;
 #if defined(PIPESERVE_INT_PATH)
+  if (p.qx != nullptr && p.M >= PAIR_MIN_M && p.M <= PAIR_MAX_M) {
+    for (; n + 2 <= n_end; n += 2) pair_tiles<BITS, S, 2>(p, *p.qx, n);
+    if (n < n_end) pair_tiles<BITS, S, 1>(p, *p.qx, n);
+    return;
+  }
   if (p.qx != nullptr) {
     for (; n + NT_MAX <= n_end; n += NT_MAX) int_rows<BITS, S, NT_MAX>(p, *p.qx, n);
     for (; n < n_end; ++n) int_rows<BITS, S, 1>(p, *p.qx, n);
