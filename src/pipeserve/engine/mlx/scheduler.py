@@ -361,6 +361,8 @@ class Scheduler:
             job = self.seqs[self.key_of[uid]].job
             keep = len(job.prompt_token_ids) - 1
             extra = len(tokens) - keep
+            if extra < 1 or list(tokens[:keep]) != job.prompt_token_ids[:keep]:
+                continue  # not the folded row's KV (never expected)
             trimmed: Any = can_trim_prompt_cache(cache) and trim_prompt_cache(cache, extra)
             if trimmed == extra:  # mlx-lm returns the number of tokens trimmed
                 self.prefix.store(list(tokens[:keep]), cache, kind="user", adapter=job.adapter)
@@ -478,6 +480,7 @@ class Scheduler:
             self._constraints.clear()
         self.gen.close()
         self.gen = self._new_generator()  # its state may be inconsistent after a fault
+        self._fold_snapshots = []  # the new generator numbers its rows anew
         # A fault inside a compiled sampler can leave a tracer as the global key.
         mx.random.seed(random.getrandbits(32))
         self._update_stats()
