@@ -16,6 +16,11 @@ forward pass of a small model. Any other batch runs mlx-lm's own step unchanged.
 A batch whose rows have proposers (engine/speculative/proposer.py) may instead take a speculative
 step that verifies proposed tokens (engine/speculative/verify.py).
 
+A lone prompt's last chunk may take its last token too (engine/mlx/prompt_fold.py: the
+families whose forward allows it, rows the scheduler's `fold` predicate admits, a prompt
+that does not wrap a sliding window's ring): the row then starts generating in that same
+call, its first step sampling the chunk's last logits instead of running the model.
+
 Built by subclassing (mlx-lm 0.32): the generator's empty generation batch, and every
 batch a finished prefill turns into (from its first step on), are `DecodeBatch`; its
 prompt batches are `PrefillBatch`.
@@ -24,6 +29,7 @@ prompt batches are `PrefillBatch`.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -31,6 +37,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from pipeserve.engine.kv.rows import keep_rows, row_cache
 from pipeserve.engine.mlx.lora import LoRARows
+from pipeserve.engine.mlx.prompt_fold import ReplayLogits, folds, last_logits
 from pipeserve.engine.mlx.step_plan import DEFAULT_PLAN, StepPlan
 from pipeserve.engine.speculative.state import Speculation
 from pipeserve.engine.speculative.verify import speculative_next
@@ -54,6 +61,8 @@ class DecodeBatch(MlxGenerationBatch):
     # flight; the finished rows' extracts).
     _compacting: list[mx.array] = []
     _before_compacting: list[mx.array] = []
+    # A folded prompt's logits (B, vocab): the first step (its __init__) samples them.
+    _first_logits: mx.array | None = None
 
     def next(self) -> Any:
         spec = self.speculation
@@ -136,6 +145,8 @@ class DecodeBatch(MlxGenerationBatch):
             self.lora.use(self.uids)
 
     def _step(self) -> Any:
+        if self._first_logits is not None:
+            return self._replayed_step(self._first_logits)
         if self._closing:
             return self._last_tokens()
         self._rows()
@@ -157,6 +168,17 @@ class DecodeBatch(MlxGenerationBatch):
             history.append(token)
         return tokens, batch._current_logprobs
 
+    def _replayed_step(self, logits: mx.array) -> Any:
+        """The step with the model's output replaced by a folded prompt's logits (the
+        rows' KV holds the input tokens already): sampled as any step's."""
+        batch: Any = self  # mlx-lm's untyped state
+        self._first_logits = None
+        model, batch.model = batch.model, ReplayLogits(logits)
+        try:
+            return self._step()
+        finally:
+            batch.model = model
+
     def _last_tokens(self) -> Any:
         """The tokens that end every row, without the next forward pass a step launches
         (its tokens would be thrown away, and it would hold up the next request's
@@ -173,11 +195,28 @@ class DecodeBatch(MlxGenerationBatch):
 class PrefillBatch(MlxPromptBatch):
     logprobs_wanted = True  # set by the generator before each step, from its plan
     lora: LoRARows | None = None  # as DecodeBatch's
+    owner: BatchGenerator | None = None  # set by the generator before each step
+    first_logits: mx.array | None = None  # a folded row's logits, for `generate`
 
     def prompt(self, tokens: list[list[int]]) -> Any:
         if self.lora is not None:
             self.lora.use(self.uids)
-        return super().prompt(tokens)
+        last = None if self.owner is None else self.owner.fold_token(self, tokens)
+        if last is None:
+            return super().prompt(tokens)
+        return self._fold(tokens[0], last)
+
+    def _fold(self, chunk: list[int], last: int) -> None:
+        """The one row's last chunk and its last token through the model, the logits of
+        that token kept for the row's first step (its KV cache holds every prompt token;
+        `tokens` the chunk's, as mlx-lm's prompt leaves them: the first step adds the last)."""
+        batch: Any = self  # mlx-lm's untyped state
+        batch.tokens[0] += chunk
+        logits = last_logits(batch.model, mx.array([[*chunk, last]]), batch.prompt_cache)
+        mx.eval([c.state for c in batch.prompt_cache], logits)
+        mx.clear_cache()
+        assert self.owner is not None
+        self.owner.folded[batch.uids[0]] = logits
 
     def generate(self, tokens: list[list[int]]) -> Any:
         """mlx-lm's `generate` (0.32), building a DecodeBatch instead of a
@@ -189,6 +228,7 @@ class PrefillBatch(MlxPromptBatch):
             prompt.prompt([t[:-1] for t in tokens])
         batch: Any = DecodeBatch.__new__(DecodeBatch)
         batch.logprobs_wanted = self.logprobs_wanted
+        batch._first_logits, self.first_logits = self.first_logits, None
         batch.lora = self.lora  # its __init__ takes the first step
         batch.__init__(
             prompt.model,
@@ -222,12 +262,17 @@ class BatchGenerator(MlxBatchGenerator):
 
     def __init__(self, *args: Any, speculation: Speculation | None = None,
                  cache_ops: Any = None, lora: LoRARows | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 fold: Callable[[int], bool] | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.plan = DEFAULT_PLAN
         self.speculation = speculation
         self.cache_ops = cache_ops
         self.lora = lora
+        # Which rows' last prompt token may fold into their last chunk (prompt_fold.py);
+        # None: none (the model's forward does not allow it, or the scheduler says so).
+        self.fold = fold if folds(self.model) else None
+        self.folded: dict[int, mx.array] = {}  # uid -> its folded logits, this call
+        self.folded_uids: list[int] = []  # rows whose prompt folded in the last step
         self._generation_batch.__class__ = DecodeBatch
         self._prompt_batch.__class__ = PrefillBatch
 
@@ -251,6 +296,46 @@ class BatchGenerator(MlxBatchGenerator):
         batch._next_tokens = mx.where(here, mx.array(token, dtype=upcoming.dtype), upcoming)
         return True
 
+    def fold_token(self, batch: PrefillBatch, tokens: list[list[int]]) -> int | None:
+        """The last prompt token to fold into this prefill call, or None: one row alone,
+        its last chunk (only its last token left), admitted by `fold`, and a prompt that
+        stays inside every sliding window (so its snapshot without the last token can
+        be trimmed out of the KV cache)."""
+        prompt: Any = batch  # mlx-lm's untyped state
+        if self.fold is None or len(prompt.uids) != 1 or len(self._currently_processing) != 1:
+            return None
+        segments = self._currently_processing[0][0]
+        if len(segments) != 1 or len(segments[0]) != 1 or not self.fold(prompt.uids[0]):
+            return None
+        held = len(prompt.tokens[0]) + len(tokens[0]) + 1  # positions once folded
+        if any(held >= c.max_size for c in prompt.prompt_cache if hasattr(c, "max_size")):
+            return None
+        last: int = segments[0][0]
+        return last
+
+    def _start_folded(self, responses: list[Any]) -> None:
+        """A row whose last token folded in this call leaves the prompt batch and starts
+        generating now, as mlx-lm's split at the next call's start would; its prompt
+        response says so (end of prompt)."""
+        self.folded_uids = list(self.folded)
+        if not self.folded:
+            return
+        ((uid, logits),) = self.folded.items()
+        self.folded.clear()
+        segments, _, total = self._currently_processing.pop()
+        # The whole (one-row) prompt batch goes: mlx-lm's split would deep-copy its KV
+        # cache, dozens of copies queued ahead of the row's next step.
+        generator: Any = self  # mlx-lm's untyped state
+        part: Any = generator._prompt_batch
+        generator._prompt_batch = part.empty(
+            self.model, self.sampler, prefill_step_size=self.prefill_step_size
+        )
+        part.first_logits = logits
+        self._generation_batch.extend(part.generate(segments))
+        for response in responses:
+            if response.uid == uid:
+                response.end_of_prompt, response.progress = True, (total, total)
+
     def _make_batch(self, n: int) -> Any:
         batch = super()._make_batch(n)
         batch.__class__ = PrefillBatch
@@ -262,7 +347,9 @@ class BatchGenerator(MlxBatchGenerator):
         self._generation_batch.cache_ops = self.cache_ops
         self._generation_batch.lora = self._prompt_batch.lora = self.lora
         self._prompt_batch.logprobs_wanted = self.plan.logprobs
+        self._prompt_batch.owner = self
         result = super()._next()
+        self._start_folded(result[0])
         spec = self.speculation
         # A prompt's prefill ran in this call, or the batch is empty (idle until the next
         # request): the time until the next step is not the step's.

@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from pipeserve.config.models import EngineOptions, SpeculativeOptions
 from pipeserve.engine.cpu_kernels import kernels
@@ -67,6 +68,8 @@ class Scheduler:
             else None
         )
         self.gen = self._new_generator()
+        self._steps = 0
+        self._fold_snapshots: list[tuple[int, int]] = []  # (uid, the step its prompt folded in)
         self.seqs: dict[int, RequestState] = {}
         self.uid_of: dict[int, int] = {}
         self.key_of: dict[int, int] = {}
@@ -102,7 +105,17 @@ class Scheduler:
             speculation=self.speculation,
             cache_ops=self.cache_ops,
             lora=self.lora,
+            # A sharded model's ranks replay rank 0's steps: no folded prompts there (yet).
+            fold=self._may_fold if self.options.sharding is None else None,
         )
+
+    def _may_fold(self, uid: int) -> bool:
+        """Whether row `uid`'s last prompt token may run in its last prefill chunk
+        (engine/mlx/prompt_fold.py): not a prompt group's, whose others wait for the
+        leader's KV without that token."""
+        key = self.key_of.get(uid)
+        seq = self.seqs.get(key) if key is not None else None
+        return seq is None or seq.job.prompt_group is None
 
     def warm_up(self) -> None:
         """Generate once at batch 1 and at max_batch, so the shapes the first requests use
@@ -274,8 +287,11 @@ class Scheduler:
         if self._constraints is not None:
             self._constraints.begin_step()
         try:
+            self._steps += 1
+            self._snapshot_folded()
             prompt_responses, responses = self.gen.step(self._plan())
             self._snapshot_prompts(prompt_responses)
+            self._fold_snapshots += [(uid, self._steps) for uid in self.gen.folded_uids]
             self._share_prompts(prompt_responses, courier)
         except Exception as exc:
             log.exception(
@@ -327,6 +343,29 @@ class Scheduler:
             for uid, (cache, tokens) in self.gen.extract_cache(uids).items():
                 adapter = self.seqs[self.key_of[uid]].job.adapter
                 self.prefix.store(list(tokens), cache, kind="user", adapter=adapter)
+
+    def _snapshot_folded(self) -> None:
+        """As `_snapshot_prompts`, for rows whose last prompt token folded into their
+        prefill (engine/mlx/prompt_fold.py), two steps later: their first token went out
+        in the step after the fold, before this copy of the row's KV cache (trimmed to
+        all but the last prompt token) is made. A row that ended meanwhile stored its
+        whole KV cache already."""
+        due = [uid for uid, at in self._fold_snapshots if at < self._steps - 1]
+        self._fold_snapshots = [
+            (uid, at) for uid, at in self._fold_snapshots if at >= self._steps - 1
+        ]
+        uids = [uid for uid in due if uid in self.key_of]
+        if not self.prefix.enabled or not uids:
+            return
+        for uid, (cache, tokens) in self.gen.extract_cache(uids).items():
+            job = self.seqs[self.key_of[uid]].job
+            keep = len(job.prompt_token_ids) - 1
+            extra = len(tokens) - keep
+            if extra < 1 or list(tokens[:keep]) != job.prompt_token_ids[:keep]:
+                continue  # not the folded row's KV (never expected)
+            trimmed: Any = can_trim_prompt_cache(cache) and trim_prompt_cache(cache, extra)
+            if trimmed == extra:  # mlx-lm returns the number of tokens trimmed
+                self.prefix.store(list(tokens[:keep]), cache, kind="user", adapter=job.adapter)
 
     def _deliver(self, key: int, response: Any, courier: Courier) -> None:
         seq = self.seqs[key]
@@ -441,6 +480,7 @@ class Scheduler:
             self._constraints.clear()
         self.gen.close()
         self.gen = self._new_generator()  # its state may be inconsistent after a fault
+        self._fold_snapshots = []  # the new generator numbers its rows anew
         # A fault inside a compiled sampler can leave a tracer as the global key.
         mx.random.seed(random.getrandbits(32))
         self._update_stats()
