@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
-from pipeserve.engine.kv.rows import keep_rows, row_cache, trim_rows
+from pipeserve.engine.kv.rows import keep_rows, kernel_finalize, row_cache, trim_rows
 from pipeserve.engine.mlx.generator import BatchGenerator, DecodeBatch, MlxGenerationBatch
 from pipeserve.engine.mlx.step_plan import StepPlan
 from tests.engine.cpu_kernels.test_fused_layers import tiny_llama, twins
@@ -156,3 +156,71 @@ def test_verification_rollback_with_the_kernel_equals_mlx_lm_roll(ext, stale):
             assert mx.array_equal(mine.keys[row, :, used], reference.keys[row, :, used])
             assert mx.array_equal(mine.values[row, :, used], reference.values[row, :, used])
     assert address(ours[0].keys) == before  # moved in place
+
+
+def right_padded_prefill(lengths: list[int], layers: int = 2) -> list[BatchKVCache]:
+    """BatchKVCaches after mlx-lm's prefill of prompts of `lengths` (right-padded to the
+    longest, in two chunks), not yet finalized."""
+    key = mx.random.key(7)
+    longest = max(lengths)
+    caches = []
+    for _ in range(layers):
+        cache = BatchKVCache([0] * len(lengths))
+        cache.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
+        for chunk in (longest - 2, 2):
+            key, k1, k2 = mx.random.split(key, 3)
+            shape = (len(lengths), 2, chunk, 16)
+            cache.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+        caches.append(cache)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+class CountingRolls:
+    """The kernels' extension, counting the buffers of each roll_rows call."""
+
+    def __init__(self, ext: Any) -> None:
+        self.ext, self.calls = ext, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ext, name)
+
+    def roll_rows(self, *args: Any) -> Any:
+        self.calls.append(len(args[0]))
+        return self.ext.roll_rows(*args)
+
+
+def test_a_right_padded_prefill_finalized_by_the_kernel_equals_mlx_lm(ext, monkeypatch):
+    """kernel_finalize: one roll_rows op for every layer, at the first layer's finalize;
+    offsets, left padding and every used position equal mlx-lm's dynamic_roll."""
+    lengths = [5, 9, 7, 9]
+    theirs = right_padded_prefill(lengths)
+    ours = right_padded_prefill(lengths)
+    counting = CountingRolls(ext)
+    for cache in theirs:
+        cache.finalize()
+    with kernel_finalize(ours, counting):
+        for cache in ours:
+            cache.finalize()
+    mx.eval([c.state for c in theirs + ours])
+    assert counting.calls == [4]  # keys and values of both layers, in one op
+    assert "finalize" not in vars(ours[0])  # the instance's own method is back
+    for mine, reference in zip(ours, theirs):
+        assert mine._right_padding is None and mine._idx == reference._idx == 9
+        assert mine.left_padding.tolist() == reference.left_padding.tolist() == [4, 0, 2, 0]
+        assert mine.offset.tolist() == reference.offset.tolist() == lengths
+        for row, padding in enumerate(reference.left_padding.tolist()):
+            used = slice(padding, reference._idx)
+            assert mx.array_equal(mine.keys[row, :, used], reference.keys[row, :, used])
+            assert mx.array_equal(mine.values[row, :, used], reference.values[row, :, used])
+
+
+def test_prompts_of_different_lengths_decode_the_same_with_the_kernel_roll(ext):
+    """A batched prefill of prompts of different lengths (right-padded, then finalized)
+    gives every row the same greedy tokens with the kernels' roll as with mlx-lm's."""
+    model = tiny_llama()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15], [16]]
+    lengths = [6, 6, 6, 6]
+    assert staggered_run(model, ext, prompts, lengths) == staggered_run(
+        model, None, prompts, lengths
+    )

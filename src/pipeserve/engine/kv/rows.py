@@ -1,5 +1,6 @@
-"""A decoding batch's KV cache rows: keep some when rows finish, copy one row out, and forget
-the last positions of each row (trim_rows, for speculation's rollback and the draft).
+"""A decoding batch's KV cache rows: keep some when rows finish, copy one row out, forget
+the last positions of each row (trim_rows, for speculation's rollback and the draft), and
+move a right-padded prefill's rows to the right (kernel_finalize).
 
 mlx-lm's BatchKVCache.filter and extract (0.32) do it one layer at a time, and both read
 the left padding back from the device (`tolist`, `mx.eval`): that waits for the decode
@@ -27,6 +28,8 @@ filter / extract / roll move the packed words, scales and biases with MLX's ops)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -144,6 +147,47 @@ def trim_rows(cache: list[Any], stale: list[int], ext: Any | None = None) -> Non
     if common:
         for layer in cache:
             layer.trim(common)
+
+
+@contextmanager
+def kernel_finalize(cache: list[Any], ext: Any | None) -> Iterator[None]:
+    """Within it, mlx-lm's prefill of prompts of different lengths (right-padded, then
+    `finalize`d layer by layer: a `dynamic_roll` gather of every buffer's whole capacity,
+    65 ms for 8 SmolLM2 prompts, 4 % of an 8-stream round) moves only the rows' used
+    positions, every float32 BatchKVCache layer in one `ext.roll_rows` op, when the first
+    layer is finalized; the other layers' own `finalize` then finds nothing to do. Same
+    positions and masks as mlx-lm's (the left padding's contents are never read)."""
+    layers = [
+        layer for layer in cache if type(layer) is BatchKVCache and kernel_rewrites(layer, ext)
+    ]
+    if not layers:
+        yield
+        return
+    first = layers[0]
+
+    def finalize() -> None:
+        padded = [layer for layer in layers if layer._right_padding is not None]
+        if padded:
+            _roll_padding_out(padded, ext)
+        BatchKVCache.finalize(first)
+
+    # an instance attribute over the class method: mlx-lm calls `c.finalize()`
+    first.finalize = finalize  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del first.finalize
+
+
+def _roll_padding_out(layers: list[Any], ext: Any) -> None:
+    """BatchKVCache.finalize for `layers` (each right-padded alike: one prefill's)."""
+    padding = layers[0]._right_padding
+    shifts: list[int] = padding.tolist()
+    _roll_with_kernel(layers, shifts, ext)
+    for layer in layers:
+        layer.offset = layer.offset - padding
+        layer.left_padding = layer.left_padding + padding
+        layer._right_padding = None
 
 
 def _roll_with_kernel(cache: list[Any], shifts: list[int], ext: Any | None) -> set[int]:

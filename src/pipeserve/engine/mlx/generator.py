@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
-from pipeserve.engine.kv.rows import keep_rows, row_cache
+from pipeserve.engine.kv.rows import keep_rows, kernel_finalize, row_cache
 from pipeserve.engine.mlx.lora import LoRARows
 from pipeserve.engine.mlx.prompt_fold import ReplayLogits, folds, last_logits
 from pipeserve.engine.mlx.step_plan import DEFAULT_PLAN, StepPlan
@@ -196,15 +196,17 @@ class PrefillBatch(MlxPromptBatch):
     logprobs_wanted = True  # set by the generator before each step, from its plan
     lora: LoRARows | None = None  # as DecodeBatch's
     owner: BatchGenerator | None = None  # set by the generator before each step
+    cache_ops: Any = None  # as DecodeBatch's: the kernels' extension, which rolls its rows
     first_logits: mx.array | None = None  # a folded row's logits, for `generate`
 
     def prompt(self, tokens: list[list[int]]) -> Any:
         if self.lora is not None:
             self.lora.use(self.uids)
         last = None if self.owner is None else self.owner.fold_token(self, tokens)
-        if last is None:
+        if last is not None:
+            return self._fold(tokens[0], last)
+        with kernel_finalize(self.prompt_cache, self.cache_ops):
             return super().prompt(tokens)
-        return self._fold(tokens[0], last)
 
     def _fold(self, chunk: list[int], last: int) -> None:
         """The one row's last chunk and its last token through the model, the logits of
@@ -250,6 +252,7 @@ class PrefillBatch(MlxPromptBatch):
         batch = super()._copy()
         batch.logprobs_wanted = self.logprobs_wanted  # split() hands out copies
         batch.lora = self.lora
+        batch.cache_ops = self.cache_ops
         return batch
 
 
@@ -348,6 +351,7 @@ class BatchGenerator(MlxBatchGenerator):
         self._generation_batch.lora = self._prompt_batch.lora = self.lora
         self._prompt_batch.logprobs_wanted = self.plan.logprobs
         self._prompt_batch.owner = self
+        self._prompt_batch.cache_ops = self.cache_ops
         result = super()._next()
         self._start_folded(result[0])
         spec = self.speculation
