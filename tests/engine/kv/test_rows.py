@@ -23,16 +23,32 @@ pytestmark = pytest.mark.mlx
 PADDING = [3, 0, 1, 2]  # row 1 has none: without it, every kept row drops one position
 
 
+def written(cache: BatchKVCache, lengths: tuple[int, ...], key: mx.array) -> mx.array:
+    """`cache` given random keys and values, `lengths` positions at a time (2 heads of
+    16); the next random key."""
+    for length in lengths:
+        key, k1, k2 = mx.random.split(key, 3)
+        shape = (cache.left_padding.size, 2, length, 16)
+        cache.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+    return key
+
+
+def assert_same_rows(ours: list[BatchKVCache], theirs: list[BatchKVCache]) -> None:
+    """Every row's used positions (from its left padding to the index) equal."""
+    for mine, reference in zip(ours, theirs):
+        for row, padding in enumerate(reference.left_padding.tolist()):
+            used = slice(padding, reference._idx)
+            assert mx.array_equal(mine.keys[row, :, used], reference.keys[row, :, used])
+            assert mx.array_equal(mine.values[row, :, used], reference.values[row, :, used])
+
+
 def padded_caches(layers: int = 2) -> list[BatchKVCache]:
     """Left-padded BatchKVCaches after a 6-position prefill and two decode steps."""
     key = mx.random.key(5)
     caches = []
     for _ in range(layers):
         cache = BatchKVCache(PADDING)
-        for length in (6, 1, 1):
-            key, k1, k2 = mx.random.split(key, 3)
-            shape = (len(PADDING), 2, length, 16)
-            cache.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+        key = written(cache, (6, 1, 1), key)
         caches.append(cache)
     mx.eval([c.state for c in caches])
     return caches
@@ -151,10 +167,7 @@ def test_verification_rollback_with_the_kernel_equals_mlx_lm_roll(ext, stale):
         assert mine._idx == reference._idx
         assert mine.left_padding.tolist() == reference.left_padding.tolist()
         assert mine.offset.tolist() == reference.offset.tolist()
-        for row, padding in enumerate(reference.left_padding.tolist()):
-            used = slice(padding, reference._idx)
-            assert mx.array_equal(mine.keys[row, :, used], reference.keys[row, :, used])
-            assert mx.array_equal(mine.values[row, :, used], reference.values[row, :, used])
+    assert_same_rows(ours, theirs)
     assert address(ours[0].keys) == before  # moved in place
 
 
@@ -167,10 +180,7 @@ def right_padded_prefill(lengths: list[int], layers: int = 2) -> list[BatchKVCac
     for _ in range(layers):
         cache = BatchKVCache([0] * len(lengths))
         cache.prepare(lengths=lengths, right_padding=[longest - n for n in lengths])
-        for chunk in (longest - 2, 2):
-            key, k1, k2 = mx.random.split(key, 3)
-            shape = (len(lengths), 2, chunk, 16)
-            cache.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+        key = written(cache, (longest - 2, 2), key)
         caches.append(cache)
     mx.eval([c.state for c in caches])
     return caches
@@ -209,10 +219,7 @@ def test_a_right_padded_prefill_finalized_by_the_kernel_equals_mlx_lm(ext, monke
         assert mine._right_padding is None and mine._idx == reference._idx == 9
         assert mine.left_padding.tolist() == reference.left_padding.tolist() == [4, 0, 2, 0]
         assert mine.offset.tolist() == reference.offset.tolist() == lengths
-        for row, padding in enumerate(reference.left_padding.tolist()):
-            used = slice(padding, reference._idx)
-            assert mx.array_equal(mine.keys[row, :, used], reference.keys[row, :, used])
-            assert mx.array_equal(mine.values[row, :, used], reference.values[row, :, used])
+    assert_same_rows(ours, theirs)
 
 
 def test_prompts_of_different_lengths_decode_the_same_with_the_kernel_roll(ext):

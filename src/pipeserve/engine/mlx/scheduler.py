@@ -350,6 +350,8 @@ class Scheduler:
         in the step after the fold, before this copy of the row's KV cache (trimmed to
         all but the last prompt token) is made. A row that ended meanwhile stored its
         whole KV cache already."""
+        if not self._fold_snapshots:  # every step: nothing to do but for folded prompts
+            return
         due = [uid for uid, at in self._fold_snapshots if at < self._steps - 1]
         self._fold_snapshots = [
             (uid, at) for uid, at in self._fold_snapshots if at >= self._steps - 1
