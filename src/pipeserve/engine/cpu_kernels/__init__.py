@@ -255,15 +255,21 @@ def _decoder_layer_checks(ext: Any, tokens: int) -> list[tuple[Any, Any]]:
 
 def _self_test_f32_matmul(ext: Any, x: Any, weights: Any) -> None:
     """The few-row float32 matmul in both weight layouts against MLX's matmul, the two
-    layouts bit-identical; more rows than the kernel takes go to MLX's own."""
+    layouts bit-identical; more rows than the kernel takes go to MLX's own. The panels
+    layout (any rows) within the same tolerance, the few-row kernel's bits where it runs."""
     import mlx.core as mx
 
     bias = weights[5, :37]
+    panels = ext.f32_panels(weights, False)
     for rows in (x[:1], x, mx.concatenate([x] * 3)):  # 1, 3 and 9 rows
         want = rows @ weights.T + bias
         nk = ext.f32_matmul(rows, weights, False, bias)
         kn = ext.f32_matmul(rows, mx.contiguous(weights.T), True, bias)
-        error = mx.abs(nk - want).max().item()
-        assert error <= SELF_TEST_TOLERANCE * mx.abs(want).max().item(), f"f32_matmul {error}"
+        paneled = ext.f32_matmul_panels(rows, panels, weights.shape[0], bias)
+        scale = SELF_TEST_TOLERANCE * mx.abs(want).max().item()
+        for name, got in (("f32_matmul", nk), ("f32_matmul_panels", paneled)):
+            error = mx.abs(got - want).max().item()
+            assert error <= scale, f"{name} {error}"
         kernel = rows.shape[0] <= ext.F32_MATMUL_MAX_ROWS
         assert mx.array_equal(nk, kn).item() or not kernel, "f32_matmul layouts differ"
+        assert mx.array_equal(nk, paneled).item() or not kernel, "f32_matmul panels differ"

@@ -85,6 +85,15 @@ NB_MODULE(_pipeserve_cpu, m) {
         "x @ w (w stored (K, N): transposed) or x @ w.T (w (N, K)), float32, + bias; a few rows"
         " of x on the kernels' threads, more through MLX's matmul.");
   m.attr("F32_MATMUL_MAX_ROWS") = pipeserve::F32_MATMUL_MAX_ROWS;
+  m.attr("F32_PANEL") = pipeserve::F32_PANEL;
+  m.def("f32_panels", &pipeserve::f32_panels, "w"_a, "transposed"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "w (K, N) (transposed) or (N, K), float32, as (ceil(N / F32_PANEL), K, F32_PANEL)"
+        " contiguous panels of output columns (zeros past N), for f32_matmul_panels.");
+  m.def("f32_matmul_panels", &pipeserve::f32_matmul_panels, "x"_a, "panels"_a, "n"_a,
+        "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "x @ W (+ bias) for W (K, n) held as f32_panels' panels, any number of rows of x, on"
+        " the kernels' threads.");
   m.def("cache_rows", &pipeserve::cache_rows, "buffers"_a, "rows"_a, "start"_a, "stop"_a,
         "capacity"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Rows (ascending) of KV cache buffers (B, heads, capacity, depth), positions"

@@ -10,6 +10,13 @@
 // into (K, n) panels first), so the layout never changes a result: cpu_layout's
 // promise that a transposed model computes the very same numbers holds with it.
 // More rows than F32_MATMUL_MAX_ROWS go to MLX's matmul (the BLAS: compute-bound there).
+//
+// A third layout, panels (f32_panels: the weight as contiguous (K, PANEL) blocks of
+// PANEL output columns each), is for a model's output projection, the one weight of a
+// small float32 model too large for any cache: a panel is one stream of memory the
+// hardware prefetcher follows, where a (K, N) panel's rows lie N floats apart (one page
+// each), and the BLAS packs the whole weight again on every call. Any number of rows
+// runs here (the BLAS cannot read panels), the same chain of FMAs per output.
 
 #include <immintrin.h>
 
@@ -65,12 +72,14 @@ constexpr int ROW_BLOCK = 2;
 constexpr int PREFETCH_ROWS = 16;          // rows of the panel ahead of the one multiplied
 constexpr int64_t CHUNK_FLOATS = 1 << 16;  // weights per claimed chunk (~256 KB)
 
+enum class Layout { NK, KN, Panels };
+
 struct Problem {
   const float* x;  // (M, K), rows ldx apart
   int64_t ldx;
-  const float* w;  // (K, N) rows ldw apart when transposed, else (N, K)
+  const float* w;  // (K, N) rows ldw apart (KN), (N, K) (NK), or (ceil(N / PANEL), K, PANEL)
   int64_t ldw;
-  bool transposed;
+  Layout layout;
   const float* bias;  // (N) or null
   float* out;         // (M, N), rows ldo apart
   int64_t ldo;
@@ -90,22 +99,24 @@ inline void column(const Problem& p, const float* w, int64_t step, int n) {
 #if defined(PIPESERVE_F32_SIMD)
 constexpr int VECTORS_PER_LINE = std::max(1, 64 / (LANES * 4));  // 64-byte cache lines
 constexpr int PANEL_VECTORS = ACC_REGS / ROW_BLOCK;
-constexpr int PANEL = PANEL_VECTORS * LANES;  // columns per panel
+static_assert(PANEL_VECTORS * LANES == F32_PANEL, "kernels.h's F32_PANEL is this build's panel");
+constexpr int PANEL = F32_PANEL;  // columns per panel
 
 // out[m][n0 .. n0 + V * LANES) for RB rows of x from m0; w points at (k 0, column n0) of
-// a (K, *) panel whose rows are ldw apart. prefetch: the panel's row PREFETCH_ROWS
-// ahead (past its end, the next panel's first rows) is requested before it is needed.
+// a (K, *) panel whose rows are ldw apart, `after` at the first row of the panel that
+// follows it in memory (null: no prefetch): the panel's row PREFETCH_ROWS ahead (past
+// its end, the next panel's) is requested before it is needed.
 template <int RB, int V>
-void panel(const Problem& p, int m0, const float* w, int64_t ldw, int n0, bool prefetch) {
+void panel(const Problem& p, int m0, const float* w, int64_t ldw, const float* after, int n0) {
   Vec acc[RB][V];
   for (int m = 0; m < RB; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = vzero();
   const float* x = p.x + m0 * p.ldx;
   for (int k = 0; k < p.K; ++k) {
     const float* wk = w + k * ldw;
-    if (prefetch) {
+    if (after != nullptr) {
       const int ahead = k + PREFETCH_ROWS;
-      const float* next = ahead < p.K ? w + ahead * ldw : w + V * LANES + (ahead - p.K) * ldw;
+      const float* next = ahead < p.K ? w + ahead * ldw : after + (ahead - p.K) * ldw;
       for (int v = 0; v < V; v += VECTORS_PER_LINE) {
         _mm_prefetch(reinterpret_cast<const char*>(next + v * LANES), _MM_HINT_T0);
       }
@@ -126,13 +137,14 @@ void panel(const Problem& p, int m0, const float* w, int64_t ldw, int n0, bool p
   }
 }
 
-// Every row of x against one panel, ROW_BLOCK rows at a time.
+// Every row of x against one panel, ROW_BLOCK rows at a time (the first pass reads the
+// panel from memory, the others from cache).
 template <int V>
-void panel_rows(const Problem& p, const float* w, int64_t ldw, int n0, bool prefetch) {
+void panel_rows(const Problem& p, const float* w, int64_t ldw, const float* after, int n0) {
   static_assert(ROW_BLOCK == 2);
   int m0 = 0;
-  for (; m0 + 2 <= p.M; m0 += 2) panel<2, V>(p, m0, w, ldw, n0, prefetch);
-  if (m0 < p.M) panel<1, V>(p, m0, w, ldw, n0, prefetch);
+  for (; m0 + 2 <= p.M; m0 += 2) panel<2, V>(p, m0, w, ldw, after, n0);
+  if (m0 < p.M) panel<1, V>(p, m0, w, ldw, after, n0);
 }
 
 // (n, K) rows of an (N, K) weight copied into a (K, n) panel, 16 k at a time (so the
@@ -149,45 +161,76 @@ void pack(const Problem& p, int n0, int n, std::vector<float>& buffer) {
 }
 #endif
 
+int64_t panel_floats(const Problem& p) { return static_cast<int64_t>(F32_PANEL) * p.K; }
+
+// Where output column n's weights start in memory, and how many floats apart they lie.
+const float* column_weights(const Problem& p, int n) {
+  switch (p.layout) {
+    case Layout::KN:
+      return p.w + n;
+    case Layout::NK:
+      return p.w + n * p.ldw;
+    case Layout::Panels:
+      break;
+  }
+  return p.w + (n / F32_PANEL) * panel_floats(p) + n % F32_PANEL;
+}
+
+int64_t column_step(const Problem& p) {
+  switch (p.layout) {
+    case Layout::KN:
+      return p.ldw;
+    case Layout::NK:
+      return 1;
+    case Layout::Panels:
+      break;
+  }
+  return F32_PANEL;
+}
+
+#if defined(PIPESERVE_F32_SIMD)
+// Output columns from n0 on in whole panels, then single vectors; returns the first
+// column left (fewer than LANES before n1).
+int vector_columns(const Problem& p, int n0, int n1) {
+  int n = n0;
+  if (p.layout == Layout::NK) {
+    thread_local std::vector<float> buffer;
+    for (; n + PANEL <= n1; n += PANEL) {
+      pack(p, n, PANEL, buffer);
+      panel_rows<PANEL_VECTORS>(p, buffer.data(), PANEL, nullptr, n);
+    }
+    for (; n + LANES <= n1; n += LANES) {
+      pack(p, n, LANES, buffer);
+      panel_rows<1>(p, buffer.data(), LANES, nullptr, n);
+    }
+    return n;
+  }
+  const int64_t ldw = column_step(p);
+  for (; n + PANEL <= n1; n += PANEL) {
+    const float* w = column_weights(p, n);
+    const float* after = p.layout == Layout::Panels ? w + panel_floats(p) : w + PANEL;
+    panel_rows<PANEL_VECTORS>(p, w, ldw, after, n);
+  }
+  for (; n + LANES <= n1; n += LANES) panel_rows<1>(p, column_weights(p, n), ldw, nullptr, n);
+  return n;
+}
+#endif
+
 // Output columns [n0, n1) of every row, on the calling thread: whole panels, then
 // single vectors, then single columns.
 void columns(const Problem& p, int n0, int n1) {
   int n = n0;
 #if defined(PIPESERVE_F32_SIMD)
-  if (p.transposed) {
-    for (; n + PANEL <= n1; n += PANEL) panel_rows<PANEL_VECTORS>(p, p.w + n, p.ldw, n, true);
-    for (; n + LANES <= n1; n += LANES) panel_rows<1>(p, p.w + n, p.ldw, n, false);
-  } else {
-    thread_local std::vector<float> buffer;
-    for (; n + PANEL <= n1; n += PANEL) {
-      pack(p, n, PANEL, buffer);
-      panel_rows<PANEL_VECTORS>(p, buffer.data(), PANEL, n, false);
-    }
-    for (; n + LANES <= n1; n += LANES) {
-      pack(p, n, LANES, buffer);
-      panel_rows<1>(p, buffer.data(), LANES, n, false);
-    }
-  }
+  n = vector_columns(p, n0, n1);
 #endif
-  for (; n < n1; ++n) {
-    if (p.transposed) {
-      column(p, p.w + n, p.ldw, n);
-    } else {
-      column(p, p.w + n * p.ldw, 1, n);
-    }
-  }
+  for (; n < n1; ++n) column(p, column_weights(p, n), column_step(p), n);
 }
 
 // Chunks of whole panels, about CHUNK_FLOATS weights each, claimed by the pool's threads.
 void run(const Problem& p) {
-#if defined(PIPESERVE_F32_SIMD)
-  const int width = PANEL;
-#else
-  const int width = 16;
-#endif
-  const int64_t panel_floats = static_cast<int64_t>(width) * std::max(1, p.K);
-  const int per_chunk = static_cast<int>(std::max<int64_t>(1, CHUNK_FLOATS / panel_floats));
-  const int chunk_cols = per_chunk * width;
+  const int per_chunk =
+      static_cast<int>(std::max<int64_t>(1, CHUNK_FLOATS / std::max<int64_t>(1, panel_floats(p))));
+  const int chunk_cols = per_chunk * F32_PANEL;
   const int chunks = (p.N + chunk_cols - 1) / chunk_cols;
   parallel_for(chunks, [&](int chunk) {
     const int n0 = chunk * chunk_cols;
@@ -197,7 +240,10 @@ void run(const Problem& p) {
 
 class F32Matmul : public mx::Primitive {
  public:
-  F32Matmul(mx::Stream stream, bool transposed) : mx::Primitive(stream), transposed_(transposed) {}
+  // n: the output's columns (read from w but for the panels layout, whose last panel may
+  // hold padding)
+  F32Matmul(mx::Stream stream, Layout layout, int n)
+      : mx::Primitive(stream), layout_(layout), n_(n) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override {
@@ -214,12 +260,12 @@ class F32Matmul : public mx::Primitive {
     Problem p{};
     p.M = x.shape(0);
     p.K = x.shape(1);
-    p.N = out.shape(1);
+    p.N = n_;
     p.x = x.data<float>();
     p.ldx = p.K;
     p.w = w.data<float>();
-    p.ldw = w.shape(1);
-    p.transposed = transposed_;
+    p.ldw = w.shape(-1);
+    p.layout = layout_;
     p.bias = inputs.size() > 2 ? inputs[2].data<float>() : nullptr;
     p.out = out.data<float>();
     p.ldo = p.N;
@@ -233,14 +279,82 @@ class F32Matmul : public mx::Primitive {
     return "PipeserveF32Matmul";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return transposed_ == static_cast<const F32Matmul&>(other).transposed_;
+    const auto& that = static_cast<const F32Matmul&>(other);
+    return layout_ == that.layout_ && n_ == that.n_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const auto& w = inputs[1];
-    return {{inputs[0].shape(0), transposed_ ? w.shape(1) : w.shape(0)}};
+    return {{inputs[0].shape(0), n_}};
   }
 
  private:
+  Layout layout_;
+  int n_;
+};
+
+// A (K, N) or (N, K) float32 weight as (ceil(N / F32_PANEL), K, F32_PANEL) panels, the
+// columns past N zero.
+class F32Panels : public mx::Primitive {
+ public:
+  F32Panels(mx::Stream stream, bool transposed) : mx::Primitive(stream), transposed_(transposed) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override {
+    const auto& w = inputs[0];
+    auto& out = outputs[0];
+    if (!w.flags().row_contiguous) throw std::runtime_error("f32_panels: w not contiguous");
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    const float* src = w.data<float>();
+    float* dst = out.data<float>();
+    const int K = out.shape(1);
+    const int N = transposed_ ? w.shape(1) : w.shape(0);
+    const int panels = out.shape(0);
+    const bool transposed = transposed_;
+    encoder.dispatch([=]() {
+      parallel_for(panels, [&](int panel) { copy_panel(src, dst, K, N, panel, transposed); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("f32_panels runs on the CPU only");
+  }
+  const char* name() const override {
+    return "PipeserveF32Panels";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return transposed_ == static_cast<const F32Panels&>(other).transposed_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& w = inputs[0];
+    const int n = transposed_ ? w.shape(1) : w.shape(0);
+    return {{(n + F32_PANEL - 1) / F32_PANEL, transposed_ ? w.shape(0) : w.shape(1), F32_PANEL}};
+  }
+
+ private:
+  // One panel: from (K, N) rows' runs of columns, or (N, K) rows 16 k at a time.
+  static void copy_panel(const float* src, float* dst, int K, int N, int panel, bool transposed) {
+    const int n0 = panel * F32_PANEL;
+    const int width = std::min(F32_PANEL, N - n0);
+    float* out = dst + static_cast<int64_t>(panel) * K * F32_PANEL;
+    std::fill(out, out + static_cast<int64_t>(K) * F32_PANEL, 0.0f);
+    if (transposed) {
+      for (int k = 0; k < K; ++k) {
+        const float* row = src + static_cast<int64_t>(k) * N + n0;
+        std::copy(row, row + width, out + static_cast<int64_t>(k) * F32_PANEL);
+      }
+      return;
+    }
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      const int k1 = std::min(K, k0 + 16);
+      for (int j = 0; j < width; ++j) {
+        const float* row = src + static_cast<int64_t>(n0 + j) * K;
+        for (int k = k0; k < k1; ++k) out[static_cast<int64_t>(k) * F32_PANEL + j] = row[k];
+      }
+    }
+  }
+
   bool transposed_;
 };
 
@@ -248,18 +362,39 @@ void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("f32_matmul: " + message);
 }
 
+mx::array float32(const mx::array& a, mx::Stream stream) {
+  return mx::contiguous(a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, stream), false,
+                        stream);
+}
+
+// The kernel's product of x (any leading axes) as (rows, K) rows.
+mx::array kernel_product(const mx::array& x, const mx::array& w, Layout layout, int K, int N,
+                         const std::optional<mx::array>& bias, mx::Stream stream) {
+  const int rows = static_cast<int>(static_cast<int64_t>(x.size()) / K);
+  auto flat = float32(mx::reshape(x, {-1, K}, stream), stream);
+  std::vector<mx::array> inputs = {flat, mx::contiguous(w, false, stream)};
+  if (bias) inputs.push_back(float32(*bias, stream));
+  auto out = mx::array({rows, N}, mx::float32, std::make_shared<F32Matmul>(stream, layout, N),
+                       std::move(inputs));
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::reshape(out, shape, stream);
+}
+
 }  // namespace
 
 void f32_matmul_columns(const float* x, int64_t ldx, int M, int K, const float* w, int64_t ldw,
                         bool transposed, const float* bias, float* out, int64_t ldo, int n0,
                         int n1) {
-  Problem p{x, ldx, w, ldw, transposed, bias, out, ldo, M, K, n1};
+  const Layout layout = transposed ? Layout::KN : Layout::NK;
+  Problem p{x, ldx, w, ldw, layout, bias, out, ldo, M, K, n1};
   columns(p, n0, n1);
 }
 
 void f32_matmul_rows(const float* x, int64_t ldx, int M, int K, const float* w, int64_t ldw,
                      int N, bool transposed, const float* bias, float* out, int64_t ldo) {
-  run(Problem{x, ldx, w, ldw, transposed, bias, out, ldo, M, K, N});
+  const Layout layout = transposed ? Layout::KN : Layout::NK;
+  run(Problem{x, ldx, w, ldw, layout, bias, out, ldo, M, K, N});
 }
 
 mx::array f32_matmul(const mx::array& x, const mx::array& w, bool transposed,
@@ -278,14 +413,39 @@ mx::array f32_matmul(const mx::array& x, const mx::array& w, bool transposed,
     auto wt = transposed ? w : mx::transpose(w, stream);
     return bias ? mx::addmm(*bias, x, wt, 1.0f, 1.0f, stream) : mx::matmul(x, wt, stream);
   }
-  auto flat = mx::contiguous(mx::reshape(x, {-1, K}, stream), false, stream);
-  std::vector<mx::array> inputs = {flat, mx::contiguous(w, false, stream)};
-  if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
-  auto out = mx::array({static_cast<int>(rows), N}, mx::float32,
-                       std::make_shared<F32Matmul>(stream, transposed), std::move(inputs));
-  auto shape = x.shape();
-  shape.back() = N;
-  return mx::reshape(out, shape, stream);
+  return kernel_product(x, w, transposed ? Layout::KN : Layout::NK, K, N, bias, stream);
+}
+
+mx::array f32_panels(const mx::array& w, bool transposed, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "runs on the CPU only");
+  check(w.ndim() == 2 && w.dtype() == mx::float32, "w must be a 2-D float32 array");
+  const int K = transposed ? w.shape(0) : w.shape(1);
+  const int N = transposed ? w.shape(1) : w.shape(0);
+  const mx::Shape shape = {(N + F32_PANEL - 1) / F32_PANEL, K, F32_PANEL};
+  return mx::array(shape, mx::float32, std::make_shared<F32Panels>(stream, transposed),
+                   {mx::contiguous(w, false, stream)});
+}
+
+mx::array f32_matmul_panels(const mx::array& x, const mx::array& panels, int n,
+                            const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "runs on the CPU only");
+  check(panels.ndim() == 3 && panels.dtype() == mx::float32 && panels.shape(2) == F32_PANEL,
+        "panels must be f32_panels' (P, K, F32_PANEL) float32 array");
+  const int64_t capacity = static_cast<int64_t>(panels.shape(0)) * F32_PANEL;
+  check(n > capacity - F32_PANEL && n <= capacity, "n does not match the panels");
+  check(x.ndim() >= 1, "x must have at least one dimension");
+  const int K = panels.shape(1);
+  check(x.shape(-1) == K, "x's last dimension does not match the panels");
+  check(!bias || (bias->ndim() == 1 && bias->shape(0) == n), "bias must be (N,)");
+  if (K == 0 || x.size() == 0) {
+    auto shape = x.shape();
+    shape.back() = n;
+    auto zeros = mx::zeros(shape, mx::float32, stream);
+    return bias ? mx::add(zeros, float32(*bias, stream), stream) : zeros;
+  }
+  return kernel_product(x, panels, Layout::Panels, K, n, bias, stream);
 }
 
 }  // namespace pipeserve

@@ -202,6 +202,16 @@ class DecoderLayer {
   LayerShape shape_;
 };
 
+// Output columns per panel of f32_matmul's panels layout (f32_panels): 8 vectors of
+// this build's widest float SIMD, or 16 scalars.
+#if defined(__AVX512F__)
+constexpr int F32_PANEL = 128;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int F32_PANEL = 32;
+#else
+constexpr int F32_PANEL = 16;
+#endif
+
 // Most rows of x f32_matmul runs itself; more go to MLX's matmul (the BLAS). At 8 rows
 // the kernel won on a quiet machine but lost under load, when its second thread seldom
 // runs (docs/cpu-kernels.md); up to 4 it won or tied either way.
@@ -216,6 +226,21 @@ mx::array f32_matmul(
     const mx::array& x,
     const mx::array& w,
     bool transposed,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+// w (K, N) (transposed) or (N, K) as (ceil(N / F32_PANEL), K, F32_PANEL): each panel
+// its F32_PANEL output columns' weights in one contiguous block, (k, column) row-major,
+// the columns past N zero. For f32_matmul_panels.
+mx::array f32_panels(const mx::array& w, bool transposed, mx::StreamOrDevice s = {});
+
+// x @ W (+ bias) for a weight W (K, n) held as f32_panels' panels, any number of rows of
+// x (the BLAS cannot read panels; x and bias cast to float32), on the kernels' threads:
+// the same numbers as f32_matmul's few-row kernel in either layout.
+mx::array f32_matmul_panels(
+    const mx::array& x,
+    const mx::array& panels,
+    int n,
     const std::optional<mx::array>& bias = std::nullopt,
     mx::StreamOrDevice s = {});
 

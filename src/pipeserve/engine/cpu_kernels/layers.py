@@ -15,14 +15,19 @@ causal or array mask) through one kernel op: mlx-lm's models call the module-lev
 model module; anything else, attention sinks, a quantized cache, other masks, goes to
 mlx-lm's function unchanged).
 
-`use_dense_kernel(model, ext)` routes float32 linear layers and tied output projections,
-in either layout (cpu_layout's transposed one or nn.Linear's), through `f32_matmul`:
-a few activation rows (decode steps) read the weight once on the kernels' threads,
-more go to MLX's matmul as before; both layouts compute the very same numbers.
+`use_dense_kernel(model, ext)` routes float32 linear layers, in either layout
+(cpu_layout's transposed one or nn.Linear's), through `f32_matmul`: a few activation
+rows (decode steps) read the weight once on the kernels' threads, more go to MLX's
+matmul as before; both layouts compute the very same numbers. Embeddings and the output
+projection are repacked into the kernel's panels and multiply every row count there
+(an embedding whose table the model's code reads itself keeps its layout).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import sys
 from typing import Any
 
@@ -249,19 +254,6 @@ class DenseLinear(nn.Linear):
         return y
 
 
-class DenseEmbedding(nn.Embedding):
-    """A float32 `nn.Embedding` whose tied output projection runs `f32_matmul`."""
-
-    def __init__(self, layer: nn.Embedding, ext: Any) -> None:
-        nn.Module.__init__(self)
-        self.weight = layer.weight
-        self._ext = ext
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        y: mx.array = self._ext.f32_matmul(x, self.weight, False)
-        return y
-
-
 class DenseTransposedLinear(TransposedLinear):
     """cpu_layout's transposed linear (same `weight_t`) multiplying through `f32_matmul`."""
 
@@ -272,6 +264,20 @@ class DenseTransposedLinear(TransposedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         y: mx.array = self._ext.f32_matmul(x, self.weight_t, True)
+        return y
+
+
+class DenseEmbedding(nn.Embedding):
+    """A float32 `nn.Embedding` whose tied output projection runs `f32_matmul` (for a
+    model whose code reads the table itself; others hold it as `PanelEmbedding`)."""
+
+    def __init__(self, layer: nn.Embedding, ext: Any) -> None:
+        nn.Module.__init__(self)
+        self.weight = layer.weight
+        self._ext = ext
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.f32_matmul(x, self.weight, False)
         return y
 
 
@@ -286,6 +292,66 @@ class DenseTransposedEmbedding(TransposedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         y: mx.array = self._ext.f32_matmul(x, self.weight_t, True)
         return y
+
+
+class PanelEmbedding(nn.Module):
+    """A float32 embedding held as `f32_panels`' contiguous panels (one copy of the
+    table): lookups gather each id's column of its panel, and the tied output projection
+    (`as_linear`, the largest matmul of a small float32 model, at any number of rows)
+    streams the panels through `f32_matmul_panels`, never the BLAS, which would pack
+    the whole table again on every call."""
+
+    def __init__(self, table: mx.array, transposed: bool, ext: Any) -> None:
+        super().__init__()
+        self.weight_panels = ext.f32_panels(table, transposed)
+        self.rows = int(table.shape[1] if transposed else table.shape[0])
+        self._ext = ext
+
+    @property
+    def weight(self) -> mx.array:
+        """The (N, K) table model code may read: lazy, so reading its shape costs nothing."""
+        panels = self.weight_panels
+        return panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: self.rows]
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        width = self.weight_panels.shape[2]
+        return self.weight_panels[ids // width, :, ids % width]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y: mx.array = self._ext.f32_matmul_panels(x, self.weight_panels, self.rows)
+        return y
+
+
+class PanelLinear(nn.Module):
+    """A float32 output projection (`lm_head`) held as `f32_panels`' panels, multiplying
+    any number of rows through `f32_matmul_panels` (PanelEmbedding's reasons)."""
+
+    def __init__(self, weight: mx.array, transposed: bool, bias: mx.array | None,
+                 ext: Any) -> None:  # fmt: skip
+        super().__init__()
+        self.weight_panels = ext.f32_panels(weight, transposed)
+        self.outputs = int(weight.shape[1] if transposed else weight.shape[0])
+        if bias is not None:
+            self.bias = bias
+        self._ext = ext
+
+    @property
+    def weight(self) -> mx.array:
+        panels = self.weight_panels
+        return panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: self.outputs]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        bias = self.bias if "bias" in self else None
+        y: mx.array = self._ext.f32_matmul_panels(x, self.weight_panels, self.outputs, bias)
+        return y
+
+
+def _panel_twin(module: nn.Module, ext: Any) -> nn.Module:
+    transposed = isinstance(module, (TransposedEmbedding, TransposedLinear))
+    table: mx.array = module.weight_t if transposed else module.weight
+    if isinstance(module, (nn.Embedding, TransposedEmbedding)):
+        return PanelEmbedding(table, transposed, ext)
+    return PanelLinear(table, transposed, module.bias if "bias" in module else None, ext)
 
 
 _DENSE: dict[type, type[nn.Module]] = {
@@ -303,10 +369,48 @@ def _dense_float32(module: nn.Module) -> bool:
     return all(isinstance(v, mx.array) and v.dtype == mx.float32 for v in weights)
 
 
+def _is_head(name: str, module: nn.Module, tables_read: bool) -> bool:
+    """mlx-lm's `lm_head`, and embeddings (their `as_linear` is a tied output projection)
+    unless the model's code reads their table (`tables_read`)."""
+    if isinstance(module, (nn.Embedding, TransposedEmbedding)):
+        return not tables_read
+    return name.rpartition(".")[2] == "lm_head"
+
+
+@functools.cache
+def _module_reads_tables(module_name: str) -> bool:
+    """Whether a model module's code reads `<...>.embed_tokens.weight` as an attribute
+    (seed_oss, llama4_text and minicpm multiply by its transpose; gemma4_text takes its
+    norms), which a panel table would rebuild on every call. Sanitizers' string keys do
+    not count; a module whose source cannot be read counts as reading them."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module_name]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return True
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == "weight"
+        and isinstance(node.value, ast.Attribute) and node.value.attr == "embed_tokens"
+        for node in ast.walk(tree)
+    )  # fmt: skip
+
+
 def use_dense_kernel(model: nn.Module, ext: Any) -> int:
     """Swap every float32 linear / embedding of `model` (either layout) for its twin that
-    multiplies through `f32_matmul`; returns how many. Run after cpu_layout's transpose."""
+    multiplies through the kernel; returns how many. Embeddings and the output projection
+    are held as panels (`PanelEmbedding`, `PanelLinear`: any number of rows), the other
+    linears keep their arrays (`f32_matmul`: a few rows). Run after cpu_layout's
+    transpose. One matrix at a time is repacked and evaluated (the peak extra memory is
+    the largest one)."""
     targets = [(name, m) for name, m in model.named_modules() if name and _dense_float32(m)]
-    for name, module in targets:
-        model.update_modules(tree_unflatten([(name, _DENSE[type(module)](module, ext))]))
-    return len(targets)
+    tables_read = _module_reads_tables(type(model).__module__)
+    count = len(targets)
+    while targets:  # popped, so each repacked matrix is freed as we go
+        name, module = targets.pop()
+        if _is_head(name, module, tables_read):
+            twin = _panel_twin(module, ext)
+            mx.eval(twin.parameters())
+        else:
+            twin = _DENSE[type(module)](module, ext)
+        model.update_modules(tree_unflatten([(name, twin)]))
+        del module, twin
+    return count
