@@ -173,20 +173,21 @@ template <int V>
 void panel_rows(const Problem& p, const float* w, int64_t ldw, const float* after,
                 const float* pull, int n0) {
   static_assert(ROW_BLOCK == 2);
-  constexpr int GROUP = V / TALL_GROUPS;  // vectors per column group of a tall tile
-  const bool tall = V == PANEL_VECTORS && GROUP * TALL_GROUPS == V;
+  constexpr bool tall = V == PANEL_VECTORS;  // whole panels only
   const int tall_rows = tall ? p.M / TALL * TALL : 0;
   const int passes = tall_rows / TALL * TALL_GROUPS + (p.M - tall_rows + 1) / 2;
   Ahead ahead{after, pull, 0, passes};
   int pass = 0;
   auto pull_from = [&](int j) { return static_cast<int>(static_cast<int64_t>(j) * p.K / passes); };
-  if constexpr (GROUP >= 1 && GROUP * TALL_GROUPS == V) {
+  if constexpr (tall) {
+    constexpr int GROUP = V / TALL_GROUPS;  // vectors per column group of a tall tile
+    static_assert(GROUP * TALL_GROUPS == V);
     for (int m0 = 0; m0 < tall_rows; m0 += TALL) {
       for (int g = 0; g < TALL_GROUPS; ++g, ++pass) {
         const int offset = g * GROUP * LANES;
+        const float* next_group = g + 1 < TALL_GROUPS ? w + offset + GROUP * LANES : after;
         Ahead group = ahead;
-        group.after = g + 1 < TALL_GROUPS ? w + offset + GROUP * LANES : after;
-        if (after == nullptr) group.after = nullptr;
+        group.after = after == nullptr ? nullptr : next_group;
         group.pull_row = pull_from(pass);
         panel<TALL, GROUP>(p, m0, w + offset, ldw, group, n0 + offset);
       }
@@ -432,7 +433,7 @@ class F32Panels : public mx::Primitive {
     const int n0 = panel * F32_PANEL;
     const int width = std::min(F32_PANEL, N - n0);
     float* out = dst + static_cast<int64_t>(panel) * K * F32_PANEL;
-    std::fill(out, out + static_cast<int64_t>(K) * F32_PANEL, 0.0f);
+    if (width < F32_PANEL) std::fill(out, out + static_cast<int64_t>(K) * F32_PANEL, 0.0f);
     if (transposed) {
       for (int k = 0; k < K; ++k) {
         const float* row = src + static_cast<int64_t>(k) * N + n0;

@@ -294,56 +294,52 @@ class DenseTransposedEmbedding(TransposedEmbedding):
         return y
 
 
-class PanelEmbedding(nn.Module):
-    """A float32 embedding held as `f32_panels`' contiguous panels (one copy of the
-    table): lookups gather each id's column of its panel, and the tied output projection
-    (`as_linear`, the largest matmul of a small float32 model, at any number of rows)
-    streams the panels through `f32_matmul_panels`, never the BLAS, which would pack
-    the whole table again on every call."""
+class PanelTable(nn.Module):
+    """A float32 matrix of `n` output columns held as `f32_panels`' contiguous panels
+    (one copy), multiplying any number of rows through `f32_matmul_panels`, never the
+    BLAS, which would pack the whole table again on every call."""
 
     def __init__(self, table: mx.array, transposed: bool, ext: Any) -> None:
         super().__init__()
         self.weight_panels = ext.f32_panels(table, transposed)
-        self.rows = int(table.shape[1] if transposed else table.shape[0])
+        self.n = int(table.shape[1] if transposed else table.shape[0])
         self._ext = ext
 
     @property
     def weight(self) -> mx.array:
-        """The (N, K) table model code may read: lazy, so reading its shape costs nothing."""
+        """The (n, K) matrix model code may read: lazy, so reading its shape costs nothing."""
         panels = self.weight_panels
-        return panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: self.rows]
+        return panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: self.n]
+
+    def product(self, x: mx.array, bias: mx.array | None = None) -> mx.array:
+        y: mx.array = self._ext.f32_matmul_panels(x, self.weight_panels, self.n, bias)
+        return y
+
+
+class PanelEmbedding(PanelTable):
+    """A float32 embedding as panels: lookups gather each id's column of its panel, and
+    the tied output projection (`as_linear`, the largest matmul of a small float32
+    model) streams the panels."""
 
     def __call__(self, ids: mx.array) -> mx.array:
         width = self.weight_panels.shape[2]
         return self.weight_panels[ids // width, :, ids % width]
 
     def as_linear(self, x: mx.array) -> mx.array:
-        y: mx.array = self._ext.f32_matmul_panels(x, self.weight_panels, self.rows)
-        return y
+        return self.product(x)
 
 
-class PanelLinear(nn.Module):
-    """A float32 output projection (`lm_head`) held as `f32_panels`' panels, multiplying
-    any number of rows through `f32_matmul_panels` (PanelEmbedding's reasons)."""
+class PanelLinear(PanelTable):
+    """A float32 output projection (`lm_head`) as panels, its bias kept."""
 
     def __init__(self, weight: mx.array, transposed: bool, bias: mx.array | None,
                  ext: Any) -> None:  # fmt: skip
-        super().__init__()
-        self.weight_panels = ext.f32_panels(weight, transposed)
-        self.outputs = int(weight.shape[1] if transposed else weight.shape[0])
+        super().__init__(weight, transposed, ext)
         if bias is not None:
             self.bias = bias
-        self._ext = ext
-
-    @property
-    def weight(self) -> mx.array:
-        panels = self.weight_panels
-        return panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: self.outputs]
 
     def __call__(self, x: mx.array) -> mx.array:
-        bias = self.bias if "bias" in self else None
-        y: mx.array = self._ext.f32_matmul_panels(x, self.weight_panels, self.outputs, bias)
-        return y
+        return self.product(x, self.bias if "bias" in self else None)
 
 
 def _panel_twin(module: nn.Module, ext: Any) -> nn.Module:
