@@ -864,35 +864,22 @@ __attribute__((always_inline)) inline void finish(const Problem& p, const IntX& 
       }
     }
   }
-  if constexpr (NT == 2 && MT >= 2 && MT <= 8) {
-    // As below for a tile of up to 8 x 2: output (i, j) at lane 2i + j, so each row's
-    // two outputs are adjacent (lane 4k + t sums v[4t + k]: i = 2k + t / 2, j = t % 2).
-    __m512 v[16];
-    PIPESERVE_UNROLL
-    for (int k = 0; k < 16; ++k) v[k] = _mm512_set1_ps(-0.0f);  // x + -0 == x, exactly
-    PIPESERVE_UNROLL
-    for (int i = 0; i < MT; ++i)
-      PIPESERVE_UNROLL
-      for (int j = 0; j < NT; ++j) v[4 * (2 * (i % 2) + j) + i / 2] = acc[i][j];
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, reduce_sixteen(v));
-    for (int i = 0; i < MT; ++i) {
-      std::memcpy(p.out + static_cast<size_t>(m0 + i) * p.N + n0, sums + 2 * i, 2 * sizeof(float));
-    }
-  } else if constexpr (MT >= 2 && NT == 4) {
+  if constexpr (MT >= 2 && ((NT == 2 && MT <= 8) || NT == 4)) {
     // All the tile's outputs at once: 45 shuffles and adds for 16 accumulators instead
-    // of 8 per accumulator; lane 4i + j is output (i, j).
+    // of 8 per accumulator. reduce_sixteen sums slot 4j + i into lane 4i + j; each
+    // output goes to the slot that puts row i's NT outputs side by side at lane NT i + j
+    // (4 x 4: slot 4j + i; up to 8 x 2: slot 4 (2 (i % 2) + j) + i / 2).
     __m512 v[16];
     PIPESERVE_UNROLL
     for (int k = 0; k < 16; ++k) v[k] = _mm512_set1_ps(-0.0f);  // x + -0 == x, exactly
     PIPESERVE_UNROLL
     for (int i = 0; i < MT; ++i)
       PIPESERVE_UNROLL
-      for (int j = 0; j < NT; ++j) v[4 * j + i] = acc[i][j];
+      for (int j = 0; j < NT; ++j) v[NT == 4 ? 4 * j + i : 4 * (2 * (i % 2) + j) + i / 2] = acc[i][j];
     alignas(64) float sums[16];
     _mm512_store_ps(sums, reduce_sixteen(v));
     for (int i = 0; i < MT; ++i) {
-      std::memcpy(p.out + static_cast<size_t>(m0 + i) * p.N + n0, sums + 4 * i, 4 * sizeof(float));
+      std::memcpy(p.out + static_cast<size_t>(m0 + i) * p.N + n0, sums + NT * i, NT * sizeof(float));
     }
   } else {
     for (int i = 0; i < MT; ++i)
